@@ -1,0 +1,129 @@
+"""Configuration of roformer_hf models."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from transformers import PreTrainedConfig
+
+ROTARY_LAYOUTS = ("interleaved", "half")
+NORM_POSITIONS = ("post", "pre")
+TRANSFORMERS_MODEL_TYPE = "roformer"  # transformers' own RoFormer, whose checkpoints we load
+
+# Every Auto class a saved folder can be loaded with through `trust_remote_code=True`; written into
+# config.json on save (see `RoFormerPreTrainedModel.save_pretrained`).
+AUTO_MAP = {
+    "AutoConfig": "configuration.RoFormerConfig",
+    "AutoModel": "modeling.RoFormerModel",
+    "AutoModelForMaskedLM": "modeling.RoFormerForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling.RoFormerForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling.RoFormerForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling.RoFormerForQuestionAnswering",
+    "AutoModelForMultipleChoice": "modeling.RoFormerForMultipleChoice",
+}
+
+
+class RoFormerConfig(PreTrainedConfig):
+    r"""Configuration of a RoFormer encoder: a BERT-style encoder whose attention rotates queries and keys by
+    their position (rotary position embeddings, RoPE) instead of adding absolute position embeddings.
+
+    It accepts every field of transformers' `RoFormerConfig`, so the `config.json` of a published RoFormer
+    checkpoint loads unchanged, and adds:
+
+    - `rope_theta`: the base of the rotary frequencies, theta_i = rope_theta ** (-2i / head_dim).
+    - `rotary_layout`: which dimensions rotate together. `"interleaved"` pairs (2i, 2i+1), the layout of
+      RoFormer and of its published checkpoints; `"half"` pairs (i, i + head_dim/2), the "rotate-half" layout of
+      GPT-NeoX, Llama-HF and ModernBERT.
+    - `norm_position`: `"post"` puts the LayerNorm after each residual add (RoFormer/BERT); `"pre"` puts it
+      before each sublayer and adds a final LayerNorm.
+    - `unpad_inputs`: run every token-wise layer on the real tokens only when the batch is padded (faster,
+      same results); `False` keeps padded tensors and masks the padding in attention.
+
+    Positions are encoded from `position_ids` on the fly, so `max_position_embeddings` does not cap the sequence
+    length. It is kept as metadata: the longest sequence the model was trained on, which tokenizers and
+    pipelines use as their default truncation length.
+
+    Example:
+
+    ```python
+    >>> from roformer_hf import RoFormerConfig, RoFormerModel
+    >>> config = RoFormerConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    ...                         intermediate_size=128)
+    >>> model = RoFormerModel(config)
+    >>> config.head_dim
+    16
+    ```
+    """
+
+    model_type = "roformer_hf"
+
+    vocab_size: int = 50000
+    embedding_size: int | None = None
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 1536
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int | None = 0
+    rotary_value: bool = False
+    tie_word_embeddings: bool = True
+    classifier_dropout: float | None = None
+    rope_theta: float = 10000.0
+    rotary_layout: Literal["interleaved", "half"] = "interleaved"
+    norm_position: Literal["post", "pre"] = "post"
+    unpad_inputs: bool = True
+
+    def __post_init__(self, **kwargs):
+        if self.embedding_size is None:
+            self.embedding_size = self.hidden_size
+        # transformers' RoFormer configs carry decoder-only switches this encoder does not implement.
+        for unsupported in ("is_decoder", "add_cross_attention"):
+            if kwargs.pop(unsupported, False):
+                raise ValueError(f"{unsupported}=True is not supported: roformer_hf builds bidirectional encoders")
+        kwargs.pop("use_cache", None)
+        super().__post_init__(**kwargs)
+        self._check()
+
+    def _check(self) -> None:
+        def fail(name: str, expected: str) -> None:
+            raise ValueError(f"RoFormerConfig.{name}={getattr(self, name)!r}: expected {expected}")
+
+        for name in ("vocab_size", "embedding_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "type_vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                fail(name, "a positive integer")
+        if self.hidden_size % self.num_attention_heads:
+            fail("num_attention_heads", f"a divisor of hidden_size={self.hidden_size}")
+        if self.head_dim % 2:
+            fail("num_attention_heads", f"a value giving an even head dimension (hidden_size / heads = {self.head_dim})")
+        if self.rotary_layout not in ROTARY_LAYOUTS:
+            fail("rotary_layout", f"one of {ROTARY_LAYOUTS}")
+        if self.norm_position not in NORM_POSITIONS:
+            fail("norm_position", f"one of {NORM_POSITIONS}")
+        if not self.rope_theta > 0:
+            fail("rope_theta", "a number > 0")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                fail(name, "a probability in [0, 1]")
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type") == TRANSFORMERS_MODEL_TYPE:
+            # A checkpoint of transformers' RoFormer: its fields are a subset of ours, with the same meaning.
+            config_dict = {**config_dict, "model_type": cls.model_type}
+        return config_dict, kwargs
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+__all__ = ["RoFormerConfig"]

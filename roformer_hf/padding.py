@@ -1,0 +1,76 @@
+"""Skipping padding: every token-wise layer runs on the real tokens only.
+
+A padded batch ``(B, L, ...)`` with an attention mask becomes ``(N, ...)``, the ``N`` real tokens side by side.
+Projections, the feed-forward, LayerNorms and the MLM head are token-wise, so they run on the packed tokens
+unchanged and spend nothing on padding. Only attention needs the sequences apart: it scatters its packed
+queries, keys and values back to ``(B, L, ...)`` (or hands flash-attn the sequence boundaries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PackedBatch:
+    """Where the real tokens of a padded batch sit.
+
+    Attributes:
+        batch_size, seq_len: ``B`` and ``L`` of the padded batch.
+        indices: ``(N,)`` flat positions (in ``B * L``) of the real tokens, or ``None`` when nothing is padded
+            and tensors keep their ``(B, L, ...)`` shape.
+        key_mask: ``(B, 1, 1, L)`` boolean, True where a key may be attended to; ``None`` without padding.
+        cu_seqlens: ``(B + 1,)`` int32 offsets of each sequence among the packed tokens (flash-attn varlen).
+        max_seqlen: the longest sequence.
+    """
+
+    batch_size: int
+    seq_len: int
+    indices: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+
+    @classmethod
+    def from_attention_mask(
+        cls, attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, unpad: bool = True
+    ) -> PackedBatch:
+        """Builds the layout of a ``(B, L)`` mask (1 = real token, 0 = padding); ``None`` means no padding.
+
+        With ``unpad=False`` tensors stay padded and attention masks the padding instead.
+        """
+        if attention_mask is None:
+            return cls(batch_size, seq_len)
+        mask = attention_mask.bool()
+        if bool(mask.all()):  # the one host sync of a forward: decides the layout
+            return cls(batch_size, seq_len)
+        # A fully padded row would leave softmax nothing to normalise (NaN); let it see its first (zero) key.
+        key_mask = mask.clone()
+        key_mask[:, 0] |= ~mask.any(dim=-1)
+        key_mask = key_mask[:, None, None, :]
+        if not unpad:
+            return cls(batch_size, seq_len, key_mask=key_mask)
+        lengths = mask.sum(dim=-1, dtype=torch.int32)
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        indices = mask.flatten().nonzero().squeeze(-1)
+        return cls(batch_size, seq_len, indices, key_mask, cu_seqlens, int(lengths.max()))
+
+    @property
+    def is_packed(self) -> bool:
+        return self.indices is not None
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, L, ...)`` -> ``(N, ...)``; unchanged when nothing is padded."""
+        if self.indices is None:
+            return x
+        return x.flatten(0, 1).index_select(0, self.indices)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """``(N, ...)`` -> ``(B, L, ...)`` with zeros at the padding; unchanged when nothing is padded."""
+        if self.indices is None:
+            return x
+        padded = x.new_zeros(self.batch_size * self.seq_len, *x.shape[1:])
+        padded = padded.index_copy(0, self.indices, x)
+        return padded.view(self.batch_size, self.seq_len, *x.shape[1:])
