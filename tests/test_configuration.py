@@ -1,0 +1,64 @@
+"""RoFormerConfig: defaults, validation, and reading transformers' RoFormer configs."""
+
+import json
+
+import pytest
+import transformers
+
+import roformer_hf
+from roformer_hf import RoFormerConfig
+
+
+def test_defaults_match_transformers_roformer():
+    ours, theirs = RoFormerConfig(), transformers.RoFormerConfig()
+    for field in ("vocab_size", "embedding_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size", "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                  "max_position_embeddings", "type_vocab_size", "initializer_range", "layer_norm_eps",
+                  "pad_token_id", "rotary_value", "tie_word_embeddings"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert (ours.rope_theta, ours.rotary_layout, ours.norm_position) == (10000.0, "interleaved", "post")
+    assert ours.model_type == "roformer_hf"
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(hidden_size=64, num_attention_heads=5), "num_attention_heads"),
+        (dict(hidden_size=12, num_attention_heads=4), "num_attention_heads"),  # head_dim 3 is odd
+        (dict(rotary_layout="rotate"), "rotary_layout"),
+        (dict(norm_position="middle"), "norm_position"),
+        (dict(rope_theta=0.0), "rope_theta"),
+        (dict(rope_theta=-5.0), "rope_theta"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(hidden_dropout_prob=1.5), "hidden_dropout_prob"),
+    ],
+)
+def test_invalid_values_fail_at_construction_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        RoFormerConfig(**kwargs)
+
+
+def test_transformers_roformer_config_json_loads(tmp_path):
+    transformers.RoFormerConfig(vocab_size=123, hidden_size=64, embedding_size=32, num_attention_heads=4,
+                                rotary_value=True).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "roformer"
+    config = RoFormerConfig.from_pretrained(tmp_path)
+    assert (config.vocab_size, config.hidden_size, config.embedding_size, config.rotary_value) == (123, 64, 32, True)
+    assert config.model_type == "roformer_hf"
+
+
+def test_round_trip_keeps_new_fields(tmp_path):
+    RoFormerConfig(rope_theta=1e6, rotary_layout="half", norm_position="pre").save_pretrained(tmp_path)
+    config = RoFormerConfig.from_pretrained(tmp_path)
+    assert (config.rope_theta, config.rotary_layout, config.norm_position) == (1e6, "half", "pre")
+
+
+def test_auto_config_is_registered_and_roformer_is_untouched():
+    assert isinstance(transformers.AutoConfig.for_model("roformer_hf"), RoFormerConfig)
+    assert type(transformers.AutoConfig.for_model("roformer")) is transformers.RoFormerConfig
+    assert roformer_hf.RoFormerConfig is RoFormerConfig
+
+
+def test_decoder_switches_are_refused():
+    with pytest.raises(ValueError, match="is_decoder"):
+        RoFormerConfig(is_decoder=True)

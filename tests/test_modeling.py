@@ -1,0 +1,352 @@
+"""RoFormer models against transformers' RoFormer on the same weights, and their invariances."""
+
+import pytest
+import torch
+import transformers
+from helpers import padded_batch, reference_and_ours, tiny_config
+
+import roformer_hf
+from roformer_hf import (
+    RoFormerForMaskedLM,
+    RoFormerForMultipleChoice,
+    RoFormerForQuestionAnswering,
+    RoFormerForSequenceClassification,
+    RoFormerForTokenClassification,
+    RoFormerModel,
+)
+from roformer_hf.rotary import interleaved_to_half_permutation
+
+LENGTHS = [20, 13, 7, 1]
+
+
+def max_diff_on_real_tokens(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return (a - b).abs()[mask.bool()].max().item()
+
+
+@pytest.mark.parametrize("head", ["RoFormerModel", "RoFormerForMaskedLM", "RoFormerForTokenClassification"])
+@pytest.mark.parametrize("variant", [{}, {"embedding_size": 24}, {"rotary_value": True}])
+def test_token_outputs_match_transformers(tmp_path, head, variant):
+    reference, ours = reference_and_ours(head, tmp_path, **variant)
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        expected, actual = reference(ids, attention_mask=mask)[0], ours(ids, attention_mask=mask)[0]
+    assert actual.shape == expected.shape
+    assert max_diff_on_real_tokens(actual, expected, mask) < 1e-5
+
+
+@pytest.mark.parametrize("variant", [{}, {"embedding_size": 24}, {"rotary_value": True}])
+def test_sequence_classification_matches_transformers(tmp_path, variant):
+    reference, ours = reference_and_ours("RoFormerForSequenceClassification", tmp_path, num_labels=3, **variant)
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, attention_mask=mask).logits,
+                                   reference(ids, attention_mask=mask).logits, atol=1e-5, rtol=0)
+
+
+def test_question_answering_matches_transformers_on_real_tokens(tmp_path):
+    reference, ours = reference_and_ours("RoFormerForQuestionAnswering", tmp_path)
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        expected, actual = reference(ids, attention_mask=mask), ours(ids, attention_mask=mask)
+    for field in ("start_logits", "end_logits"):
+        assert max_diff_on_real_tokens(actual[field], expected[field], mask) < 1e-5
+    assert (actual.start_logits[mask == 0] < -1e30).all()  # padding can never be a span boundary
+
+
+def test_inputs_longer_than_max_position_embeddings(tmp_path):
+    """The checkpoint has a 64-row table; compare 150 tokens with transformers' model given a 256-row table."""
+    reference, ours = reference_and_ours("RoFormerForMaskedLM", tmp_path)
+    with pytest.raises(IndexError):  # transformers' RoFormer cannot run past its table
+        reference(torch.ones(1, 150, dtype=torch.long))
+    longer = transformers.RoFormerForMaskedLM(transformers.RoFormerConfig.from_pretrained(
+        tmp_path, max_position_embeddings=256)).eval()
+    missing, unexpected = longer.load_state_dict(
+        {k: v for k, v in reference.state_dict().items() if "embed_positions" not in k}, strict=False)
+    assert missing == ["roformer.encoder.embed_positions.weight"] and not unexpected
+    ids, mask = padded_batch([150, 90])
+    with torch.no_grad():
+        expected, actual = longer(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert max_diff_on_real_tokens(actual, expected, mask) < 1e-5
+
+
+def test_importing_roformer_hf_leaves_transformers_roformer_alone():
+    config = transformers.RoFormerConfig(**{k: v for k, v in tiny_config().to_dict().items()
+                                            if k in transformers.RoFormerConfig().to_dict()})
+    assert type(transformers.AutoModel.from_config(config)) is transformers.RoFormerModel
+    assert type(transformers.AutoModelForMaskedLM.from_config(tiny_config())) is RoFormerForMaskedLM
+
+
+@pytest.mark.parametrize("auto, expected", [
+    (transformers.AutoModel, RoFormerModel),
+    (transformers.AutoModelForMaskedLM, RoFormerForMaskedLM),
+    (transformers.AutoModelForSequenceClassification, RoFormerForSequenceClassification),
+    (transformers.AutoModelForTokenClassification, RoFormerForTokenClassification),
+    (transformers.AutoModelForQuestionAnswering, RoFormerForQuestionAnswering),
+    (transformers.AutoModelForMultipleChoice, RoFormerForMultipleChoice),
+])
+def test_auto_classes_build_and_load_our_models(tmp_path, auto, expected):
+    model = auto.from_config(tiny_config())
+    assert type(model) is expected
+    model.save_pretrained(tmp_path)
+    assert type(auto.from_pretrained(tmp_path)) is expected
+
+
+def _model(cls=RoFormerForMaskedLM, **overrides):
+    torch.manual_seed(0)
+    return cls(tiny_config(**overrides)).eval()
+
+
+def _sharpen(model):
+    """Random init leaves attention nearly uniform, hiding position effects; scale q and k to make it peaky."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".attention.self.query." in name or ".attention.self.key." in name:
+                param.mul_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_eager_and_sdpa_agree(norm_position):
+    model = _model(norm_position=norm_position)
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        sdpa = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation("eager")
+        eager = model(ids, attention_mask=mask).logits
+    assert max_diff_on_real_tokens(sdpa, eager, mask) < 1e-5
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_padded_and_unpadded_paths_agree(implementation):
+    model = _model(attn_implementation=implementation)
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        unpadded = model(ids, attention_mask=mask).logits
+        model.config.unpad_inputs = False
+        padded = model(ids, attention_mask=mask).logits
+    assert max_diff_on_real_tokens(unpadded, padded, mask) < 1e-5
+
+
+@pytest.mark.parametrize("left", [False, True])
+@pytest.mark.parametrize("unpad", [True, False])
+def test_sequence_alone_equals_sequence_in_padded_batch(left, unpad):
+    model = _sharpen(_model(RoFormerModel, unpad_inputs=unpad))
+    ids, mask = padded_batch(LENGTHS, left=left)
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask).last_hidden_state
+        for row in range(len(LENGTHS)):
+            keep = mask[row].bool()
+            # Left padding shifts token positions; give the lone sequence the same position ids.
+            positions = (torch.arange(ids.shape[1])[keep] if left else None)
+            alone = model(ids[row, keep][None], position_ids=positions).last_hidden_state[0]
+            torch.testing.assert_close(batched[row, keep], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_shifting_all_positions_leaves_outputs_unchanged():
+    model = _sharpen(_model(RoFormerModel))
+    ids, mask = padded_batch(LENGTHS)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        base = model(ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        shifted = model(ids, attention_mask=mask, position_ids=positions + 1000).last_hidden_state
+        default = model(ids, attention_mask=mask).last_hidden_state
+        reversed_order = model(ids, attention_mask=mask, position_ids=positions.flip(-1)).last_hidden_state
+    assert max_diff_on_real_tokens(shifted, base, mask) < 1e-5
+    assert max_diff_on_real_tokens(default, base, mask) == 0.0
+    assert max_diff_on_real_tokens(reversed_order, base, mask) > 1e-3  # positions really matter
+
+
+def test_half_layout_equals_interleaved_after_permuting_qk_rows():
+    interleaved = _sharpen(_model(RoFormerModel))
+    half = _model(RoFormerModel, rotary_layout="half")
+    state = interleaved.state_dict()
+    heads, d = interleaved.config.num_attention_heads, interleaved.config.head_dim
+    perm = torch.cat([h * d + interleaved_to_half_permutation(d) for h in range(heads)])
+    for name in list(state):
+        if name.endswith(("attention.self.query.weight", "attention.self.query.bias",
+                          "attention.self.key.weight", "attention.self.key.bias")):
+            state[name] = state[name][perm]
+    half.load_state_dict(state)
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        a = interleaved(ids, attention_mask=mask).last_hidden_state
+        b = half(ids, attention_mask=mask).last_hidden_state
+        unpermuted = _model(RoFormerModel, rotary_layout="half")
+        unpermuted.load_state_dict(interleaved.state_dict())
+        c = unpermuted(ids, attention_mask=mask).last_hidden_state
+    assert max_diff_on_real_tokens(a, b, mask) < 1e-5
+    assert max_diff_on_real_tokens(a, c, mask) > 1e-3
+
+
+def test_save_load_is_bit_exact(tmp_path):
+    model = _model(norm_position="pre", rope_theta=1e6, embedding_size=24)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("*.bin"))
+    loaded = RoFormerForMaskedLM.from_pretrained(tmp_path).eval()
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask).logits, loaded(ids, attention_mask=mask).logits)
+
+
+def test_mlm_decoder_is_tied_to_word_embeddings(tmp_path):
+    model = _model()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    model.save_pretrained(tmp_path)
+    loaded = RoFormerForMaskedLM.from_pretrained(tmp_path)
+    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+
+
+def _grads(model, ids, mask, labels):
+    model.zero_grad()
+    model(ids, attention_mask=mask, labels=labels).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = _model()
+    model.train()  # dropout is 0 in the tiny config, so train mode is deterministic
+    ids, mask = padded_batch(LENGTHS)
+    labels = ids.masked_fill(mask == 0, -100)
+    plain = _grads(model, ids, mask, labels)
+    model.activation_checkpointing_enable()
+    assert model.roformer.encoder.layer[0].gradient_checkpointing
+    checkpointed = _grads(model, ids, mask, labels)
+    assert plain.keys() == checkpointed.keys() and len(plain) > 10
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5)
+
+
+def _labels(cls, config, ids, mask):
+    batch = ids.shape[0]
+    if cls is RoFormerForMaskedLM:
+        return {"labels": ids.masked_fill(mask == 0, -100)}
+    if cls is RoFormerForSequenceClassification:
+        return {"labels": torch.tensor([0, 2, 1, 1])}
+    if cls is RoFormerForTokenClassification:
+        return {"labels": (ids % config.num_labels).masked_fill(mask == 0, -100)}
+    if cls is RoFormerForQuestionAnswering:
+        return {"start_positions": torch.tensor([1, 2, 0, 0]), "end_positions": torch.tensor([5, 4, 3, 0])}
+    raise AssertionError(cls)
+
+
+@pytest.mark.parametrize("cls", [RoFormerForMaskedLM, RoFormerForSequenceClassification,
+                                 RoFormerForTokenClassification, RoFormerForQuestionAnswering])
+def test_every_head_trains(cls):
+    model = _model(cls, num_labels=3)
+    model.train()
+    ids, mask = padded_batch(LENGTHS)
+    out = model(ids, attention_mask=mask, **_labels(cls, model.config, ids, mask))
+    assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+    out.loss.backward()
+    embedding_grad = model.roformer.embeddings.word_embeddings.weight.grad
+    assert embedding_grad is not None and embedding_grad.abs().sum() > 0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_multiple_choice_shapes_and_loss():
+    model = _model(RoFormerForMultipleChoice)
+    ids, mask = padded_batch([9, 6, 4, 8, 3, 9])
+    ids, mask = ids.view(2, 3, -1), mask.view(2, 3, -1)
+    out = model(ids, attention_mask=mask, labels=torch.tensor([0, 2]))
+    assert out.logits.shape == (2, 3)
+    out.loss.backward()
+    # Each choice is scored on its own: the score of one choice equals that choice run alone.
+    with torch.no_grad():
+        alone = model(ids[1:2, 1:2, :3], attention_mask=mask[1:2, 1:2, :3]).logits  # that choice has 3 tokens
+    torch.testing.assert_close(alone[0, 0], out.logits[1, 1].detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_classification_problem_types():
+    ids, mask = padded_batch(LENGTHS)
+    regression = _model(RoFormerForSequenceClassification, num_labels=1)
+    target = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    out = regression(ids, attention_mask=mask, labels=target)
+    assert regression.config.problem_type == "regression"
+    torch.testing.assert_close(out.loss, torch.nn.functional.mse_loss(out.logits.squeeze(-1), target))
+
+    single = _model(RoFormerForSequenceClassification, num_labels=3)
+    target = torch.tensor([0, 2, 1, 1])
+    out = single(ids, attention_mask=mask, labels=target)
+    assert single.config.problem_type == "single_label_classification"
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, target))
+
+    multi = _model(RoFormerForSequenceClassification, num_labels=3)
+    target = torch.tensor([[1.0, 0, 1], [0, 0, 1], [1, 1, 1], [0, 0, 0]])
+    out = multi(ids, attention_mask=mask, labels=target)
+    assert multi.config.problem_type == "multi_label_classification"
+    torch.testing.assert_close(out.loss, torch.nn.functional.binary_cross_entropy_with_logits(out.logits, target))
+
+
+def test_mlm_loss_ignores_minus_100_and_matches_cross_entropy():
+    model = _model()
+    ids, mask = padded_batch(LENGTHS)
+    labels = torch.full_like(ids, -100)
+    labels[0, 3], labels[1, 5], labels[2, 0] = 11, 42, 7
+    out = model(ids, attention_mask=mask, labels=labels)
+    expected = torch.nn.functional.cross_entropy(out.logits.view(-1, model.config.vocab_size), labels.view(-1))
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_hidden_states_attentions_and_tuples():
+    model = _model(attn_implementation="sdpa")
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+        as_tuple = model(ids, attention_mask=mask, return_dict=False)
+    layers, batch, length = model.config.num_hidden_layers, len(LENGTHS), ids.shape[1]
+    assert len(out.hidden_states) == layers + 1
+    assert all(h.shape == (batch, length, model.config.hidden_size) for h in out.hidden_states)
+    assert len(out.attentions) == layers
+    weights = out.attentions[0]
+    assert weights.shape == (batch, model.config.num_attention_heads, length, length)
+    torch.testing.assert_close(weights.sum(-1)[:, :, 0], torch.ones(batch, model.config.num_attention_heads))
+    assert (weights[1, :, :, LENGTHS[1]:] == 0).all()  # nobody attends to padding
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == 1  # logits only: no loss, no extras asked for
+    assert max_diff_on_real_tokens(as_tuple[0], out.logits, mask) < 1e-5  # sdpa vs the eager weights path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("unpad", [True, False])
+def test_fully_padded_row_stays_finite(dtype, implementation, unpad):
+    model = _model(attn_implementation=implementation, unpad_inputs=unpad).to(dtype)
+    ids, mask = padded_batch([6, 4, 1])
+    mask[2] = 0
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_model_runs_far_past_max_position_embeddings():
+    model = _model(RoFormerModel, max_position_embeddings=16)
+    with torch.no_grad():
+        out = model(torch.randint(1, 97, (1, 300))).last_hidden_state
+    assert out.shape == (1, 300, 32) and torch.isfinite(out).all()
+
+
+def test_inputs_embeds_equal_input_ids():
+    model = _model(RoFormerModel)
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        from_ids = model(ids, attention_mask=mask).last_hidden_state
+        from_embeds = model(inputs_embeds=model.get_input_embeddings()(ids), attention_mask=mask).last_hidden_state
+    assert torch.equal(from_ids, from_embeds)
+
+
+def test_token_type_ids_change_the_output():
+    model = _model(RoFormerModel)
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        a = model(ids, attention_mask=mask).last_hidden_state
+        b = model(ids, attention_mask=mask, token_type_ids=torch.ones_like(ids)).last_hidden_state
+    assert max_diff_on_real_tokens(a, b, mask) > 1e-3
+
+
+def test_public_api():
+    for name in ["RoFormerConfig", "RoFormerPreTrainedModel", "RoFormerModel", "RoFormerForMaskedLM",
+                 "RoFormerForSequenceClassification", "RoFormerForTokenClassification",
+                 "RoFormerForQuestionAnswering", "RoFormerForMultipleChoice"]:
+        assert name in roformer_hf.__all__ and hasattr(roformer_hf, name)

@@ -1,0 +1,51 @@
+"""Saved folders load with trust_remote_code=True in a process where roformer_hf is not installed."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+from helpers import BLOCK_ROFORMER_HF, PYTHON, padded_batch, tiny_config
+
+from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification, RoFormerForTokenClassification
+from roformer_hf.configuration import AUTO_MAP
+
+LOAD_AND_RUN = BLOCK_ROFORMER_HF + """
+import json, sys, torch, transformers
+auto = getattr(transformers, sys.argv[2])
+model = auto.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+ids, mask = (torch.tensor(t) for t in json.loads(sys.argv[3]))
+with torch.no_grad():
+    out = model(ids, attention_mask=mask)[0]
+print(json.dumps({"module": type(model).__module__, "output": out.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("cls, auto", [
+    (RoFormerForSequenceClassification, "AutoModelForSequenceClassification"),
+    (RoFormerForMaskedLM, "AutoModelForMaskedLM"),
+    (RoFormerForTokenClassification, "AutoModelForTokenClassification"),
+])
+def test_remote_code_loading_without_the_package(tmp_path, cls, auto):
+    torch.manual_seed(0)
+    model = cls(tiny_config(num_labels=3, norm_position="pre", rotary_layout="half")).eval()
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP
+    for code_file in ("configuration.py", "modeling.py", "rotary.py", "padding.py"):
+        assert (tmp_path / code_file).exists(), code_file
+
+    ids, mask = padded_batch([7, 4])
+    result = subprocess.run([PYTHON, "-c", LOAD_AND_RUN, str(tmp_path), auto, json.dumps([ids.tolist(), mask.tolist()])],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    remote = json.loads(result.stdout.strip().splitlines()[-1])
+    assert remote["module"].startswith("transformers_modules.")  # really the copied code, not the package
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask)[0]
+    torch.testing.assert_close(torch.tensor(remote["output"]), expected, atol=1e-6, rtol=0)
+
+
+def test_block_really_hides_the_package():
+    result = subprocess.run([PYTHON, "-c", BLOCK_ROFORMER_HF + "import roformer_hf"], capture_output=True, text=True)
+    assert result.returncode != 0 and "roformer_hf is blocked" in result.stderr
