@@ -31,6 +31,7 @@ from transformers.utils import logging
 from .configuration import AUTO_MAP, RoFormerConfig
 from .padding import PackedBatch
 from .rotary import apply_rotary, rotary_cos_sin
+from .validation import check_encoder_inputs, check_range
 
 logger = logging.get_logger(__name__)
 
@@ -300,8 +301,7 @@ class RoFormerModel(RoFormerPreTrainedModel):
         output_hidden_states: bool | None = None,
     ) -> EncoderOutput:
         """Runs the encoder and keeps the result packed (padding skipped), for the heads to consume."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        check_encoder_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         batch_size, seq_len = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
@@ -434,6 +434,7 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
         logits = self.cls.predictions(encoded.last_hidden_state)  # (*T, V), real tokens only
         loss = None
         if labels is not None:
+            check_range("labels", labels, self.config.vocab_size, allowed=-100)
             loss = self.loss_function(logits, encoded.batch.pack(labels), vocab_size=self.config.vocab_size,
                                       **kwargs)
         return self._finish(MaskedLMOutput, encoded, return_dict, loss=loss, logits=encoded.batch.unpack(logits))
@@ -478,7 +479,11 @@ class RoFormerForSequenceClassification(RoFormerHeadModel):
         encoded = self.roformer.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                        output_attentions, output_hidden_states)
         logits = self.classifier(first_tokens(encoded))
-        loss = None if labels is None else self.loss_function(labels, logits, self.config)
+        loss = None
+        if labels is not None:
+            if not labels.is_floating_point():
+                check_range("labels", labels, self.num_labels)
+            loss = self.loss_function(labels, logits, self.config)
         return self._finish(SequenceClassifierOutput, encoded, return_dict, loss=loss, logits=logits)
 
 
@@ -500,6 +505,7 @@ class RoFormerForTokenClassification(RoFormerHeadModel):
         logits = self.classifier(self.dropout(encoded.last_hidden_state))  # (*T, num_labels)
         loss = None
         if labels is not None:
+            check_range("labels", labels, self.num_labels, allowed=-100)
             loss = self.loss_function(logits, encoded.batch.pack(labels), self.config)
         return self._finish(TokenClassifierOutput, encoded, return_dict, loss=loss,
                             logits=encoded.batch.unpack(logits))
@@ -556,7 +562,10 @@ class RoFormerForMultipleChoice(RoFormerHeadModel):
                                        flat(position_ids, 1), flat(inputs_embeds, 2), output_attentions,
                                        output_hidden_states)
         logits = self.classifier(self.dropout(first_tokens(encoded))).view(-1, num_choices)
-        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        loss = None
+        if labels is not None:
+            check_range("labels", labels, num_choices)
+            loss = nn.functional.cross_entropy(logits, labels)
         return self._finish(MultipleChoiceModelOutput, encoded, return_dict, loss=loss, logits=logits)
 
 

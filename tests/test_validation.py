@@ -1,0 +1,69 @@
+"""Bad input fails early with a ValueError naming the argument, what it got and what was expected."""
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from roformer_hf import (
+    RoFormerForMaskedLM,
+    RoFormerForMultipleChoice,
+    RoFormerForSequenceClassification,
+    RoFormerForTokenClassification,
+    RoFormerModel,
+)
+
+IDS = torch.tensor([[2, 5, 7, 3], [2, 9, 3, 0]])
+MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return RoFormerModel(tiny_config()).eval()
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(input_ids=torch.tensor([[2, 97]])), r"input_ids contains 97; expected values in \[0, 97\)"),
+    (dict(input_ids=torch.tensor([[-1, 3]])), r"input_ids contains -1"),
+    (dict(input_ids=IDS.float()), r"input_ids has dtype torch.float32; expected an integer"),
+    (dict(input_ids=torch.tensor([2, 5, 7])), r"input_ids has shape \(3,\); expected \(batch_size, seq_len\)"),
+    (dict(input_ids=IDS, attention_mask=MASK[:, :3]), r"attention_mask has shape \(2, 3\); expected \(2, 4\)"),
+    (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 5, dtype=torch.long)), r"token_type_ids has shape"),
+    (dict(input_ids=IDS, token_type_ids=torch.full((2, 4), 2)), r"token_type_ids contains 2; expected values in \[0, 2\)"),
+    (dict(input_ids=IDS, position_ids=torch.arange(5)), r"position_ids has shape \(5,\)"),
+    (dict(input_ids=IDS, position_ids=torch.tensor([0, 1, -2, 3])), r"position_ids contains -2"),
+    (dict(input_ids=IDS, inputs_embeds=torch.zeros(2, 4, 32)), r"exactly one of input_ids or inputs_embeds \(got both\)"),
+    (dict(), r"\(got neither\)"),
+    (dict(inputs_embeds=torch.zeros(2, 4, 31)), r"inputs_embeds has shape \(2, 4, 31\); expected \(batch_size, seq_len, 32\)"),
+])
+def test_encoder_inputs(model, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        model(**kwargs)
+
+
+def test_valid_position_id_shapes_are_accepted(model):
+    with torch.no_grad():
+        a = model(IDS, attention_mask=MASK).last_hidden_state
+        b = model(IDS, attention_mask=MASK, position_ids=torch.arange(4)).last_hidden_state
+        c = model(IDS, attention_mask=MASK, position_ids=torch.arange(4)[None]).last_hidden_state
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("cls, labels, pattern", [
+    (RoFormerForMaskedLM, torch.tensor([[-100, 4, 97, -100], [-100] * 4]), r"labels contains 97; expected values in \[0, 97\) or -100"),
+    (RoFormerForMaskedLM, torch.tensor([[-100, 4, -5, -100], [-100] * 4]), r"labels contains -5"),
+    (RoFormerForSequenceClassification, torch.tensor([0, 3]), r"labels contains 3; expected values in \[0, 3\)"),
+    (RoFormerForTokenClassification, torch.tensor([[0, 1, 2, 3], [0, 0, 0, -100]]), r"labels contains 3"),
+])
+def test_labels_out_of_range(cls, labels, pattern):
+    model = cls(tiny_config(num_labels=3))
+    with pytest.raises(ValueError, match=pattern):
+        model(IDS, attention_mask=MASK, labels=labels)
+
+
+def test_multiple_choice_labels_and_shape():
+    model = RoFormerForMultipleChoice(tiny_config())
+    with pytest.raises(ValueError, match="num_choices"):
+        model(IDS)
+    with pytest.raises(ValueError, match=r"labels contains 2; expected values in \[0, 2\)"):
+        model(IDS[None], attention_mask=MASK[None], labels=torch.tensor([2]))
