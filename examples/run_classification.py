@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""Sequence-classification fine-tuning of a RoFormer with transformers' Trainer.
+
+From a pretrained folder (`--model_name_or_path`, e.g. the output of run_mlm.py) or from scratch
+(`--config_overrides`). With no data arguments it fine-tunes on the built-in task: the genre of a Shakespeare
+speech, with train/validation/test split by play. Accuracy and macro-F1 come from `evaluate` (offline metric
+modules shipped in roformer_hf, or Hub metrics named with --metric_names), printed beside the majority-class
+baseline.
+
+    python examples/run_classification.py --model_name_or_path runs/mlm --output_dir runs/cls --num_train_epochs 3
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+from dataclasses import dataclass, field
+
+import datasets
+import numpy as np
+import transformers
+from example_utils import (
+    DataArguments,
+    ModelArguments,
+    load_or_train_tokenizer,
+    load_text_datasets,
+    new_config,
+    setup_logging,
+    text_column,
+)
+
+import roformer_hf
+from roformer_hf.data import genre_classification_splits
+from roformer_hf.metrics import load_classification_metrics
+
+logger = logging.getLogger("run_classification")
+
+
+@dataclass
+class ClassificationArguments:
+    label_column_name: str = field(default="label", metadata={"help": "Column holding the class."})
+    test_file: str | None = field(default=None, metadata={"help": "A file for the final test evaluation."})
+    metric_names: str | None = field(
+        default=None, metadata={"help": "Comma-separated Hub metrics (online); default: offline accuracy + f1."})
+
+
+def label_names(raw: datasets.DatasetDict, column: str) -> list[str]:
+    feature = raw["train"].features[column]
+    if isinstance(feature, datasets.ClassLabel):
+        return list(feature.names)
+    values = sorted({str(v) for split in raw.values() for v in split[column]})
+    if len(values) < 2:
+        raise ValueError(f"--label_column_name {column!r} holds {len(values)} distinct value(s); expected >= 2")
+    return values
+
+
+def majority_baseline(train_labels: list[int], eval_labels: list[int]) -> tuple[int, float]:
+    """The most frequent training label and the accuracy of always predicting it on `eval_labels`."""
+    majority = collections.Counter(train_labels).most_common(1)[0][0]
+    return majority, float(np.mean(np.asarray(eval_labels) == majority))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = transformers.HfArgumentParser((ModelArguments, DataArguments, ClassificationArguments,
+                                            transformers.TrainingArguments))
+    model_args, data, cls_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    setup_logging(training_args)
+    transformers.set_seed(training_args.seed)
+
+    raw = load_text_datasets(data, genre_classification_splits)
+    if cls_args.test_file:
+        extension = {"txt": "text", "jsonl": "json"}.get(cls_args.test_file.rsplit(".", 1)[-1],
+                                                         cls_args.test_file.rsplit(".", 1)[-1])
+        raw["test"] = datasets.load_dataset(extension, data_files=cls_args.test_file)["train"]
+    column = text_column(raw, data.text_column_name)
+    if cls_args.label_column_name not in raw["train"].column_names:
+        raise ValueError(f"--label_column_name {cls_args.label_column_name!r} not in the data's columns "
+                         f"{raw['train'].column_names}")
+    names = label_names(raw, cls_args.label_column_name)
+    label2id = {name: i for i, name in enumerate(names)}
+
+    tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]))
+    id2label = dict(enumerate(names))
+    if model_args.model_name_or_path:
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            model_args.model_name_or_path, num_labels=len(names), id2label=id2label, label2id=label2id,
+            attn_implementation=model_args.attn_implementation, trust_remote_code=model_args.trust_remote_code)
+    else:
+        config = new_config(model_args, tokenizer, num_labels=len(names), id2label=id2label, label2id=label2id,
+                            max_position_embeddings=data.max_seq_length)
+        model = roformer_hf.RoFormerForSequenceClassification._from_config(
+            config, attn_implementation=model_args.attn_implementation)
+
+    is_class_label = isinstance(raw["train"].features[cls_args.label_column_name], datasets.ClassLabel)
+
+    def encode(batch):
+        encoded = tokenizer(batch[column], truncation=True, max_length=data.max_seq_length)
+        labels = batch[cls_args.label_column_name]
+        encoded["labels"] = labels if is_class_label else [label2id[str(v)] for v in labels]
+        return encoded
+
+    with training_args.main_process_first(desc="tokenizing"):
+        tokenized = raw.map(encode, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing")
+
+    metric = load_classification_metrics(cls_args.metric_names.split(",") if cls_args.metric_names else None)
+
+    def compute_metrics(prediction: transformers.EvalPrediction) -> dict:
+        predictions = np.argmax(prediction.predictions, axis=-1)
+        return metric.compute(predictions=predictions, references=prediction.label_ids)
+
+    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=tokenized["train"],
+                                   eval_dataset=tokenized["validation"], processing_class=tokenizer,
+                                   data_collator=transformers.DataCollatorWithPadding(tokenizer),
+                                   compute_metrics=compute_metrics)
+    metrics = {}
+    if training_args.do_train or not (training_args.do_eval or training_args.do_predict):
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        trainer.save_model()
+        trainer.save_state()
+        metrics.update(result.metrics)
+
+    final_split = "test" if "test" in tokenized else "validation"
+    evaluation = trainer.evaluate(tokenized[final_split], metric_key_prefix=final_split)
+    majority, baseline = majority_baseline(tokenized["train"]["labels"], tokenized[final_split]["labels"])
+    evaluation[f"{final_split}_majority_baseline_accuracy"] = baseline
+    metrics.update(evaluation)
+    trainer.log_metrics(final_split, evaluation)
+    trainer.save_metrics("all", metrics)
+    if training_args.should_log:
+        print(f"{final_split} accuracy {evaluation[f'{final_split}_accuracy']:.3f} vs majority-class baseline "
+              f"{baseline:.3f} (always '{names[majority]}')")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(finetuned_from=model_args.model_name_or_path, tasks="text-classification")
+    return {"metrics": metrics, "trainer": trainer, "tokenizer": tokenizer, "final_split": final_split}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or None)
