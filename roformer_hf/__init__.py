@@ -1,7 +1,7 @@
 """RoFormer (rotary position embeddings) as a first-class Hugging Face transformers model.
 
-Importing the package registers `model_type="roformer_hf"` with AutoConfig and every Auto model class it
-implements; transformers' own `model_type="roformer"` is left untouched.
+Importing the package registers `model_type="roformer_hf"` with AutoConfig, AutoTokenizer and every Auto model
+class it implements; transformers' own `model_type="roformer"` is left untouched.
 """
 
 from transformers import (
@@ -12,6 +12,7 @@ from transformers import (
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
+    AutoTokenizer,
 )
 
 from .configuration import RoFormerConfig
@@ -24,6 +25,7 @@ from .modeling import (
     RoFormerModel,
     RoFormerPreTrainedModel,
 )
+from .tokenization import RoFormerTokenizerFast, train_tokenizer
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,7 @@ for _auto, _model in (
     (AutoModelForMultipleChoice, RoFormerForMultipleChoice),
 ):
     _auto.register(RoFormerConfig, _model, exist_ok=True)
+AutoTokenizer.register(RoFormerConfig, tokenizer_class=RoFormerTokenizerFast, exist_ok=True)
 
 __all__ = [
     "RoFormerConfig",
@@ -47,4 +50,6 @@ __all__ = [
     "RoFormerForTokenClassification",
     "RoFormerForQuestionAnswering",
     "RoFormerForMultipleChoice",
+    "RoFormerTokenizerFast",
+    "train_tokenizer",
 ]
