@@ -24,6 +24,7 @@ from .modeling import (
     RoFormerModel,
     RoFormerPreTrainedModel,
 )
+from .summary import summary
 
 __version__ = "0.1.0"
 
@@ -47,4 +48,5 @@ __all__ = [
     "RoFormerForTokenClassification",
     "RoFormerForQuestionAnswering",
     "RoFormerForMultipleChoice",
+    "summary",
 ]
