@@ -52,9 +52,9 @@ def banner(text: str) -> None:
 
 
 def common_args(output_dir: Path, args) -> list[str]:
-    return ["--output_dir", str(output_dir), "--overwrite_output_dir", "true", "--use_cpu", "true",
+    return ["--output_dir", str(output_dir), "--use_cpu", "true",
             "--report_to", "none", "--seed", str(args.seed), "--logging_steps", "20", "--save_strategy", "no",
-            "--dataloader_num_workers", "0", "--disable_tqdm", "false"]
+            "--dataloader_num_workers", "0", "--disable_tqdm", "false", "--do_train", "true", "--do_eval", "true"]
 
 
 def plot_losses(histories: dict[str, list[dict]], path: Path) -> None:
@@ -135,7 +135,8 @@ def main() -> None:
     print(f"loss curves: {out / 'loss_curves.png'}")
 
     banner("result")
-    print(f"MLM validation perplexity: {mlm_metrics['perplexity']:.1f}")
+    print(f"MLM validation perplexity: {mlm_metrics['eval_perplexity']:.1f}, masked-token accuracy "
+          f"{mlm_metrics['eval_accuracy']:.3f}")
     accuracy, baseline = metrics[f"{split}_accuracy"], metrics[f"{split}_majority_baseline_accuracy"]
     print(f"genre classification, {split} split: accuracy {accuracy:.3f}, macro-F1 {metrics[f'{split}_macro_f1']:.3f}"
           f"  vs majority-class baseline accuracy {baseline:.3f}")

@@ -114,7 +114,10 @@ def main(argv: list[str] | None = None) -> dict:
                                    data_collator=transformers.DataCollatorWithPadding(tokenizer),
                                    compute_metrics=compute_metrics)
     metrics = {}
-    if training_args.do_train or not (training_args.do_eval or training_args.do_predict):
+    if not (training_args.do_train or training_args.do_eval or training_args.do_predict):
+        logger.info("None of --do_train/--do_eval/--do_predict given: training, then evaluating")
+        training_args.do_train = True
+    if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
         trainer.save_state()

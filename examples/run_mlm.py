@@ -30,7 +30,7 @@ from example_utils import (
 )
 
 import roformer_hf
-from roformer_hf.data import mlm_corpus_splits
+from roformer_hf.data import genre_classification_splits, mlm_corpus_splits
 
 logger = logging.getLogger("run_mlm")
 
@@ -40,6 +40,13 @@ class MLMArguments:
     line_by_line: bool = field(default=True, metadata={"help": "One sequence per line (else pack lines into "
                                                                "blocks of max_seq_length)."})
     mlm_probability: float = field(default=0.15, metadata={"help": "Share of tokens to mask."})
+
+
+def builtin_corpus():
+    """Shakespeare's spoken lines, leaving out the plays of the built-in classification test split, so that a
+    model pretrained here and fine-tuned by run_classification.py has never read its test speeches."""
+    test_plays = set(genre_classification_splits()["test"]["play"])
+    return mlm_corpus_splits(exclude_plays=test_plays)
 
 
 def tokenize(raw, tokenizer, column: str, data: DataArguments, mlm: MLMArguments, training_args):
@@ -60,6 +67,14 @@ def tokenize(raw, tokenizer, column: str, data: DataArguments, mlm: MLMArguments
                        desc="Tokenizing")
 
 
+def masked_token_accuracy(prediction: transformers.EvalPrediction) -> dict:
+    """Share of masked tokens predicted right. Logits are reduced to their argmax batch by batch
+    (`preprocess_logits_for_metrics`), so evaluation never holds (samples, seq_len, vocab) logits."""
+    predictions, labels = prediction.predictions, prediction.label_ids
+    masked = labels != -100
+    return {"accuracy": float((predictions[masked] == labels[masked]).mean())}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = transformers.HfArgumentParser((ModelArguments, DataArguments, MLMArguments,
                                             transformers.TrainingArguments))
@@ -67,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging(training_args)
     transformers.set_seed(training_args.seed)
 
-    raw = load_text_datasets(data, mlm_corpus_splits)
+    raw = load_text_datasets(data, builtin_corpus)
     column = text_column(raw, data.text_column_name)
     tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]))
 
@@ -85,18 +100,23 @@ def main(argv: list[str] | None = None) -> dict:
     collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=mlm.mlm_probability)
     trainer = transformers.Trainer(model=model, args=training_args, train_dataset=tokenized["train"],
                                    eval_dataset=tokenized["validation"], processing_class=tokenizer,
-                                   data_collator=collator)
+                                   data_collator=collator, compute_metrics=masked_token_accuracy,
+                                   preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1))
 
     metrics = {}
-    if training_args.do_train or not training_args.do_eval:
+    if not (training_args.do_train or training_args.do_eval):
+        logger.info("Neither --do_train nor --do_eval given: doing both")
+        training_args.do_train = training_args.do_eval = True
+    if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
         metrics.update(result.metrics)
         trainer.save_state()
-    evaluation = trainer.evaluate()
-    evaluation["perplexity"] = perplexity(evaluation["eval_loss"])
-    metrics.update(evaluation)
-    trainer.log_metrics("eval", evaluation)
+    if training_args.do_eval:
+        evaluation = trainer.evaluate()
+        evaluation["eval_perplexity"] = perplexity(evaluation["eval_loss"])
+        metrics.update(evaluation)
+        trainer.log_metrics("eval", evaluation)
     trainer.save_metrics("all", metrics)
     if training_args.push_to_hub:
         trainer.push_to_hub(finetuned_from=model_args.model_name_or_path, tasks="fill-mask")
