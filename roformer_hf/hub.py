@@ -41,7 +41,7 @@ def auto_class_name(model) -> str:
     for auto_class, reference in AUTO_MAP.items():
         if reference == f"modeling.{type(model).__name__}":
             return auto_class
-    raise ValueError(f"model={type(model).__name__}: expected one of the RoFormer classes in {sorted(AUTO_MAP.values())}")
+    raise ValueError(f"model={type(model).__name__}: expected a RoFormer class, one of {sorted(AUTO_MAP.values())}")
 
 
 def model_card_text(
@@ -130,7 +130,9 @@ def _format(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
-def write_model_card(model, save_directory: str | os.PathLike, *, overwrite: bool = False, **card_kwargs) -> Path | None:
+def write_model_card(
+    model, save_directory: str | os.PathLike, *, overwrite: bool = False, **card_kwargs
+) -> Path | None:
     """Write `model_card_text(model, **card_kwargs)` to `save_directory/README.md`.
 
     An existing README.md is kept unless `overwrite=True`. Returns the path written, or None when kept.
