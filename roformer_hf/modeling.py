@@ -29,6 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from .configuration import AUTO_MAP, RoFormerConfig
+from .hub import push_to_hub_with_card, write_model_card
 from .padding import PackedBatch
 from .rotary import apply_rotary, rotary_cos_sin
 from .validation import check_encoder_inputs, check_range
@@ -257,7 +258,12 @@ class RoFormerPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         # Every Auto class, not only this one's, can then load the folder with trust_remote_code=True.
         self.config.auto_map = dict(AUTO_MAP)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        write_model_card(self, save_directory)  # README.md, unless the folder has one
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """transformers' `push_to_hub`, but uploading this model's card (see `hub.push_to_hub_with_card`)."""
+        return push_to_hub_with_card(self, repo_id, **kwargs)
 
 
 class RoFormerModel(RoFormerPreTrainedModel):

@@ -64,9 +64,10 @@ def example_inputs(model: RoFormerPreTrainedModel, batch_size: int = 1, seq_len:
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("num_choices", num_choices)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name}={value!r}: expected a positive integer")
-    shape = (batch_size, num_choices, seq_len) if isinstance(model, RoFormerForMultipleChoice) else (batch_size, seq_len)
-    count = batch_size * seq_len * (num_choices if len(shape) == 3 else 1)
-    input_ids = torch.arange(count, device=model.device).remainder(model.config.vocab_size).view(shape)
+    multiple_choice = isinstance(model, RoFormerForMultipleChoice)
+    shape = (batch_size, num_choices, seq_len) if multiple_choice else (batch_size, seq_len)
+    input_ids = torch.arange(torch.Size(shape).numel(), device=model.device).remainder(model.config.vocab_size)
+    input_ids = input_ids.view(shape)
     return {
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),
