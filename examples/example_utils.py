@@ -101,9 +101,14 @@ def text_column(raw: datasets.DatasetDict, requested: str | None) -> str:
     return "text" if "text" in columns else columns[0]
 
 
-def load_or_train_tokenizer(model_args: ModelArguments, texts) -> transformers.PreTrainedTokenizerBase:
-    """The named tokenizer, the model's own, or a WordPiece tokenizer trained on `texts` (an iterable)."""
+def load_or_train_tokenizer(model_args: ModelArguments, texts, resume_from_checkpoint: str | None = None
+                            ) -> transformers.PreTrainedTokenizerBase:
+    """The named tokenizer, the model's own, the one saved with the checkpoint being resumed, or a WordPiece
+    tokenizer trained on `texts` (an iterable). Training is not bit-reproducible, so a resumed run must reuse
+    the tokenizer its checkpoint was trained with."""
     source = model_args.tokenizer_name or model_args.model_name_or_path
+    if not source and isinstance(resume_from_checkpoint, str):
+        source = resume_from_checkpoint
     if source:
         return transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
     logger.info("Training a %d-token WordPiece tokenizer on the training text", model_args.tokenizer_vocab_size)

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     names = label_names(raw, cls_args.label_column_name)
     label2id = {name: i for i, name in enumerate(names)}
 
-    tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]))
+    tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]),
+                                        training_args.resume_from_checkpoint)
     id2label = dict(enumerate(names))
     if model_args.model_name_or_path:
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    eval_dataset=tokenized["validation"], processing_class=tokenizer,
                                    data_collator=transformers.DataCollatorWithPadding(tokenizer),
                                    compute_metrics=compute_metrics)
-    metrics = {}
+    metrics = {"world_size": training_args.world_size}
     if not (training_args.do_train or training_args.do_eval or training_args.do_predict):
         logger.info("None of --do_train/--do_eval/--do_predict given: training, then evaluating")
         training_args.do_train = True

@@ -30,6 +30,7 @@ from example_utils import (
 )
 
 import roformer_hf
+from roformer_hf.collator import ResumableMLMCollator
 from roformer_hf.data import genre_classification_splits, mlm_corpus_splits
 
 logger = logging.getLogger("run_mlm")
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     raw = load_text_datasets(data, builtin_corpus)
     column = text_column(raw, data.text_column_name)
-    tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]))
+    tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]),
+                                        training_args.resume_from_checkpoint)
 
     if model_args.model_name_or_path:
         model = transformers.AutoModelForMaskedLM.from_pretrained(
@@ -97,13 +99,13 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info("Model: %s with %.2fM parameters", type(model).__name__, model.num_parameters() / 1e6)
 
     tokenized = tokenize(raw, tokenizer, column, data, mlm, training_args)
-    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=mlm.mlm_probability)
+    collator = ResumableMLMCollator(tokenizer, mlm_probability=mlm.mlm_probability, seed=training_args.seed)
     trainer = transformers.Trainer(model=model, args=training_args, train_dataset=tokenized["train"],
                                    eval_dataset=tokenized["validation"], processing_class=tokenizer,
                                    data_collator=collator, compute_metrics=masked_token_accuracy,
                                    preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1))
 
-    metrics = {}
+    metrics = {"world_size": training_args.world_size}
     if not (training_args.do_train or training_args.do_eval):
         logger.info("Neither --do_train nor --do_eval given: doing both")
         training_args.do_train = training_args.do_eval = True

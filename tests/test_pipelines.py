@@ -4,7 +4,7 @@ import torch
 import transformers
 from helpers import tiny_config
 
-from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification
+from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification, RoFormerTokenizerFast
 
 WORDS = "the king queen speaks and dies loves a crown sword night day".split()
 
@@ -12,7 +12,9 @@ WORDS = "the king queen speaks and dies loves a crown sword night day".split()
 def _tokenizer(folder):
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    return transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    tokenizer = RoFormerTokenizerFast.from_pretrained(folder)
+    assert tokenizer.tokenize("the king") == ["the", "king"]  # the vocabulary really loaded
+    return tokenizer
 
 
 def test_fill_mask_pipeline(tmp_path):

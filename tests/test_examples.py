@@ -1,0 +1,161 @@
+"""The example scripts end to end on tiny settings: real Trainer, real files, real processes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from helpers import PYTHON
+
+import roformer_hf
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import run_classification  # noqa: E402
+import run_mlm  # noqa: E402
+
+TINY_MODEL = "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64"
+WORDS = {
+    0: "merry wedding jest love dance sweet wench song feast fool laugh ring".split(),
+    1: "king crown france war lord england battle throne arms duke herald army".split(),
+}
+
+
+def _sentence(rng: random.Random, label: int) -> str:
+    common = "the a and of to my thou thee is".split()
+    return " ".join(rng.choice(WORDS[label] if rng.random() < 0.5 else common) for _ in range(rng.randint(5, 14)))
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    for split, n in (("train", 400), ("validation", 60)):
+        (folder / f"{split}.txt").write_text("\n".join(_sentence(rng, rng.randint(0, 1)) for _ in range(n)) + "\n")
+    for split, n in (("train", 160), ("validation", 40), ("test", 40)):
+        with open(folder / f"{split}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["sentence", "genre"])
+            for _ in range(n):
+                label = rng.randint(0, 1)
+                writer.writerow([_sentence(rng, label), ["comedy", "history"][label]])
+    return folder
+
+
+def _common(output_dir, **extra) -> list[str]:
+    args = {"output_dir": str(output_dir), "use_cpu": "true", "report_to": "none", "seed": "7",
+            "per_device_train_batch_size": "8", "per_device_eval_batch_size": "16", "logging_steps": "1",
+            "disable_tqdm": "true", "do_train": "true", "do_eval": "true", "dataloader_num_workers": "0", **extra}
+    return [item for key, value in args.items() for item in (f"--{key}", str(value))]
+
+
+def _mlm_args(text_files, output_dir, **extra) -> list[str]:
+    return _common(output_dir, train_file=text_files / "train.txt", validation_file=text_files / "validation.txt",
+                   config_overrides=TINY_MODEL, tokenizer_vocab_size=120, max_seq_length=32, **extra)
+
+
+@pytest.fixture(scope="module")
+def pretrained(text_files, tmp_path_factory):
+    """run_mlm.py from scratch: trains a tokenizer, then the model; the folder is reused by later tests."""
+    output_dir = tmp_path_factory.mktemp("mlm")
+    result = run_mlm.main(_mlm_args(text_files, output_dir, max_steps=6, save_steps=3, learning_rate=1e-3))
+    return output_dir, result
+
+
+def test_run_mlm_trains_tokenizer_and_model(pretrained):
+    output_dir, result = pretrained
+    metrics = result["metrics"]
+    assert metrics["eval_perplexity"] == pytest.approx(torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-6)
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["world_size"] == 1
+    assert result["trainer"].state.global_step == 6
+    model = transformers.AutoModelForMaskedLM.from_pretrained(output_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(output_dir)
+    assert isinstance(model, roformer_hf.RoFormerForMaskedLM) and isinstance(tokenizer, roformer_hf.RoFormerTokenizerFast)
+    assert model.config.vocab_size == len(tokenizer) == 120
+    assert model.config.hidden_size == 32 and model.config.num_hidden_layers == 2
+    assert (output_dir / "checkpoint-3" / "model.safetensors").exists()
+
+
+def test_resume_from_checkpoint_reaches_the_uninterrupted_result(pretrained, text_files, tmp_path):
+    """A run stopped after step 3 (its checkpoint copied alone into a fresh folder) and resumed must end where
+    the uninterrupted run ended."""
+    output_dir, uninterrupted = pretrained
+    shutil.copytree(output_dir / "checkpoint-3", tmp_path / "checkpoint-3")
+    resumed = run_mlm.main(_mlm_args(text_files, tmp_path, max_steps=6, save_steps=3, learning_rate=1e-3,
+                                     resume_from_checkpoint=tmp_path / "checkpoint-3"))
+    assert resumed["trainer"].state.global_step == 6
+    losses = {h["step"]: h["loss"] for h in resumed["trainer"].state.log_history if "loss" in h}
+    expected = {h["step"]: h["loss"] for h in uninterrupted["trainer"].state.log_history if "loss" in h}
+    for step in (4, 5, 6):
+        assert losses[step] == pytest.approx(expected[step], abs=1e-5)
+    assert resumed["metrics"]["eval_loss"] == pytest.approx(uninterrupted["metrics"]["eval_loss"], abs=1e-5)
+
+
+def test_run_classification_from_pretrained_folder(pretrained, text_files, tmp_path):
+    mlm_dir, _ = pretrained
+    result = run_classification.main(_common(
+        tmp_path, model_name_or_path=mlm_dir, train_file=text_files / "train.csv",
+        validation_file=text_files / "validation.csv", test_file=text_files / "test.csv",
+        text_column_name="sentence", label_column_name="genre", max_seq_length=32, num_train_epochs=2,
+        learning_rate=1e-3))
+    metrics = result["metrics"]
+    assert result["final_split"] == "test"
+    assert {"test_accuracy", "test_macro_f1", "test_majority_baseline_accuracy"} <= metrics.keys()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert model.config.id2label == {0: "comedy", 1: "history"}
+    # The encoder started from the pretrained weights, not from scratch.
+    pretrained_model = transformers.AutoModelForMaskedLM.from_pretrained(mlm_dir)
+    assert model.roformer.embeddings.word_embeddings.weight.shape == pretrained_model.roformer.embeddings.word_embeddings.weight.shape
+    # The reported accuracy is the model's accuracy on the test file.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    with open(text_files / "test.csv") as f:
+        rows = list(csv.DictReader(f))
+    batch = tokenizer([r["sentence"] for r in rows], padding=True, truncation=True, max_length=32, return_tensors="pt")
+    with torch.no_grad():
+        predictions = model.eval()(**batch).logits.argmax(-1)
+    accuracy = sum(model.config.id2label[int(p)] == r["genre"] for p, r in zip(predictions, rows)) / len(rows)
+    assert metrics["test_accuracy"] == pytest.approx(accuracy)
+
+
+def test_run_classification_from_scratch_rejects_a_missing_label_column(text_files, tmp_path):
+    with pytest.raises(ValueError, match="--label_column_name 'nope'"):
+        run_classification.main(_common(tmp_path, train_file=text_files / "train.csv",
+                                        label_column_name="nope", config_overrides=TINY_MODEL))
+
+
+def test_two_process_ddp_run_with_accelerate(text_files, pretrained, tmp_path):
+    """accelerate launch --multi_gpu runs two gloo ranks on CPU; our code has no distribution logic."""
+    mlm_dir, _ = pretrained
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
+    command = [PYTHON, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", "29533", str(EXAMPLES / "run_mlm.py"),
+               *_mlm_args(text_files, tmp_path, max_steps=3, tokenizer_name=mlm_dir, ddp_find_unused_parameters="false",
+                          save_strategy="no")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = json.loads((tmp_path / "all_results.json").read_text())
+    assert metrics["world_size"] == 2
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and state["train_batch_size"] == 8
+    assert (tmp_path / "model.safetensors").exists()
+
+
+def test_summary_example_prints_layers(tmp_path):
+    result = subprocess.run([PYTHON, str(EXAMPLES / "summary.py"), "--config_overrides", TINY_MODEL + ",vocab_size=100",
+                             "--seq_len", "16"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "RoFormerLayer" in result.stdout
+    model = roformer_hf.RoFormerForMaskedLM(roformer_hf.RoFormerConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64))
+    assert f"Total params: {model.num_parameters():,}" in result.stdout
