@@ -38,6 +38,8 @@ class RoFormerConfig(PreTrainedConfig):
       before each sublayer and adds a final LayerNorm.
     - `unpad_inputs`: run every token-wise layer on the real tokens only when the batch is padded (faster,
       same results); `False` keeps padded tensors and masks the padding in attention.
+    - `sparse_prediction`: in training with labels, run the MLM head only on labelled tokens (-100 elsewhere)
+      and return only their logits; a large saving with big vocabularies.
 
     Positions are encoded from `position_ids` on the fly, so `max_position_embeddings` does not cap the sequence
     length. It is kept as metadata: the longest sequence the model was trained on, which tokenizers and
@@ -78,6 +80,7 @@ class RoFormerConfig(PreTrainedConfig):
     rotary_layout: Literal["interleaved", "half"] = "interleaved"
     norm_position: Literal["post", "pre"] = "post"
     unpad_inputs: bool = True
+    sparse_prediction: bool = False
 
     def __post_init__(self, **kwargs):
         if self.embedding_size is None:

@@ -399,7 +399,9 @@ class RoFormerLMPredictions(nn.Module):
 class RoFormerForMaskedLM(RoFormerHeadModel):
     """RoFormer with a masked-language-modelling head (`fill-mask` pipeline).
 
-    The head runs on real tokens only; `logits` come back padded to `(B, L, vocab_size)`.
+    The head runs on real tokens only; `logits` come back padded to `(B, L, vocab_size)`. With
+    `config.sparse_prediction=True`, a training forward with labels runs the head only on the labelled tokens
+    and returns their logits, `(num_labelled, vocab_size)` (as ModernBERT does); evaluation is unaffected.
 
     Example:
 
@@ -437,13 +439,21 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
                 return_dict=None, **kwargs) -> MaskedLMOutput | tuple:
         encoded = self.roformer.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                        output_attentions, output_hidden_states)
-        logits = self.cls.predictions(encoded.last_hidden_state)  # (*T, V), real tokens only
-        loss = None
+        hidden_states, batch = encoded.last_hidden_state, encoded.batch  # (*T, H), real tokens only
         if labels is not None:
             check_range("labels", labels, self.config.vocab_size, allowed=-100)
-            loss = self.loss_function(logits, encoded.batch.pack(labels), vocab_size=self.config.vocab_size,
-                                      **kwargs)
-        return self._finish(MaskedLMOutput, encoded, return_dict, loss=loss, logits=encoded.batch.unpack(logits))
+            labels = batch.pack(labels)
+        sparse = labels is not None and self.training and self.config.sparse_prediction
+        if sparse:  # the head only where there is something to predict (~15% of tokens)
+            labelled = (labels.flatten() != -100).nonzero().squeeze(-1)
+            hidden_states = hidden_states.flatten(0, -2).index_select(0, labelled)  # (M, H)
+            labels = labels.flatten().index_select(0, labelled)
+        logits = self.cls.predictions(hidden_states)  # (*T, V) or (M, V)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        logits = logits if sparse else batch.unpack(logits)
+        return self._finish(MaskedLMOutput, encoded, return_dict, loss=loss, logits=logits)
 
 
 class RoFormerClassificationHead(nn.Module):

@@ -290,6 +290,24 @@ def test_mlm_loss_ignores_minus_100_and_matches_cross_entropy():
     torch.testing.assert_close(out.loss, expected)
 
 
+def test_sparse_prediction_gives_the_same_loss_and_gradients():
+    ids, mask = padded_batch(LENGTHS)
+    labels = torch.full_like(ids, -100)
+    labels[0, 3], labels[1, 5], labels[2, 0], labels[0, 19] = 11, 42, 7, 3
+    dense, sparse = _model(), _model(sparse_prediction=True)
+    dense.train(), sparse.train()
+    out_dense, out_sparse = dense(ids, attention_mask=mask, labels=labels), sparse(ids, attention_mask=mask, labels=labels)
+    assert out_sparse.logits.shape == (4, dense.config.vocab_size)
+    torch.testing.assert_close(out_sparse.loss, out_dense.loss)
+    torch.testing.assert_close(out_sparse.logits, out_dense.logits[labels != -100])
+    out_dense.loss.backward(), out_sparse.loss.backward()
+    for (name, a), (_, b) in zip(dense.named_parameters(), sparse.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+    sparse.eval()
+    with torch.no_grad():
+        assert sparse(ids, attention_mask=mask, labels=labels).logits.shape == (*ids.shape, dense.config.vocab_size)
+
+
 def test_hidden_states_attentions_and_tuples():
     model = _model(attn_implementation="sdpa")
     ids, mask = padded_batch(LENGTHS)
