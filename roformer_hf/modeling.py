@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -35,6 +36,9 @@ from .rotary import apply_rotary, rotary_cos_sin
 from .validation import check_encoder_inputs, check_range
 
 logger = logging.get_logger(__name__)
+
+# Parameters of the task heads; a checkpoint may lack them (a new head starts from scratch), never the encoder's.
+HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
 
 
 class RoFormerEmbeddings(nn.Module):
@@ -254,6 +258,32 @@ class RoFormerPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, RoFormerForMaskedLM):
             init.zeros_(module.cls.predictions.bias)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_missing_encoder_weights: bool = False,
+                        **kwargs):
+        """transformers' `from_pretrained`, refusing to return a half-initialised encoder.
+
+        Weights load only from safetensors files, never from pickles. Task heads missing from the checkpoint are
+        initialised as usual (fine-tuning starts that way), but a checkpoint lacking any encoder weight raises, unless `allow_missing_encoder_weights=True`. A truncated or
+        corrupted safetensors file raises an `OSError` naming the checkpoint.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        if kwargs.setdefault("use_safetensors", True) is not True:
+            raise ValueError("use_safetensors must be True: roformer_hf never unpickles weights (pickle can run code)")
+        try:
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                                  **kwargs)
+        except SafetensorError as error:
+            raise OSError(f"The safetensors weights of {str(pretrained_model_name_or_path)!r} are truncated or "
+                          f"corrupted and cannot be read ({error}); re-download or re-save them") from error
+        missing = sorted(key for key in info["missing_keys"] if not key.startswith(HEAD_PREFIXES))
+        if missing and not allow_missing_encoder_weights:
+            raise ValueError(
+                f"{str(pretrained_model_name_or_path)!r} lacks {len(missing)} encoder weight(s), e.g. "
+                f"{missing[:3]}: the model would be half random. Check the checkpoint, or pass "
+                "allow_missing_encoder_weights=True to initialise them randomly on purpose")
+        return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # Every Auto class, not only this one's, can then load the folder with trust_remote_code=True.

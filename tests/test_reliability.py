@@ -1,0 +1,68 @@
+"""Files: truncated or incomplete checkpoints fail loudly; weights load only through safetensors."""
+
+import shutil
+
+import pytest
+import safetensors.torch
+import torch
+from helpers import padded_batch, tiny_config
+
+from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification
+
+
+@pytest.fixture
+def saved(tmp_path):
+    torch.manual_seed(0)
+    model = RoFormerForMaskedLM(tiny_config()).eval()
+    model.save_pretrained(tmp_path / "ok")
+    return model, tmp_path
+
+
+def test_truncated_safetensors_raise_a_clear_error(saved):
+    _, root = saved
+    shutil.copytree(root / "ok", root / "cut")
+    weights = root / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(OSError, match="truncated or corrupted"):
+        RoFormerForMaskedLM.from_pretrained(root / "cut")
+
+
+def test_missing_encoder_weights_raise_unless_allowed(saved):
+    model, root = saved
+    shutil.copytree(root / "ok", root / "partial")
+    state = safetensors.torch.load_file(root / "ok" / "model.safetensors")
+    state = {k: v for k, v in state.items() if ".layer.1." not in k}
+    safetensors.torch.save_file(state, root / "partial" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 16 encoder weight\(s\)"):
+        RoFormerForMaskedLM.from_pretrained(root / "partial")
+    loaded = RoFormerForMaskedLM.from_pretrained(root / "partial", allow_missing_encoder_weights=True)
+    assert torch.equal(loaded.roformer.encoder.layer[0].output.dense.weight,
+                       model.roformer.encoder.layer[0].output.dense.weight)
+
+
+def test_a_new_head_on_a_pretrained_encoder_is_fine(saved):
+    model, root = saved
+    classifier, info = RoFormerForSequenceClassification.from_pretrained(root / "ok", num_labels=3,
+                                                                         output_loading_info=True)
+    assert all(key.startswith("classifier.") for key in info["missing_keys"]) and info["missing_keys"]
+    assert torch.equal(classifier.roformer.embeddings.word_embeddings.weight,
+                       model.roformer.embeddings.word_embeddings.weight)
+
+
+def test_pickle_weights_are_never_loaded(saved, tmp_path):
+    """A folder holding only a pickled pytorch_model.bin is refused (torch.load could run arbitrary code)."""
+    model, _ = saved
+    folder = tmp_path / "pickled"
+    model.save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    with pytest.raises(OSError, match="safetensors"):
+        RoFormerForMaskedLM.from_pretrained(folder)
+
+
+def test_save_and_reload_keep_outputs(saved):
+    model, root = saved
+    ids, mask = padded_batch([5, 3])
+    reloaded = RoFormerForMaskedLM.from_pretrained(root / "ok").eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask).logits, reloaded(ids, attention_mask=mask).logits)
