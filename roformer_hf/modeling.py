@@ -133,7 +133,7 @@ class RoFormerSelfAttention(nn.Module):
             output, weights = attention(self, query, key, value, batch.key_mask, dropout=dropout,
                                         scaling=self.scaling)
             output = batch.pack(output)  # (*T, nh, d)
-        return output.reshape(*tokens, -1), weights
+        return output.reshape(*tokens, self.num_heads * self.head_dim), weights
 
 
 class RoFormerResidual(nn.Module):
