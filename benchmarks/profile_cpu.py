@@ -15,7 +15,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from workload import add_size_arguments, apply_quick, padded_batch, size_of
+from workload import add_size_arguments, padded_batch, parse_args, size_of
 
 # Operator-name fragments -> the part of the model they stand for; the first match wins.
 CATEGORIES = (
@@ -87,8 +87,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=15, help="operators to list")
     parser.add_argument("--shapes", action="store_true", help="record input shapes and group by them")
     parser.add_argument("--trace", default=None, help="path prefix for Chrome traces")
-    args = parser.parse_args()
-    apply_quick(args)
+    args = parse_args(parser)
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -46,15 +46,16 @@ def add_size_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated sequence lengths of the padded batch")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="tiny smoke configuration (seconds, not minutes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny smoke configuration (seconds); flags given explicitly still apply")
 
 
-def apply_quick(args: argparse.Namespace) -> None:
-    """`--quick` overrides the size flags (and any other flag named in QUICK) with a tiny configuration."""
-    if args.quick:
-        for name, value in QUICK.items():
-            if hasattr(args, name):
-                setattr(args, name, value)
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses the command line; with `--quick` the QUICK values become the defaults (flags given still win)."""
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**{name: value for name, value in QUICK.items()
+                               if any(action.dest == name for action in parser._actions)})
+    return parser.parse_args(argv)
 
 
 def size_of(args: argparse.Namespace) -> Size:
