@@ -201,7 +201,8 @@ def memory_worker(args: argparse.Namespace) -> None:
     model = load_model(args.side, args.folder, args.attn)
     step = infer if args.mode == "infer" else train_step
     model.train(args.mode == "train")
-    short, full = (padded_batch((n,), args.vocab, args.seed) for n in (min(16, args.memory_length), args.memory_length))
+    lengths = (min(16, args.memory_length), args.memory_length)
+    short, full = (padded_batch((n,), args.vocab, args.seed) for n in lengths)
     step(model, short)  # one-off allocations (thread pools, kernel caches, .grad buffers) before the baseline
     model.zero_grad(set_to_none=False)  # keep .grad allocated: like the weights, it does not grow with length
     with PeakRSS() as peak:
