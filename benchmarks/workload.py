@@ -1,0 +1,110 @@
+"""The benchmark workload shared by `bench_cpu.py` and `profile_cpu.py`: model size, the padded batch, and the
+analytic FLOP count on real tokens.
+
+Defaults are the CPU targets: base width (hidden 768, 12 heads, intermediate 3072), 4 layers, a vocabulary of
+12000 (roformer_chinese_char_small's size), and 8 sequences of 512/480/400/350/300/256/200/128 tokens right-padded
+to 512 (2626 real tokens of 4096, 64%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Benchmark the checkout this file sits in, not whatever roformer_hf happens to be installed.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+TARGET_LENGTHS = (512, 480, 400, 350, 300, 256, 200, 128)
+QUICK = dict(layers=2, hidden=64, heads=4, intermediate=256, vocab=1000, lengths=(64, 60, 50, 40, 32, 16),
+             memory_length=256, repeats=3, warmup=1)
+
+
+@dataclass
+class Size:
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
+    vocab: int
+
+
+def add_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model-size and batch flags both scripts take (defaults: the CPU targets)."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--intermediate", type=int, default=3072)
+    parser.add_argument("--vocab", type=int, default=12000,
+                        help="vocabulary size (default 12000, as roformer_chinese_char_small)")
+    parser.add_argument("--lengths", type=lambda s: tuple(int(x) for x in s.split(",")), default=TARGET_LENGTHS,
+                        help="comma-separated sequence lengths of the padded batch")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny smoke configuration (seconds); flags given explicitly still apply")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses the command line; with `--quick` the QUICK values become the defaults (flags given still win)."""
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**{name: value for name, value in QUICK.items()
+                               if any(action.dest == name for action in parser._actions)})
+    return parser.parse_args(argv)
+
+
+def size_of(args: argparse.Namespace) -> Size:
+    return Size(args.layers, args.hidden, args.heads, args.intermediate, args.vocab)
+
+
+def transformers_config(size: Size, max_positions: int):
+    """transformers' RoFormerConfig with dropout off (outputs must match) and eager attention (its only kernel).
+
+    transformers' RoFormer looks positions up in a sinusoidal table of `max_position_embeddings` rows, so it cannot
+    run longer sequences than that; the table is computed, not learned, so its size changes no output.
+    """
+    from transformers import RoFormerConfig
+
+    return RoFormerConfig(
+        vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=size.layers,
+        num_attention_heads=size.heads, intermediate_size=size.intermediate, max_position_embeddings=max_positions,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager",
+    )
+
+
+def padded_batch(lengths: tuple[int, ...], vocab: int, seed: int, mlm_fraction: float = 0.15):
+    """Random ids right-padded to the longest length, the attention mask, and MLM labels on ~15% of the real
+    tokens (-100 elsewhere, padding included). Returns `(input_ids, attention_mask, labels)`, each `(B, L)`."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, seq_len = len(lengths), max(lengths)
+    attention_mask = (torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]).long()
+    input_ids = torch.randint(5, vocab, (batch, seq_len), generator=generator) * attention_mask  # pad id 0
+    labelled = (torch.rand(batch, seq_len, generator=generator) < mlm_fraction) & attention_mask.bool()
+    labels = torch.where(labelled, input_ids, torch.full_like(input_ids, -100))
+    return input_ids, attention_mask, labels
+
+
+def forward_flops(size: Size, lengths: tuple[int, ...]) -> dict[str, float]:
+    """Multiply-add FLOPs (2 per MAC) of one forward on the real tokens only, by part.
+
+    Counted: the q/k/v/output projections, the feed-forward, attention scores and weighted values over each
+    sequence's own length, and the MLM head (transform dense and the vocabulary decoder) on every real token,
+    since the forward returns logits for every token (training could stop at the labelled ~15%, see the
+    "decoder" line). Not counted: embeddings, LayerNorm, GELU, softmax, rotary and the biases (all O(N*H), a
+    few percent of the total at base width).
+    """
+    tokens = sum(lengths)
+    h, i, v = size.hidden, size.intermediate, size.vocab
+    per_layer_linear = 2 * tokens * (4 * h * h + 2 * h * i)
+    per_layer_attention = sum(4 * n * n * h for n in lengths)  # QK^T and PV
+    return {
+        "linear": size.layers * per_layer_linear,
+        "attention": size.layers * per_layer_attention,
+        "head transform": 2 * tokens * h * h,
+        "decoder": 2 * tokens * h * v,
+    }
