@@ -46,13 +46,17 @@ SIDES = ("transformers", "roformer_hf")
 
 # ---------------------------------------------------------------------------------------------------- models
 
-def load_model(side: str, folder: str, attn: str = "sdpa"):
-    """One of the two models from the same checkpoint folder (written by transformers' RoFormer)."""
+def load_model(side: str, folder: str, attn: str = "sdpa", sparse_prediction: bool = True):
+    """One of the two models from the same checkpoint folder (written by transformers' RoFormer).
+
+    roformer_hf runs its MLM head only on the labelled tokens during training (`sparse_prediction`, as
+    ModernBERT does) unless told otherwise; the loss and gradients are the same (checked in `check_parity`)."""
     if side == "transformers":
         from transformers import RoFormerForMaskedLM
         return RoFormerForMaskedLM.from_pretrained(folder, attn_implementation="eager")
     import roformer_hf
     model, info = roformer_hf.RoFormerForMaskedLM.from_pretrained(folder, attn_implementation=attn,
+                                                                  sparse_prediction=sparse_prediction,
                                                                   output_loading_info=True)
     if info["missing_keys"] or info["mismatched_keys"]:
         raise RuntimeError(f"roformer_hf did not load every weight of the checkpoint: {info}")
@@ -250,6 +254,10 @@ def verdict(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
 
+def batch_labels(args) -> torch.Tensor:
+    return padded_batch(args.lengths, args.vocab, args.seed)[2]
+
+
 def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> None:
     tokens, padded = sum(args.lengths), len(args.lengths) * max(args.lengths)
     total = sum(flops.values())
@@ -272,10 +280,16 @@ def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> N
     padded_total = sum(forward_flops(size, (max(args.lengths),) * len(args.lengths)).values())
     print(f"| forward GFLOP: what each computes (transformers includes padding) | {padded_total / 1e9:.1f} | "
           f"{total / 1e9:.1f} | {padded_total / total:.2f}x: skipping padding alone, at equal GFLOP/s | | |")
+    labelled = int((batch_labels(args) != -100).sum())
+    head = flops["head transform"] + flops["decoder"]
+    # What roformer_hf computes in a training step: with sparse prediction the head sees the labelled tokens only.
+    train_total = total if args.dense_prediction else total - head + head * labelled / tokens
     for mode, label, multiple in (("infer", "inference", 1), ("train", "training", 3)):
         if mode not in times:
             continue
         achieved = {side: multiple * total / median(times[mode][side]) / 1e9 for side in SIDES}
+        if mode == "train":
+            achieved["roformer_hf"] = multiple * train_total / median(times[mode]["roformer_hf"]) / 1e9
         padded_rate = multiple * padded_total / median(times[mode]["transformers"]) / 1e9
         fraction = achieved["roformer_hf"] / reference_gemm
         print(f"| {label}: real-token GFLOP/s (% of GEMM rate {reference_gemm:.0f}); transformers on its own "
@@ -298,7 +312,10 @@ def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> N
 
     print(f"\nReal-token FLOPs of one forward: {total / 1e9:.1f} GFLOP (" +
           ", ".join(f"{name} {value / total:.0%}" for name, value in flops.items()) +
-          "); the decoder counts on every real token, a training step counts 3x the forward.")
+          "); the decoder counts on every real token, a training step counts 3x the forward"
+          + ("." if args.dense_prediction else
+             f"; roformer_hf's training step runs the MLM head on the {labelled} labelled tokens only "
+             f"(sparse_prediction), {train_total / 1e9:.1f} GFLOP per forward, and its rate is counted on that."))
     print("\nfp32 GEMM rate of the model's shapes with the real tokens as rows, torch.mm, median of repeats:\n")
     print("| shape | GFLOP/s |\n|---|---|")
     for name, rate in rates.items():
@@ -324,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per model and mode first")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="roformer_hf's attention")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference allowed")
+    parser.add_argument("--dense-prediction", action="store_true",
+                        help="roformer_hf's MLM head on every token in training too (default: labelled tokens only)")
     parser.add_argument("--skip-train", action="store_true", help="time the inference forward only")
     parser.add_argument("--skip-memory", action="store_true", help="skip the long-sequence memory measurement")
     parser.add_argument("--skip-memory-train", action="store_true", help="measure inference memory only")
@@ -361,7 +380,7 @@ def main() -> None:
         torch.manual_seed(args.seed)
         max_positions = max(args.memory_length, max(args.lengths))
         RoFormerForMaskedLM(transformers_config(size, max_positions)).save_pretrained(folder)
-        models = {side: load_model(side, folder, args.attn).eval() for side in SIDES}
+        models = {side: load_model(side, folder, args.attn, not args.dense_prediction).eval() for side in SIDES}
 
         progress("checking outputs")
         parity = check_parity(models, batch, args.tolerance)
