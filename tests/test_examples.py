@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers import BLOCK_ROFORMER_HF as BLOCK
 from helpers import PYTHON
 
 import roformer_hf
@@ -159,3 +160,37 @@ def test_summary_example_prints_layers(tmp_path):
     model = roformer_hf.RoFormerForMaskedLM(roformer_hf.RoFormerConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64))
     assert f"Total params: {model.num_parameters():,}" in result.stdout
+
+
+def test_run_mlm_push_to_hub_and_load_elsewhere(text_files, pretrained, hub_server, tmp_path):
+    """--push_to_hub over real HTTP to a local Hub server; a process without roformer_hf loads the repo."""
+    mlm_dir, _ = pretrained
+    env = {**os.environ, "HF_ENDPOINT": hub_server, "HF_TOKEN": "dummy", "HF_HUB_DISABLE_TELEMETRY": "1",
+           "PYTHONPATH": str(EXAMPLES)}
+    env.pop("HF_HUB_OFFLINE", None)
+    push = subprocess.run([PYTHON, str(EXAMPLES / "run_mlm.py"),
+                           *_mlm_args(text_files, tmp_path / "out", max_steps=2, tokenizer_name=mlm_dir,
+                                      save_strategy="no", push_to_hub="true", hub_model_id="user/roformer-mlm")],
+                          capture_output=True, text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
+    assert push.returncode == 0, push.stderr[-4000:]
+    load = BLOCK + """
+import json, torch, transformers
+model = transformers.AutoModelForMaskedLM.from_pretrained("user/roformer-mlm", trust_remote_code=True).eval()
+tokenizer = transformers.AutoTokenizer.from_pretrained("user/roformer-mlm", trust_remote_code=True)
+ids = tokenizer(["the king and the crown"], return_tensors="pt")
+with torch.no_grad():
+    print(json.dumps({"module": type(model).__module__, "ids": ids["input_ids"].tolist(),
+                      "logits": model(**ids).logits[0, 1, :5].tolist()}))
+"""
+    loaded = subprocess.run([PYTHON, "-c", load], capture_output=True, text=True, timeout=300, env=env,
+                            stdin=subprocess.DEVNULL)
+    assert loaded.returncode == 0, loaded.stderr[-4000:]
+    remote = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert remote["module"].startswith("transformers_modules.")
+    local_model = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "out").eval()
+    local_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    ids = local_tokenizer(["the king and the crown"], return_tensors="pt")
+    assert ids["input_ids"].tolist() == remote["ids"]
+    with torch.no_grad():
+        expected = local_model(**ids).logits[0, 1, :5]
+    torch.testing.assert_close(torch.tensor(remote["logits"]), expected, atol=1e-5, rtol=0)
