@@ -11,6 +11,7 @@ initialised roformer_hf model (speed does not depend on the weights); dropout is
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -60,11 +61,17 @@ def categorize(averages, total: float) -> dict[str, tuple[float, list[str]]]:
 def profile_step(name: str, step, warmup: int, args: argparse.Namespace) -> None:
     for _ in range(warmup):
         step()
+    start = time.perf_counter()
+    step()
+    unprofiled = time.perf_counter() - start
     with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
+        start = time.perf_counter()
         step()
+        profiled = time.perf_counter() - start
     averages = prof.key_averages(group_by_input_shape=args.shapes)
     total = sum(event.self_cpu_time_total for event in averages)
-    print(f"\n## {name}: {total / 1e6:.3f} s of self CPU time\n")
+    print(f"\n## {name}: {total / 1e6:.3f} s of self CPU time; wall time {profiled:.3f} s profiled, "
+          f"{unprofiled:.3f} s unprofiled just before\n")
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     print(f"Top {args.rows} by share of self CPU time:")
     for event in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.rows]:
