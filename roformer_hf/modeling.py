@@ -128,6 +128,17 @@ class RoFormerSelfAttention(nn.Module):
                 max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen,
             )
             output = output.squeeze(0)  # (N, nh, d)
+        elif batch.is_packed and implementation == "sdpa" and hidden_states.device.type == "cpu":
+            # On CPU, attending within each sequence's own slice does no work for padding and needs no mask.
+            def one_sequence(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+                return t[start:end].transpose(0, 1).unsqueeze(0)  # (1, nh, n, d)
+
+            output = torch.cat([
+                attention(self, *(one_sequence(t, start, end) for t in (query, key, value)), None,
+                          dropout=dropout, scaling=self.scaling)[0].squeeze(0)  # (n, nh, d)
+                for start, end in batch.spans
+            ]) if batch.spans else query.new_zeros(query.shape)
+            weights = None
         else:
             query, key, value = (batch.unpack(t).transpose(1, 2) for t in (query, key, value))  # (B, nh, L, d)
             output, weights = attention(self, query, key, value, batch.key_mask, dropout=dropout,

@@ -24,6 +24,7 @@ class PackedBatch:
         key_mask: ``(B, 1, 1, L)`` boolean, True where a key may be attended to; ``None`` without padding.
         cu_seqlens: ``(B + 1,)`` int32 offsets of each sequence among the packed tokens (flash-attn varlen).
         max_seqlen: the longest sequence.
+        spans: ``(start, end)`` of each non-empty sequence among the packed tokens, on the host.
     """
 
     batch_size: int
@@ -32,6 +33,7 @@ class PackedBatch:
     key_mask: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
+    spans: list[tuple[int, int]] | None = None
 
     @classmethod
     def from_attention_mask(
@@ -55,7 +57,9 @@ class PackedBatch:
         lengths = mask.sum(dim=-1, dtype=torch.int32)
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         indices = mask.flatten().nonzero().squeeze(-1)
-        return cls(batch_size, seq_len, indices, key_mask, cu_seqlens, int(lengths.max()))
+        offsets = cu_seqlens.tolist()
+        spans = [(start, end) for start, end in zip(offsets[:-1], offsets[1:]) if end > start]
+        return cls(batch_size, seq_len, indices, key_mask, cu_seqlens, int(lengths.max()), spans)
 
     @property
     def is_packed(self) -> bool:
@@ -71,6 +75,5 @@ class PackedBatch:
         """``(N, ...)`` -> ``(B, L, ...)`` with zeros at the padding; unchanged when nothing is padded."""
         if self.indices is None:
             return x
-        padded = x.new_zeros(self.batch_size * self.seq_len, *x.shape[1:])
-        padded = padded.index_copy(0, self.indices, x)
+        padded = x.new_zeros(self.batch_size * self.seq_len, *x.shape[1:]).index_copy_(0, self.indices, x)
         return padded.view(self.batch_size, self.seq_len, *x.shape[1:])
