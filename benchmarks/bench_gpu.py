@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import tempfile
 from dataclasses import dataclass, field
 from statistics import median
@@ -154,12 +155,15 @@ def check_accuracy(folder: str, contenders: dict[str, Contender], batch, device:
     """Logits at real tokens of every RoFormer (not ModernBERT: other weights) against transformers' RoFormer in
     fp32 on `device`: max abs error, that error over the largest reference logit, and the MLM loss computed from
     the logits. With a `tolerance`, roformer_hf's error must be within it."""
-    input_ids, attention_mask, labels = batch
+    _, attention_mask, labels = batch
     real = attention_mask.bool()
     reference = load_model("transformers", folder, dtype=torch.float32).to(device).eval()
     expected = infer(reference, batch)[real].float()  # (N, V)
     del reference
-    loss = lambda logits: torch.nn.functional.cross_entropy(logits, labels[real]).item()  # noqa: E731
+
+    def loss(logits: torch.Tensor) -> float:
+        return torch.nn.functional.cross_entropy(logits, labels[real]).item()
+
     results = {"fp32 reference": {"logits": 0.0, "relative": 0.0, "loss": loss(expected)}}
     for key, contender in contenders.items():
         if key == "modernbert":
@@ -168,7 +172,7 @@ def check_accuracy(folder: str, contenders: dict[str, Contender], batch, device:
         logits = infer(contender.model, batch)[real].float()
         error = (logits - expected).abs().max().item()
         results[key] = {"logits": error, "relative": error / expected.abs().max().item(), "loss": loss(logits)}
-        if key != "transformers" and not (error <= (tolerance if tolerance is not None else float("inf"))):
+        if key != "transformers" and not error <= (math.inf if tolerance is None else tolerance):  # NaN fails
             raise SystemExit(f"FAIL: {contender.name} ({contender.attention}) logits differ from transformers' fp32 "
                              f"at real tokens by {error:.3g} (tolerance {tolerance})")
     return results
