@@ -38,7 +38,8 @@ from statistics import median
 
 import torch
 
-from workload import add_size_arguments, forward_flops, padded_batch, parse_args, size_of, transformers_config
+from workload import (add_size_arguments, forward_flops, padded_batch, parse_args, size_of, sparse_head_forward_flops,
+                      transformers_config)
 
 TARGETS = {"infer speed-up": 2.0, "train speed-up": 2.2, "gemm fraction": 0.85, "memory ratio": 1 / 3}
 SIDES = ("transformers", "roformer_hf")
@@ -46,18 +47,19 @@ SIDES = ("transformers", "roformer_hf")
 
 # ---------------------------------------------------------------------------------------------------- models
 
-def load_model(side: str, folder: str, attn: str = "sdpa", sparse_prediction: bool = True):
-    """One of the two models from the same checkpoint folder (written by transformers' RoFormer).
+def load_model(side: str, folder: str, attn: str = "sdpa", sparse_prediction: bool = True, **load_kwargs):
+    """One of the two models from the same checkpoint folder (written by transformers' RoFormer); `load_kwargs`
+    go to `from_pretrained` (e.g. `dtype`).
 
     roformer_hf runs its MLM head only on the labelled tokens during training (`sparse_prediction`, as
     ModernBERT does) unless told otherwise; the loss and gradients are the same (checked in `check_parity`)."""
     if side == "transformers":
         from transformers import RoFormerForMaskedLM
-        return RoFormerForMaskedLM.from_pretrained(folder, attn_implementation="eager")
+        return RoFormerForMaskedLM.from_pretrained(folder, attn_implementation="eager", **load_kwargs)
     import roformer_hf
     model, info = roformer_hf.RoFormerForMaskedLM.from_pretrained(folder, attn_implementation=attn,
                                                                   sparse_prediction=sparse_prediction,
-                                                                  output_loading_info=True)
+                                                                  output_loading_info=True, **load_kwargs)
     if info["missing_keys"] or info["mismatched_keys"]:
         raise RuntimeError(f"roformer_hf did not load every weight of the checkpoint: {info}")
     return model
@@ -281,9 +283,8 @@ def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> N
     print(f"| forward GFLOP: what each computes (transformers includes padding) | {padded_total / 1e9:.1f} | "
           f"{total / 1e9:.1f} | {padded_total / total:.2f}x: skipping padding alone, at equal GFLOP/s | | |")
     labelled = int((batch_labels(args) != -100).sum())
-    head = flops["head transform"] + flops["decoder"]
     # What roformer_hf computes in a training step: with sparse prediction the head sees the labelled tokens only.
-    train_total = total if args.dense_prediction else total - head + head * labelled / tokens
+    train_total = total if args.dense_prediction else sparse_head_forward_flops(flops, tokens, labelled)
     for mode, label, multiple in (("infer", "inference", 1), ("train", "training", 3)):
         if mode not in times:
             continue

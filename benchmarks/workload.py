@@ -1,5 +1,5 @@
-"""The benchmark workload shared by `bench_cpu.py` and `profile_cpu.py`: model size, the padded batch, and the
-analytic FLOP count on real tokens.
+"""The benchmark workload shared by `bench_cpu.py`, `bench_gpu.py` and `profile_cpu.py`: model size, the padded batch,
+and the analytic FLOP count on real tokens.
 
 Defaults are the CPU targets: base width (hidden 768, 12 heads, intermediate 3072), 4 layers, a vocabulary of
 12000 (roformer_chinese_char_small's size), and 8 sequences of 512/480/400/350/300/256/200/128 tokens right-padded
@@ -50,10 +50,11 @@ def add_size_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny smoke configuration (seconds); flags given explicitly still apply")
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """Parses the command line; with `--quick` the QUICK values become the defaults (flags given still win)."""
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None, **quick_defaults) -> argparse.Namespace:
+    """Parses the command line; with `--quick` the QUICK values, updated by `quick_defaults` (a script's own flags),
+    become the defaults (flags given still win)."""
     if parser.parse_known_args(argv)[0].quick:
-        parser.set_defaults(**{name: value for name, value in QUICK.items()
+        parser.set_defaults(**{name: value for name, value in {**QUICK, **quick_defaults}.items()
                                if any(action.dest == name for action in parser._actions)})
     return parser.parse_args(argv)
 
@@ -108,3 +109,10 @@ def forward_flops(size: Size, lengths: tuple[int, ...]) -> dict[str, float]:
         "head transform": 2 * tokens * h * h,
         "decoder": 2 * tokens * h * v,
     }
+
+
+def sparse_head_forward_flops(flops: dict[str, float], tokens: int, labelled: int) -> float:
+    """Total of `forward_flops` when the MLM head (transform and decoder) runs on the `labelled` tokens only, of
+    `tokens` real ones: what a training forward with sparse prediction computes (roformer_hf, ModernBERT)."""
+    head = flops["head transform"] + flops["decoder"]
+    return sum(flops.values()) - head + head * labelled / tokens

@@ -141,8 +141,10 @@ class RoFormerSelfAttention(nn.Module):
             weights = None
         else:
             query, key, value = (batch.unpack(t).transpose(1, 2) for t in (query, key, value))  # (B, nh, L, d)
-            output, weights = attention(self, query, key, value, batch.key_mask, dropout=dropout,
-                                        scaling=self.scaling)
+            mask = batch.key_mask
+            if mask is not None and implementation.startswith("flash"):
+                mask = mask[:, 0, 0]  # flash-attn unpads by itself from a (B, L) mask
+            output, weights = attention(self, query, key, value, mask, dropout=dropout, scaling=self.scaling)
             output = batch.pack(output)  # (*T, nh, d)
         return output.reshape(*tokens, self.num_heads * self.head_dim), weights
 

@@ -1,0 +1,144 @@
+"""GPU-only checks of roformer_hf: half-precision accuracy against transformers' RoFormer in fp32, the attention
+kernels against each other (eager, SDPA, flash-attn's varlen kernel), and torch.compile. Every test skips without
+CUDA (flash-attn tests also without flash-attn), so the file collects on CPU machines and CI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import padded_batch, reference_and_ours
+from transformers.utils import is_flash_attn_2_available
+
+import roformer_hf
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_flash = pytest.mark.skipif(not (torch.cuda.is_available() and is_flash_attn_2_available()),
+                                 reason="needs flash-attn on a CUDA device")
+
+SIZE = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128)  # 2 layers, vocab 97, max 64 positions
+LENGTHS = [64, 50, 33, 7]  # padded to 64, sequences of several lengths
+BF16_RELATIVE = 3e-2  # bf16 keeps 8 bits of mantissa: ~4e-3 per rounding, a few roundings deep
+BF16_GRADIENTS = 5e-2  # relative L2 error of each parameter's gradient, bf16 against bf16
+DEVICE = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A folder holding transformers' tiny RoFormerForMaskedLM, and that model (fp32, on CUDA) as the reference."""
+    folder = tmp_path_factory.mktemp("roformer")
+    reference, _ = reference_and_ours("RoFormerForMaskedLM", folder, **SIZE)
+    return folder, reference.to(DEVICE)
+
+
+def load(folder, attn: str, dtype: torch.dtype = torch.float32, **config) -> roformer_hf.RoFormerForMaskedLM:
+    model = roformer_hf.RoFormerForMaskedLM.from_pretrained(folder, attn_implementation=attn, dtype=dtype, **config)
+    return model.to(DEVICE).eval()
+
+
+def device_batch(lengths: list[int] = LENGTHS, labelled_every: int = 3):
+    """`(input_ids, attention_mask, labels)` on CUDA; every `labelled_every`-th real token carries a label."""
+    ids, mask = padded_batch(lengths, vocab_size=97)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    labels = ids.masked_fill((mask == 0) | (positions % labelled_every != 0), -100)
+    return ids.to(DEVICE), mask.to(DEVICE), labels.to(DEVICE)
+
+
+def logits_at_real_tokens(model, ids, mask) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(ids, attention_mask=mask).logits[mask.bool()].float()  # (N, V)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest absolute difference over the largest absolute expected value."""
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def gradients(model, ids, mask, labels) -> dict[str, torch.Tensor]:
+    """Parameter gradients of one training forward (sparse MLM head) and backward, in fp32, by parameter name
+    (that of the underlying module for a torch.compile wrapper)."""
+    model.train().zero_grad(set_to_none=True)
+    model(ids, attention_mask=mask, labels=labels).loss.backward()
+    model.eval()
+    parameters = getattr(model, "_orig_mod", model).named_parameters()
+    return {name: p.grad.float() for name, p in parameters if p.grad is not None}
+
+
+def assert_gradients_close(actual: dict, expected: dict, tolerance: float) -> None:
+    """Each parameter's gradient within `tolerance` in relative L2 norm (robust to a few bf16 outliers)."""
+    assert actual.keys() == expected.keys()
+    for name, grad in expected.items():
+        error = ((actual[name] - grad).norm() / grad.norm().clamp_min(1e-12)).item()
+        assert error <= tolerance, f"{name}: relative gradient error {error:.3g} > {tolerance}"
+
+
+def test_bf16_sdpa_matches_transformers_fp32(checkpoint):
+    folder, reference = checkpoint
+    ids, mask, _ = device_batch()
+    expected = logits_at_real_tokens(reference, ids, mask)
+    actual = logits_at_real_tokens(load(folder, "sdpa", torch.bfloat16), ids, mask)
+    assert relative_error(actual, expected) <= BF16_RELATIVE
+
+
+@pytest.mark.parametrize("unpad_inputs", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fully_padded_rows_stay_finite(checkpoint, dtype, attn, unpad_inputs):
+    """A row of padding only (softmax over no key, NaN in transformers #31035) leaves outputs, loss and gradients
+    finite, and the other rows as they are without it."""
+    folder, _ = checkpoint
+    model = load(folder, attn, dtype, unpad_inputs=unpad_inputs)
+    ids, mask, labels = device_batch([40, 0, 17, 0])
+    with torch.inference_mode():
+        output = model(ids, attention_mask=mask, output_hidden_states=True)
+    assert all(torch.isfinite(t).all() for t in (output.logits, *output.hidden_states))
+    alone = logits_at_real_tokens(model, ids[[0, 2]], mask[[0, 2]])
+    assert relative_error(output.logits[mask.bool()], alone) <= BF16_RELATIVE
+    grads = gradients(model, ids, mask, labels)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+@pytest.mark.parametrize("dtype, logits_tolerance, gradients_tolerance",
+                         [(torch.float32, 1e-4, 1e-3), (torch.bfloat16, BF16_RELATIVE, BF16_GRADIENTS)],
+                         ids=["fp32", "bf16"])
+def test_eager_and_sdpa_agree(checkpoint, dtype, logits_tolerance, gradients_tolerance):
+    folder, _ = checkpoint
+    ids, mask, labels = device_batch()
+    eager, sdpa = load(folder, "eager", dtype), load(folder, "sdpa", dtype)
+    assert relative_error(logits_at_real_tokens(sdpa, ids, mask),
+                          logits_at_real_tokens(eager, ids, mask)) <= logits_tolerance
+    assert_gradients_close(gradients(sdpa, ids, mask, labels), gradients(eager, ids, mask, labels),
+                           gradients_tolerance)
+
+
+@needs_flash
+@pytest.mark.parametrize("lengths", [LENGTHS, [64] * 4], ids=["padded", "unpadded"])
+def test_flash_attention_matches_sdpa(checkpoint, lengths):
+    """flash-attn's kernel (varlen on a padded batch, the plain one without padding) against SDPA, both bf16,
+    forward and gradients."""
+    folder, _ = checkpoint
+    ids, mask, labels = device_batch(lengths)
+    flash, sdpa = load(folder, "flash_attention_2", torch.bfloat16), load(folder, "sdpa", torch.bfloat16)
+    assert relative_error(logits_at_real_tokens(flash, ids, mask),
+                          logits_at_real_tokens(sdpa, ids, mask)) <= BF16_RELATIVE
+    assert_gradients_close(gradients(flash, ids, mask, labels), gradients(sdpa, ids, mask, labels), BF16_GRADIENTS)
+
+
+@needs_flash
+def test_flash_attention_on_padded_tensors_matches_sdpa(checkpoint):
+    folder, _ = checkpoint
+    ids, mask, _ = device_batch()
+    flash = load(folder, "flash_attention_2", torch.bfloat16, unpad_inputs=False)
+    sdpa = load(folder, "sdpa", torch.bfloat16)
+    assert relative_error(logits_at_real_tokens(flash, ids, mask),
+                          logits_at_real_tokens(sdpa, ids, mask)) <= BF16_RELATIVE
+
+
+def test_torch_compile_matches_eager_mode(checkpoint):
+    """torch.compile of the SDPA model (graph breaks at the data-dependent padding layout are allowed) gives the
+    eager-mode logits, loss and gradients on a padded batch."""
+    folder, _ = checkpoint
+    ids, mask, labels = device_batch()
+    model = load(folder, "sdpa")
+    compiled = torch.compile(model)
+    assert relative_error(logits_at_real_tokens(compiled, ids, mask), logits_at_real_tokens(model, ids, mask)) <= 1e-4
+    assert_gradients_close(gradients(compiled, ids, mask, labels), gradients(model, ids, mask, labels), 1e-3)
