@@ -25,6 +25,7 @@ class PackedBatch:
         cu_seqlens: ``(B + 1,)`` int32 offsets of each sequence among the packed tokens (flash-attn varlen).
         max_seqlen: the longest sequence.
         spans: ``(start, end)`` of each non-empty sequence among the packed tokens, on the host.
+        padding_indices: ``(B * L - N,)`` flat positions of the padding.
     """
 
     batch_size: int
@@ -34,6 +35,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
     spans: list[tuple[int, int]] | None = None
+    padding_indices: torch.Tensor | None = None
 
     @classmethod
     def from_attention_mask(
@@ -57,9 +59,10 @@ class PackedBatch:
         lengths = mask.sum(dim=-1, dtype=torch.int32)
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         indices = mask.flatten().nonzero().squeeze(-1)
+        padding_indices = (~mask).flatten().nonzero().squeeze(-1)
         offsets = cu_seqlens.tolist()
         spans = [(start, end) for start, end in zip(offsets[:-1], offsets[1:]) if end > start]
-        return cls(batch_size, seq_len, indices, key_mask, cu_seqlens, int(lengths.max()), spans)
+        return cls(batch_size, seq_len, indices, key_mask, cu_seqlens, int(lengths.max()), spans, padding_indices)
 
     @property
     def is_packed(self) -> bool:
@@ -75,5 +78,8 @@ class PackedBatch:
         """``(N, ...)`` -> ``(B, L, ...)`` with zeros at the padding; unchanged when nothing is padded."""
         if self.indices is None:
             return x
-        padded = x.new_zeros(self.batch_size * self.seq_len, *x.shape[1:]).index_copy_(0, self.indices, x)
+        # Write every row once: the real tokens, then zeros at the padding (cheaper than zero-filling it all first,
+        # which matters for (B, L, vocab) logits).
+        padded = x.new_empty(self.batch_size * self.seq_len, *x.shape[1:])
+        padded = padded.index_copy_(0, self.indices, x).index_fill_(0, self.padding_indices, 0)
         return padded.view(self.batch_size, self.seq_len, *x.shape[1:])
