@@ -278,8 +278,9 @@ class RoFormerPreTrainedModel(PreTrainedModel):
         """transformers' `from_pretrained`, refusing to return a half-initialised encoder.
 
         Weights load only from safetensors files, never from pickles. Task heads missing from the checkpoint are
-        initialised as usual (fine-tuning starts that way), but a checkpoint lacking any encoder weight raises, unless `allow_missing_encoder_weights=True`. A truncated or
-        corrupted safetensors file raises an `OSError` naming the checkpoint.
+        initialised as usual (fine-tuning starts that way), but a checkpoint lacking any encoder weight raises,
+        unless `allow_missing_encoder_weights=True`. A truncated or corrupted safetensors file raises an `OSError`
+        naming the checkpoint.
         """
         want_info = kwargs.pop("output_loading_info", False)
         if kwargs.setdefault("use_safetensors", True) is not True:
@@ -407,6 +408,10 @@ class RoFormerModel(RoFormerPreTrainedModel):
 class RoFormerHeadModel(RoFormerPreTrainedModel):
     """Base of the task heads: owns `self.roformer` and the output plumbing they share."""
 
+    # Tells Trainer that the loss is a plain batch mean (it then divides by the gradient-accumulation steps
+    # itself); only the MLM head uses Trainer's `num_items_in_batch` to average over the labelled tokens.
+    accepts_loss_kwargs = False
+
     def __init__(self, config: RoFormerConfig):
         super().__init__(config)
         self.roformer = RoFormerModel(config)
@@ -460,6 +465,7 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
     ```
     """
 
+    accepts_loss_kwargs = True
     _tied_weights_keys = {
         "cls.predictions.decoder.weight": "roformer.embeddings.word_embeddings.weight",
         "cls.predictions.decoder.bias": "cls.predictions.bias",
