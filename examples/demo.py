@@ -90,7 +90,8 @@ def main() -> None:
 
     banner("1/5 masked-LM pretraining on Shakespeare's lines")
     mlm = run_mlm.main(common_args(out / "mlm", args) + [
-        "--config_overrides", args.config_overrides + ",sparse_prediction=true", "--tokenizer_vocab_size", "8000", "--max_seq_length", "64",
+        "--config_overrides", args.config_overrides + ",sparse_prediction=true", "--tokenizer_vocab_size", "8000",
+        "--max_seq_length", "64",
         "--max_steps", str(args.mlm_steps), "--per_device_train_batch_size", "64", "--learning_rate", "1e-3",
         "--warmup_steps", "60", "--weight_decay", "0.01", "--max_eval_samples", "2000",
         "--eval_strategy", "steps", "--eval_steps", str(max(1, args.mlm_steps // 4))])

@@ -105,7 +105,8 @@ class RoFormerConfig(PreTrainedConfig):
         if self.hidden_size % self.num_attention_heads:
             fail("num_attention_heads", f"a divisor of hidden_size={self.hidden_size}")
         if self.head_dim % 2:
-            fail("num_attention_heads", f"a value giving an even head dimension (hidden_size / heads = {self.head_dim})")
+            fail("num_attention_heads",
+                 f"a value giving an even head dimension (hidden_size / heads = {self.head_dim})")
         if self.rotary_layout not in ROTARY_LAYOUTS:
             fail("rotary_layout", f"one of {ROTARY_LAYOUTS}")
         if self.norm_position not in NORM_POSITIONS:

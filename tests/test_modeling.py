@@ -296,7 +296,8 @@ def test_sparse_prediction_gives_the_same_loss_and_gradients():
     labels[0, 3], labels[1, 5], labels[2, 0], labels[0, 19] = 11, 42, 7, 3
     dense, sparse = _model(), _model(sparse_prediction=True)
     dense.train(), sparse.train()
-    out_dense, out_sparse = dense(ids, attention_mask=mask, labels=labels), sparse(ids, attention_mask=mask, labels=labels)
+    out_dense = dense(ids, attention_mask=mask, labels=labels)
+    out_sparse = sparse(ids, attention_mask=mask, labels=labels)
     assert out_sparse.logits.shape == (4, dense.config.vocab_size)
     torch.testing.assert_close(out_sparse.loss, out_dense.loss)
     torch.testing.assert_close(out_sparse.logits, out_dense.logits[labels != -100])

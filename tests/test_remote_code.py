@@ -36,7 +36,8 @@ def test_remote_code_loading_without_the_package(tmp_path, cls, auto):
         assert (tmp_path / code_file).exists(), code_file
 
     ids, mask = padded_batch([7, 4])
-    result = subprocess.run([PYTHON, "-c", LOAD_AND_RUN, str(tmp_path), auto, json.dumps([ids.tolist(), mask.tolist()])],
+    batch = json.dumps([ids.tolist(), mask.tolist()])
+    result = subprocess.run([PYTHON, "-c", LOAD_AND_RUN, str(tmp_path), auto, batch],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     remote = json.loads(result.stdout.strip().splitlines()[-1])
