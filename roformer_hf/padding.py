@@ -48,7 +48,7 @@ class PackedBatch:
         if attention_mask is None:
             return cls(batch_size, seq_len)
         mask = attention_mask.bool()
-        if bool(mask.all()):  # the one host sync of a forward: decides the layout
+        if bool(mask.all()):  # a host sync, and the decision between the packed and the padded layout
             return cls(batch_size, seq_len)
         # A fully padded row would leave softmax nothing to normalise (NaN); let it see its first (zero) key.
         key_mask = mask.clone()
@@ -60,9 +60,10 @@ class PackedBatch:
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         indices = mask.flatten().nonzero().squeeze(-1)
         padding_indices = (~mask).flatten().nonzero().squeeze(-1)
-        offsets = cu_seqlens.tolist()
+        offsets = cu_seqlens.tolist()  # one host copy gives the spans and the longest length
         spans = [(start, end) for start, end in zip(offsets[:-1], offsets[1:]) if end > start]
-        return cls(batch_size, seq_len, indices, key_mask, cu_seqlens, int(lengths.max()), spans, padding_indices)
+        max_seqlen = max((end - start for start, end in spans), default=0)
+        return cls(batch_size, seq_len, indices, key_mask, cu_seqlens, max_seqlen, spans, padding_indices)
 
     @property
     def is_packed(self) -> bool:

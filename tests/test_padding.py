@@ -1,0 +1,43 @@
+"""PackedBatch: packing real tokens and putting them back."""
+
+import torch
+
+from roformer_hf.padding import PackedBatch
+
+MASK = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
+
+
+def test_pack_unpack_round_trip_and_layout():
+    batch = PackedBatch.from_attention_mask(MASK, 4, 4)
+    x = torch.arange(16.0).view(4, 4, 1).expand(4, 4, 3)
+    packed = batch.pack(x)
+    assert packed.shape == (9, 3)
+    assert packed[:, 0].tolist() == [0, 1, 2, 8, 9, 10, 11, 13, 14]  # row-major real tokens
+    assert batch.cu_seqlens.tolist() == [0, 3, 3, 7, 9] and batch.max_seqlen == 4
+    assert batch.spans == [(0, 3), (3, 7), (7, 9)]  # the empty row has no span
+    unpacked = batch.unpack(packed)
+    assert torch.equal(unpacked[MASK.bool()], x[MASK.bool()])
+    assert (unpacked[~MASK.bool()] == 0).all()
+
+
+def test_gradients_flow_through_pack_and_unpack():
+    batch = PackedBatch.from_attention_mask(MASK, 4, 4)
+    x = torch.randn(4, 4, 2, requires_grad=True)
+    batch.unpack(batch.pack(x) * 2).sum().backward()
+    assert torch.equal(x.grad, 2 * MASK[..., None].float().expand(4, 4, 2))
+
+
+def test_no_padding_keeps_tensors_as_they_are():
+    for mask in (None, torch.ones(2, 3, dtype=torch.long)):
+        batch = PackedBatch.from_attention_mask(mask, 2, 3)
+        x = torch.randn(2, 3, 5)
+        assert not batch.is_packed and batch.key_mask is None
+        assert batch.pack(x) is x and batch.unpack(x) is x
+
+
+def test_key_mask_never_leaves_a_row_empty():
+    batch = PackedBatch.from_attention_mask(MASK, 4, 4, unpad=False)
+    assert not batch.is_packed and batch.key_mask.shape == (4, 1, 1, 4)
+    assert batch.key_mask.any(dim=-1).all()  # the fully padded row may see its first key
+    assert batch.key_mask[1, 0, 0].tolist() == [True, False, False, False]
+    assert torch.equal(batch.key_mask[[0, 2, 3], 0, 0], MASK[[0, 2, 3]].bool())
