@@ -32,7 +32,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 from statistics import median
 
@@ -263,7 +262,7 @@ def batch_labels(args) -> torch.Tensor:
 def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> None:
     tokens, padded = sum(args.lengths), len(args.lengths) * max(args.lengths)
     total = sum(flops.values())
-    print(f"\n## roformer_hf vs transformers' RoFormer, CPU fp32\n")
+    print("\n## roformer_hf vs transformers' RoFormer, CPU fp32\n")
     print(f"Model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}, "
           f"vocab {size.vocab}, MLM head. Batch: {len(args.lengths)} sequences of "
           f"{'/'.join(map(str, args.lengths))} tokens, right-padded to {max(args.lengths)} "

@@ -244,7 +244,7 @@ def report(args, size: Size, lengths: tuple[int, ...], labelled: int, contenders
     ours, theirs = contenders["roformer_hf"], contenders["transformers"]
     speed_up = {mode: median(theirs.times[mode]) / median(ours.times[mode]) for mode in MODES}
     met = lambda ok: verdict(ok) if on_target else "n/a (targets: CUDA, bf16)"  # noqa: E731
-    print(f"\n| measurement | value | target | met |\n|---|---|---|---|")
+    print("\n| measurement | value | target | met |\n|---|---|---|---|")
     for mode, label in (("infer", "inference"), ("train", "training-step")):
         target = TARGETS[f"{mode} speed-up"]
         print(f"| {label} speed-up of roformer_hf ({ours.attention}) over transformers' RoFormer (eager) | "

@@ -65,19 +65,35 @@ def parse_overrides(overrides: str | None) -> dict:
     return result
 
 
+def parse_arguments(script_arguments, argv: list[str] | None):
+    """(ModelArguments, DataArguments, script_arguments, TrainingArguments) from the command line, with logging
+    and the seed set up."""
+    parser = transformers.HfArgumentParser((ModelArguments, DataArguments, script_arguments,
+                                            transformers.TrainingArguments))
+    parsed = parser.parse_args_into_dataclasses(args=argv)
+    training_args = parsed[-1]
+    setup_logging(training_args)
+    transformers.set_seed(training_args.seed)
+    return parsed
+
+
+def load_file(path: str, argument: str) -> datasets.DatasetDict:
+    """A .txt, .csv, .json(l) or .parquet file as a DatasetDict with one split, "train"."""
+    extension = os.path.splitext(path)[1].lstrip(".")
+    builder = {"txt": "text", "jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(extension)
+    if builder is None:
+        raise ValueError(f"{argument} {path!r}: expected a .txt, .csv, .json(l) or .parquet file")
+    return datasets.load_dataset(builder, data_files=path)
+
+
 def load_text_datasets(data: DataArguments, builtin) -> datasets.DatasetDict:
     """Hub dataset, local files, or the built-in data (`builtin()`), always with train and validation splits."""
     if data.dataset_name:
         raw = datasets.load_dataset(data.dataset_name, data.dataset_config_name)
     elif data.train_file:
-        files = {"train": data.train_file}
+        raw = load_file(data.train_file, "--train_file")
         if data.validation_file:
-            files["validation"] = data.validation_file
-        extension = os.path.splitext(data.train_file)[1].lstrip(".")
-        extension = {"txt": "text", "jsonl": "json"}.get(extension, extension)
-        if extension not in ("text", "csv", "json", "parquet"):
-            raise ValueError(f"--train_file {data.train_file!r}: expected a .txt, .csv, .json(l) or .parquet file")
-        raw = datasets.load_dataset(extension, data_files=files)
+            raw["validation"] = load_file(data.validation_file, "--validation_file")["train"]
     else:
         logger.info("No data arguments: using the built-in Shakespeare data")
         raw = builtin()

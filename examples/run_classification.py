@@ -21,12 +21,11 @@ import datasets
 import numpy as np
 import transformers
 from example_utils import (
-    DataArguments,
-    ModelArguments,
+    load_file,
     load_or_train_tokenizer,
     load_text_datasets,
     new_config,
-    setup_logging,
+    parse_arguments,
     text_column,
 )
 
@@ -62,17 +61,10 @@ def majority_baseline(train_labels: list[int], eval_labels: list[int]) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = transformers.HfArgumentParser((ModelArguments, DataArguments, ClassificationArguments,
-                                            transformers.TrainingArguments))
-    model_args, data, cls_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    setup_logging(training_args)
-    transformers.set_seed(training_args.seed)
-
+    model_args, data, cls_args, training_args = parse_arguments(ClassificationArguments, argv)
     raw = load_text_datasets(data, genre_classification_splits)
     if cls_args.test_file:
-        extension = {"txt": "text", "jsonl": "json"}.get(cls_args.test_file.rsplit(".", 1)[-1],
-                                                         cls_args.test_file.rsplit(".", 1)[-1])
-        raw["test"] = datasets.load_dataset(extension, data_files=cls_args.test_file)["train"]
+        raw["test"] = load_file(cls_args.test_file, "--test_file")["train"]
     column = text_column(raw, data.text_column_name)
     if cls_args.label_column_name not in raw["train"].column_names:
         raise ValueError(f"--label_column_name {cls_args.label_column_name!r} not in the data's columns "

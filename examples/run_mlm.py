@@ -20,12 +20,11 @@ from itertools import chain
 import transformers
 from example_utils import (
     DataArguments,
-    ModelArguments,
     load_or_train_tokenizer,
     load_text_datasets,
     new_config,
+    parse_arguments,
     perplexity,
-    setup_logging,
     text_column,
 )
 
@@ -77,12 +76,7 @@ def masked_token_accuracy(prediction: transformers.EvalPrediction) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = transformers.HfArgumentParser((ModelArguments, DataArguments, MLMArguments,
-                                            transformers.TrainingArguments))
-    model_args, data, mlm, training_args = parser.parse_args_into_dataclasses(args=argv)
-    setup_logging(training_args)
-    transformers.set_seed(training_args.seed)
-
+    model_args, data, mlm, training_args = parse_arguments(MLMArguments, argv)
     raw = load_text_datasets(data, builtin_corpus)
     column = text_column(raw, data.text_column_name)
     tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]),

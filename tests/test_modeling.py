@@ -220,7 +220,6 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def _labels(cls, config, ids, mask):
-    batch = ids.shape[0]
     if cls is RoFormerForMaskedLM:
         return {"labels": ids.masked_fill(mask == 0, -100)}
     if cls is RoFormerForSequenceClassification:
