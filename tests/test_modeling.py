@@ -368,3 +368,14 @@ def test_public_api():
                  "RoFormerForSequenceClassification", "RoFormerForTokenClassification",
                  "RoFormerForQuestionAnswering", "RoFormerForMultipleChoice"]:
         assert name in roformer_hf.__all__ and hasattr(roformer_hf, name)
+
+
+def test_our_checkpoints_load_in_transformers_roformer(tmp_path):
+    ours = _sharpen(_model())
+    ours.save_pretrained(tmp_path)
+    theirs, info = transformers.RoFormerForMaskedLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert set(info["missing_keys"]) <= {"roformer.encoder.embed_positions.weight"}  # a computed table
+    ids, mask = padded_batch(LENGTHS)
+    with torch.no_grad():
+        expected, actual = theirs.eval()(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert max_diff_on_real_tokens(actual, expected, mask) < 1e-5
