@@ -32,7 +32,7 @@ from transformers.utils import logging
 from .configuration import AUTO_MAP, RoFormerConfig
 from .hub import push_to_hub_with_card, write_model_card
 from .padding import PackedBatch
-from .rotary import apply_rotary, rotary_cos_sin
+from .rotary import rotary_phases, rotate
 from .validation import check_encoder_inputs, check_range
 
 logger = logging.get_logger(__name__)
@@ -101,7 +101,7 @@ class RoFormerSelfAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,  # (*T, H) with T = (N,) packed or (B, L) padded
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],  # cos, sin: (*T, 1, d)
+        phases: torch.Tensor,  # rotary_phases: (*T, 1, d/2), complex
         batch: PackedBatch,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -109,11 +109,10 @@ class RoFormerSelfAttention(nn.Module):
         head_shape = (*tokens, self.num_heads, self.head_dim)
         query, key, value = (proj(hidden_states).view(head_shape) for proj in (self.query, self.key, self.value))
 
-        cos, sin = position_embeddings
         layout = self.config.rotary_layout
-        query, key = apply_rotary(query, cos, sin, layout), apply_rotary(key, cos, sin, layout)
+        query, key = rotate(query, phases, layout), rotate(key, phases, layout)
         if self.config.rotary_value:
-            value = apply_rotary(value, cos, sin, layout)
+            value = rotate(value, phases, layout)
 
         implementation = "eager" if output_attentions else self.config._attn_implementation
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
@@ -179,8 +178,8 @@ class RoFormerAttention(nn.Module):
         self.self = RoFormerSelfAttention(config)
         self.output = RoFormerResidual(config, config.hidden_size)
 
-    def forward(self, hidden_states, position_embeddings, batch, output_attentions=False):
-        context, weights = self.self(self.output.normalize_input(hidden_states), position_embeddings, batch,
+    def forward(self, hidden_states, phases, batch, output_attentions=False):
+        context, weights = self.self(self.output.normalize_input(hidden_states), phases, batch,
                                      output_attentions)
         return self.output(context, hidden_states), weights
 
@@ -206,8 +205,8 @@ class RoFormerLayer(GradientCheckpointingLayer):
         self.intermediate = RoFormerIntermediate(config)
         self.output = RoFormerResidual(config, config.intermediate_size)
 
-    def forward(self, hidden_states, position_embeddings, batch, output_attentions=False):
-        hidden_states, weights = self.attention(hidden_states, position_embeddings, batch, output_attentions)
+    def forward(self, hidden_states, phases, batch, output_attentions=False):
+        hidden_states, weights = self.attention(hidden_states, phases, batch, output_attentions)
         feed_forward = self.intermediate(self.output.normalize_input(hidden_states))
         return self.output(feed_forward, hidden_states), weights
 
@@ -231,12 +230,12 @@ class RoFormerEncoder(nn.Module):
             self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.gradient_checkpointing = False
 
-    def forward(self, hidden_states, position_embeddings, batch, output_attentions=False,
+    def forward(self, hidden_states, phases, batch, output_attentions=False,
                 output_hidden_states=False) -> EncoderOutput:
         all_hidden_states = [batch.unpack(hidden_states)] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         for layer in self.layer:
-            hidden_states, weights = layer(hidden_states, position_embeddings, batch, output_attentions)
+            hidden_states, weights = layer(hidden_states, phases, batch, output_attentions)
             if output_hidden_states:
                 all_hidden_states.append(batch.unpack(hidden_states))
             if output_attentions:
@@ -375,10 +374,9 @@ class RoFormerModel(RoFormerPreTrainedModel):
         )
         if hasattr(self, "embeddings_project"):
             hidden_states = self.embeddings_project(hidden_states)
-        cos, sin = rotary_cos_sin(batch.pack(position_ids), self.config.head_dim, self.config.rope_theta,
-                                  self.config.rotary_layout)
-        position_embeddings = (cos.unsqueeze(-2), sin.unsqueeze(-2))  # (*T, 1, d), broadcast over heads
-        return self.encoder(hidden_states, position_embeddings, batch, output_attentions, output_hidden_states)
+        phases = rotary_phases(batch.pack(position_ids), self.config.head_dim, self.config.rope_theta)
+        phases = phases.unsqueeze(-2)  # (*T, 1, d/2), broadcast over heads
+        return self.encoder(hidden_states, phases, batch, output_attentions, output_hidden_states)
 
     def forward(
         self,
@@ -497,11 +495,12 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
             labelled = (labels.flatten() != -100).nonzero().squeeze(-1)
             hidden_states = hidden_states.flatten(0, -2).index_select(0, labelled)  # (M, H)
             labels = labels.flatten().index_select(0, labelled)
-        logits = self.cls.predictions(hidden_states)  # (*T, V) or (M, V)
-        loss = None
-        if labels is not None:
+        if labels is None:
+            logits, loss = batch.unpack_map(self.cls.predictions, hidden_states), None  # (B, L, V)
+        else:
+            logits = self.cls.predictions(hidden_states)  # (*T, V) or (M, V)
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        logits = logits if sparse else batch.unpack(logits)
+            logits = logits if sparse else batch.unpack(logits)
         return self._finish(MaskedLMOutput, encoded, return_dict, loss=loss, logits=logits)
 
 

@@ -8,7 +8,9 @@ queries, keys and values back to ``(B, L, ...)`` (or hands flash-attn the sequen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -65,6 +67,20 @@ class PackedBatch:
         max_seqlen = max((end - start for start, end in spans), default=0)
         return cls(batch_size, seq_len, indices, key_mask, cu_seqlens, max_seqlen, spans, padding_indices)
 
+    @cached_property
+    def blocks(self) -> list[tuple[int, int, int]] | None:
+        """Each non-empty sequence as one run of rows, ``(packed start, flat padded start, length)``, when every
+        sequence's real tokens are contiguous (right or left padding); ``None`` for masks with holes. On the host:
+        computed (one device-to-host copy) only when asked for."""
+        if self.spans is None:
+            return None
+        starts = [start for start, _ in self.spans]
+        firsts_lasts = self.indices[starts + [end - 1 for _, end in self.spans]].tolist()
+        firsts, lasts = firsts_lasts[:len(starts)], firsts_lasts[len(starts):]
+        if any(last - first != end - start - 1 for first, last, (start, end) in zip(firsts, lasts, self.spans)):
+            return None
+        return [(start, first, end - start) for first, (start, end) in zip(firsts, self.spans)]
+
     @property
     def is_packed(self) -> bool:
         return self.indices is not None
@@ -84,3 +100,23 @@ class PackedBatch:
         padded = x.new_empty(self.batch_size * self.seq_len, *x.shape[1:])
         padded = padded.index_copy_(0, self.indices, x).index_fill_(0, self.padding_indices, 0)
         return padded.view(self.batch_size, self.seq_len, *x.shape[1:])
+
+    def unpack_map(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``unpack(fn(x))`` for a token-wise ``fn`` whose output is wide (the MLM head's logits).
+
+        On CPU, with contiguous sequences, ``fn`` runs one sequence at a time and each result goes straight into
+        the padded output: no packed ``(N, vocab)`` intermediate, whose fresh pages and extra copy cost about
+        as much as the copy into the padded tensor. Elsewhere it is ``unpack(fn(x))``.
+        """
+        if self.indices is None or x.device.type != "cpu" or self.blocks is None:
+            return self.unpack(fn(x))
+        padded, end = None, 0
+        for packed_start, padded_start, length in self.blocks:
+            rows = fn(x[packed_start:packed_start + length])
+            if padded is None:
+                padded = rows.new_empty(self.batch_size * self.seq_len, *rows.shape[1:])
+            padded[end:padded_start] = 0
+            padded[padded_start:padded_start + length] = rows
+            end = padded_start + length
+        padded[end:] = 0
+        return padded.view(self.batch_size, self.seq_len, *padded.shape[1:])

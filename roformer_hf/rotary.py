@@ -79,6 +79,36 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
     return (xf * cos + rotate_pairs(xf, layout) * sin).to(x.dtype)
 
 
+def rotary_phases(position_ids: torch.Tensor, head_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """The rotations as unit complex numbers ``exp(i * m * theta_i)``, for `rotate`. Shape ``(*P, d/2)``, complex64.
+
+    The same angles as `rotary_cos_sin` (formed in float64), one entry per pair instead of one per dimension.
+    """
+    angles = position_ids.to(torch.float64).unsqueeze(-1) * inverse_frequencies(head_dim, base, position_ids.device)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def rotate(x: torch.Tensor, phases: torch.Tensor, layout: str = "interleaved") -> torch.Tensor:
+    """`apply_rotary` as one complex multiplication: each pair ``(a, b)`` is ``a + ib`` times its phase.
+
+    Equal to `apply_rotary` (up to float32 rounding) and several times faster in eager mode, where the real form
+    costs five passes over ``x`` (negate, interleave, two products, sum) against one here. Computed in float32,
+    returned in ``x.dtype``.
+
+    Args:
+        x: ``(..., d)``; for attention ``(*tokens, heads, d)``.
+        phases: from `rotary_phases`, broadcastable to ``(..., d/2)`` (e.g. ``(*tokens, 1, d/2)``).
+    """
+    _check_layout(layout)
+    xf = x.float()
+    if layout == "interleaved":  # pairs are adjacent: the memory layout of a complex tensor
+        pairs = torch.view_as_complex(xf.unflatten(-1, (-1, 2)).contiguous())
+        return torch.view_as_real(pairs * phases).flatten(-2).to(x.dtype)
+    first, second = xf.chunk(2, dim=-1)
+    turned = torch.complex(first, second) * phases
+    return torch.cat((turned.real, turned.imag), dim=-1).to(x.dtype)
+
+
 def interleaved_to_half_permutation(head_dim: int) -> torch.Tensor:
     """Index ``p`` with ``x_half = x_interleaved[..., p]``: ``[0, 2, 4, ..., 1, 3, 5, ...]``.
 
