@@ -41,7 +41,7 @@ def build_model(args: argparse.Namespace):
     config = roformer_hf.RoFormerConfig(
         vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=size.layers,
         num_attention_heads=size.heads, intermediate_size=size.intermediate, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation=args.attn,
+        attention_probs_dropout_prob=0.0, attn_implementation=args.attn, sparse_prediction=not args.dense_prediction,
     )
     torch.manual_seed(args.seed)
     return roformer_hf.RoFormerForMaskedLM(config)
@@ -90,6 +90,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_size_arguments(parser)
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    parser.add_argument("--dense-prediction", action="store_true",
+                        help="training runs the MLM head on every token (default: labelled tokens only, as bench_cpu.py)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rows", type=int, default=15, help="operators to list")
     parser.add_argument("--shapes", action="store_true", help="record input shapes and group by them")

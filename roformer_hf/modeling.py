@@ -129,13 +129,13 @@ class RoFormerSelfAttention(nn.Module):
             output = output.squeeze(0)  # (N, nh, d)
         elif batch.is_packed and implementation == "sdpa" and hidden_states.device.type == "cpu":
             # On CPU, attending within each sequence's own slice does no work for padding and needs no mask.
-            def one_sequence(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-                return t[start:end].transpose(0, 1).unsqueeze(0)  # (1, nh, n, d)
-
+            # `split` (not indexing) so that the backward pass joins the gradients with one `cat`.
+            lengths = [end - start for start, end in batch.spans]
+            sequences = zip(*(t.split(lengths) for t in (query, key, value)))  # (n, nh, d) each
             output = torch.cat([
-                attention(self, *(one_sequence(t, start, end) for t in (query, key, value)), None,
+                attention(self, *(t.transpose(0, 1).unsqueeze(0) for t in qkv), None,  # (1, nh, n, d)
                           dropout=dropout, scaling=self.scaling)[0].squeeze(0)  # (n, nh, d)
-                for start, end in batch.spans
+                for qkv in sequences
             ]) if batch.spans else query.new_zeros(query.shape)
             weights = None
         else:

@@ -41,3 +41,35 @@ def test_key_mask_never_leaves_a_row_empty():
     assert batch.key_mask.any(dim=-1).all()  # the fully padded row may see its first key
     assert batch.key_mask[1, 0, 0].tolist() == [True, False, False, False]
     assert torch.equal(batch.key_mask[[0, 2, 3], 0, 0], MASK[[0, 2, 3]].bool())
+
+
+def test_blocks_locate_each_sequence_in_the_padded_batch():
+    # MASK has right, no, and both-side padding and an empty row: every sequence is still one run of rows.
+    assert PackedBatch.from_attention_mask(MASK, 4, 4).blocks == [(0, 0, 3), (3, 8, 4), (7, 13, 2)]
+    left = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert PackedBatch.from_attention_mask(left, 2, 4).blocks == [(0, 2, 2), (2, 4, 4)]
+    holes = torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]])
+    assert PackedBatch.from_attention_mask(holes, 2, 4).blocks is None
+
+
+def test_unpack_map_equals_unpack_of_the_mapped_tokens():
+    """The per-sequence path (contiguous sequences) and the fallback (holes) both give unpack(fn(x)), values and
+    gradients, with zeros at the padding."""
+    weight = torch.randn(3, 5)
+
+    def fn(t):
+        return torch.tanh(t @ weight)
+
+    for mask in (MASK, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]),
+                 torch.tensor([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 1]])):
+        batch = PackedBatch.from_attention_mask(mask, 4, 4)
+        x = torch.randn(int(mask.sum()), 3, requires_grad=True)
+        mapped = batch.unpack_map(fn, x)
+        expected = batch.unpack(fn(x))
+        assert mapped.shape == (4, 4, 5)
+        torch.testing.assert_close(mapped, expected, atol=0, rtol=0)
+        assert (mapped[~mask.bool()] == 0).all()
+        grad = torch.randn(4, 4, 5)
+        (got,) = torch.autograd.grad(mapped, x, grad)
+        (want,) = torch.autograd.grad(expected, x, grad)
+        torch.testing.assert_close(got, want)

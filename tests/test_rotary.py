@@ -8,6 +8,8 @@ from roformer_hf.rotary import (
     interleaved_to_half_permutation,
     inverse_frequencies,
     rotary_cos_sin,
+    rotary_phases,
+    rotate,
     rotate_pairs,
 )
 
@@ -111,6 +113,34 @@ def test_half_precision_inputs_keep_their_dtype_and_accuracy():
     torch.testing.assert_close(half.float(), full, atol=5e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_complex_rotate_equals_the_real_formula(layout, dtype):
+    """The model's kernel (one complex multiplication) against `apply_rotary`'s cos/sin arithmetic: values, dtype
+    and gradients, at positions far past any table."""
+    torch.manual_seed(3)
+    positions = torch.tensor([0, 1, 7, 511, 4095, 20000])
+    x = torch.randn(6, 4, 32).to(dtype).requires_grad_()
+    cos, sin = rotary_cos_sin(positions, 32, layout=layout)
+    fast = rotate(x, rotary_phases(positions, 32)[:, None], layout)
+    reference = apply_rotary(x, cos[:, None], sin[:, None], layout)
+    assert fast.dtype == dtype
+    exact = dtype == torch.float32
+    torch.testing.assert_close(fast, reference, atol=1e-5 if exact else 1e-2, rtol=1e-5 if exact else 1e-2)
+    grad = torch.randn_like(reference)
+    (fast_grad,), (reference_grad,) = (torch.autograd.grad(y, x, grad) for y in (fast, reference))
+    torch.testing.assert_close(fast_grad, reference_grad, atol=1e-5 if exact else 1e-2, rtol=1e-5 if exact else 1e-2)
+
+
+def test_phases_are_unit_complex_numbers_at_the_rotation_angles():
+    positions = torch.tensor([0, 3, 1000])
+    phases = rotary_phases(positions, 8, base=100.0)
+    assert phases.shape == (3, 4) and phases.dtype == torch.complex64
+    angles = positions[:, None].double() * torch.tensor([100.0 ** (-2 * i / 8) for i in range(4)], dtype=torch.float64)
+    torch.testing.assert_close(phases.real.double(), angles.cos(), atol=1e-7, rtol=0)
+    torch.testing.assert_close(phases.imag.double(), angles.sin(), atol=1e-7, rtol=0)
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -118,6 +148,7 @@ def test_half_precision_inputs_keep_their_dtype_and_accuracy():
         (lambda: inverse_frequencies(8, base=0), "base=0"),
         (lambda: rotary_cos_sin(torch.arange(3), 8, layout="spiral"), "layout='spiral'"),
         (lambda: interleaved_to_half_permutation(5), "head_dim=5"),
+        (lambda: rotate(torch.zeros(2, 8), torch.ones(2, 4, dtype=torch.complex64), "spiral"), "layout='spiral'"),
     ],
 )
 def test_invalid_arguments_name_the_argument(call, message):
