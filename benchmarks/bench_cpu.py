@@ -37,8 +37,8 @@ from statistics import median
 
 import torch
 
-from workload import (add_size_arguments, forward_flops, padded_batch, parse_args, size_of, sparse_head_forward_flops,
-                      transformers_config)
+from workload import (add_size_arguments, allocator_line, forward_flops, keep_freed_memory, padded_batch, parse_args,
+                      size_of, sparse_head_forward_flops, transformers_config)
 
 TARGETS = {"infer speed-up": 2.0, "train speed-up": 2.2, "gemm fraction": 0.85, "memory ratio": 1 / 3}
 SIDES = ("transformers", "roformer_hf")
@@ -266,7 +266,8 @@ def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> N
     print(f"Model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}, "
           f"vocab {size.vocab}, MLM head. Batch: {len(args.lengths)} sequences of "
           f"{'/'.join(map(str, args.lengths))} tokens, right-padded to {max(args.lengths)} "
-          f"({tokens} real of {padded}, {tokens / padded:.0%}). roformer_hf attention: {args.attn}.\n")
+          f"({tokens} real of {padded}, {tokens / padded:.0%}). roformer_hf attention: {args.attn}. "
+          f"Allocator: {allocator_line(args)}.\n")
     print("| measurement | transformers | roformer_hf | ratio | target | met |")
     print("|---|---|---|---|---|---|")
     for mode, label, key in (("infer", "inference forward", "infer speed-up"),
@@ -368,6 +369,8 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     if args.memory_worker:
         return memory_worker(args)
+    if args.keep_freed_memory:
+        keep_freed_memory()  # timing only: the memory measurement runs in subprocesses with settings of its own
 
     size = size_of(args)
     batch = padded_batch(args.lengths, args.vocab, args.seed)

@@ -11,12 +11,13 @@ initialised roformer_hf model (speed does not depend on the weights); dropout is
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from workload import add_size_arguments, padded_batch, parse_args, size_of
+from workload import add_size_arguments, allocator_line, keep_freed_memory, padded_batch, parse_args, size_of
 
 # Operator-name fragments -> the part of the model they stand for; the first match wins.
 CATEGORIES = (
@@ -61,9 +62,11 @@ def categorize(averages, total: float) -> dict[str, tuple[float, list[str]]]:
 def profile_step(name: str, step, warmup: int, args: argparse.Namespace) -> None:
     for _ in range(warmup):
         step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     step()
     unprofiled = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
         start = time.perf_counter()
         step()
@@ -71,7 +74,8 @@ def profile_step(name: str, step, warmup: int, args: argparse.Namespace) -> None
     averages = prof.key_averages(group_by_input_shape=args.shapes)
     total = sum(event.self_cpu_time_total for event in averages)
     print(f"\n## {name}: {total / 1e6:.3f} s of self CPU time; wall time {profiled:.3f} s profiled, "
-          f"{unprofiled:.3f} s unprofiled just before\n")
+          f"{unprofiled:.3f} s unprofiled just before, with {faults} page faults ({faults * 4 / 1024:.0f} MiB of fresh "
+          "pages; their cost shows in whichever operator first writes them)\n")
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     print(f"Top {args.rows} by share of self CPU time:")
     for event in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.rows]:
@@ -99,11 +103,14 @@ def main() -> None:
     args = parse_args(parser)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.keep_freed_memory:
+        keep_freed_memory()
 
     model = build_model(args)
     input_ids, attention_mask, labels = padded_batch(args.lengths, args.vocab, args.seed)
     print(f"roformer_hf {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, lengths "
-          f"{'/'.join(map(str, args.lengths))}, {torch.get_num_threads()} threads, attention {args.attn}")
+          f"{'/'.join(map(str, args.lengths))}, {torch.get_num_threads()} threads, attention {args.attn}\n"
+          f"allocator: {allocator_line(args)}")
 
     def forward():
         with torch.inference_mode():

@@ -48,6 +48,8 @@ def add_size_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
                         help="tiny smoke configuration (seconds); flags given explicitly still apply")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="make glibc keep freed memory for reuse, as jemalloc/tcmalloc do (see keep_freed_memory)")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None, **quick_defaults) -> argparse.Namespace:
@@ -116,3 +118,26 @@ def sparse_head_forward_flops(flops: dict[str, float], tokens: int, labelled: in
     `tokens` real ones: what a training forward with sparse prediction computes (roformer_hf, ModernBERT)."""
     head = flops["head transform"] + flops["decoder"]
     return sum(flops.values()) - head + head * labelled / tokens
+
+
+def keep_freed_memory() -> None:
+    """Makes glibc's malloc keep freed memory for the next allocation instead of handing it back to the OS.
+
+    By default glibc serves allocations above 32 MiB (here: the logits, the feed-forward activations) with fresh
+    `mmap`s and trims freed heap memory, so every forward page-faults its large tensors in again, 4 KiB at a
+    time; in a VM that costs about 1 us per page. Allocators such as jemalloc or tcmalloc (which PyTorch's CPU
+    tuning guides recommend) keep that memory instead. Raising the mmap and trim thresholds does the same for
+    this whole process, for both models alike. Linux with glibc only.
+    """
+    import ctypes
+
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
+    libc = ctypes.CDLL("libc.so.6")
+    if not (libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, (1 << 31) - 1)):
+        raise RuntimeError("glibc refused mallopt(M_MMAP_THRESHOLD / M_TRIM_THRESHOLD)")
+
+
+def allocator_line(args: argparse.Namespace) -> str:
+    if args.keep_freed_memory:
+        return "glibc malloc keeping freed memory (--keep-freed-memory): large tensors reuse pages, few page faults"
+    return "glibc malloc, default settings: large tensors get fresh pages and page-fault them in on every call"
