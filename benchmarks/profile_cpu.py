@@ -95,7 +95,7 @@ def main() -> None:
     add_size_arguments(parser)
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--dense-prediction", action="store_true",
-                        help="training runs the MLM head on every token (default: labelled tokens only, as bench_cpu.py)")
+                        help="training runs the MLM head on every token (default: labelled ones only, as bench_cpu.py)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rows", type=int, default=15, help="operators to list")
     parser.add_argument("--shapes", action="store_true", help="record input shapes and group by them")
