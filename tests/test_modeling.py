@@ -338,6 +338,18 @@ def test_fully_padded_row_stays_finite(dtype, implementation, unpad):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("unpad", [True, False])
+def test_batch_without_any_real_token(unpad):
+    """An all-zero attention mask (e.g. a filtered-out batch): every head answers with the usual shapes, no crash."""
+    ids, mask = padded_batch([3, 2])
+    mask[:] = 0
+    with torch.no_grad():
+        logits = _model(unpad_inputs=unpad)(ids, attention_mask=mask).logits
+        classes = _model(RoFormerForSequenceClassification, unpad_inputs=unpad)(ids, attention_mask=mask).logits
+    assert logits.shape == (2, ids.shape[1], 97) and torch.isfinite(logits).all()
+    assert classes.shape == (2, 2) and torch.isfinite(classes).all()
+
+
 def test_model_runs_far_past_max_position_embeddings():
     model = _model(RoFormerModel, max_position_embeddings=16)
     with torch.no_grad():

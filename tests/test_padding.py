@@ -61,7 +61,8 @@ def test_unpack_map_equals_unpack_of_the_mapped_tokens():
         return torch.tanh(t @ weight)
 
     for mask in (MASK, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]),
-                 torch.tensor([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 1]])):
+                 torch.tensor([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 1]]),
+                 torch.zeros(4, 4, dtype=torch.long)):
         batch = PackedBatch.from_attention_mask(mask, 4, 4)
         x = torch.randn(int(mask.sum()), 3, requires_grad=True)
         mapped = batch.unpack_map(fn, x)
