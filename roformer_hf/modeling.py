@@ -101,7 +101,7 @@ class RoFormerSelfAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,  # (*T, H) with T = (N,) packed or (B, L) padded
-        phases: torch.Tensor,  # rotary_phases: (*T, 1, d/2), complex
+        phases: torch.Tensor,  # rotary_phases: (*T, 1, d/2, 2)
         batch: PackedBatch,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -375,7 +375,7 @@ class RoFormerModel(RoFormerPreTrainedModel):
         if hasattr(self, "embeddings_project"):
             hidden_states = self.embeddings_project(hidden_states)
         phases = rotary_phases(batch.pack(position_ids), self.config.head_dim, self.config.rope_theta)
-        phases = phases.unsqueeze(-2)  # (*T, 1, d/2), broadcast over heads
+        phases = phases.unsqueeze(-3)  # (*T, 1, d/2, 2), broadcast over heads
         return self.encoder(hidden_states, phases, batch, output_attentions, output_hidden_states)
 
     def forward(

@@ -132,13 +132,26 @@ def test_complex_rotate_equals_the_real_formula(layout, dtype):
     torch.testing.assert_close(fast_grad, reference_grad, atol=1e-5 if exact else 1e-2, rtol=1e-5 if exact else 1e-2)
 
 
-def test_phases_are_unit_complex_numbers_at_the_rotation_angles():
+def test_phases_are_cos_and_sin_of_the_rotation_angles():
     positions = torch.tensor([0, 3, 1000])
     phases = rotary_phases(positions, 8, base=100.0)
-    assert phases.shape == (3, 4) and phases.dtype == torch.complex64
+    assert phases.shape == (3, 4, 2) and phases.dtype == torch.float32
     angles = positions[:, None].double() * torch.tensor([100.0 ** (-2 * i / 8) for i in range(4)], dtype=torch.float64)
-    torch.testing.assert_close(phases.real.double(), angles.cos(), atol=1e-7, rtol=0)
-    torch.testing.assert_close(phases.imag.double(), angles.sin(), atol=1e-7, rtol=0)
+    torch.testing.assert_close(phases[..., 0].double(), angles.cos(), atol=1e-7, rtol=0)
+    torch.testing.assert_close(phases[..., 1].double(), angles.sin(), atol=1e-7, rtol=0)
+    torch.testing.assert_close(torch.view_as_complex(phases).abs(), torch.ones(3, 4))  # unit complex numbers
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_compiled_rotate_equals_the_real_formula(layout):
+    """Under torch.compile `rotate` takes its real-arithmetic branch; it must agree with eager `apply_rotary`."""
+    torch.manual_seed(4)
+    positions = torch.arange(0, 3000, 100)
+    x = torch.randn(30, 2, 16)
+    cos, sin = rotary_cos_sin(positions, 16, layout=layout)
+    compiled = torch.compile(rotate, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, rotary_phases(positions, 16)[:, None], layout),
+                               apply_rotary(x, cos[:, None], sin[:, None], layout), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +161,7 @@ def test_phases_are_unit_complex_numbers_at_the_rotation_angles():
         (lambda: inverse_frequencies(8, base=0), "base=0"),
         (lambda: rotary_cos_sin(torch.arange(3), 8, layout="spiral"), "layout='spiral'"),
         (lambda: interleaved_to_half_permutation(5), "head_dim=5"),
-        (lambda: rotate(torch.zeros(2, 8), torch.ones(2, 4, dtype=torch.complex64), "spiral"), "layout='spiral'"),
+        (lambda: rotate(torch.zeros(2, 8), torch.ones(2, 4, 2), "spiral"), "layout='spiral'"),
     ],
 )
 def test_invalid_arguments_name_the_argument(call, message):
