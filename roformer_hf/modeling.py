@@ -130,13 +130,16 @@ class RoFormerSelfAttention(nn.Module):
         elif batch.is_packed and implementation == "sdpa" and hidden_states.device.type == "cpu":
             # On CPU, attending within each sequence's own slice does no work for padding and needs no mask.
             # `split` (not indexing) so that the backward pass joins the gradients with one `cat`.
-            lengths = [end - start for start, end in batch.spans]
-            sequences = zip(*(t.split(lengths) for t in (query, key, value)))  # (n, nh, d) each
-            output = torch.cat([
-                attention(self, *(t.transpose(0, 1).unsqueeze(0) for t in qkv), None,  # (1, nh, n, d)
-                          dropout=dropout, scaling=self.scaling)[0].squeeze(0)  # (n, nh, d)
-                for qkv in sequences
-            ]) if batch.spans else query.new_zeros(query.shape)
+            if batch.spans:
+                lengths = [end - start for start, end in batch.spans]
+                sequences = zip(*(t.split(lengths) for t in (query, key, value)))  # (n, nh, d) each
+                output = torch.cat([
+                    attention(self, *(t.transpose(0, 1).unsqueeze(0) for t in qkv), None,  # (1, nh, n, d)
+                              dropout=dropout, scaling=self.scaling)[0].squeeze(0)  # (n, nh, d)
+                    for qkv in sequences
+                ])
+            else:  # not a single real token
+                output = query.new_zeros(query.shape)
             weights = None
         else:
             query, key, value = (batch.unpack(t).transpose(1, 2) for t in (query, key, value))  # (B, nh, L, d)

@@ -70,8 +70,8 @@ class PackedBatch:
     @cached_property
     def blocks(self) -> list[tuple[int, int, int]] | None:
         """Each non-empty sequence as one run of rows, ``(packed start, flat padded start, length)``, when every
-        sequence's real tokens are contiguous (right or left padding); ``None`` for masks with holes. On the host:
-        computed (one device-to-host copy) only when asked for."""
+        sequence's real tokens are contiguous (right or left padding); ``[]`` when there is no real token, ``None``
+        for masks with holes. On the host: computed (one device-to-host copy) only when asked for."""
         if self.spans is None:
             return None
         starts = [start for start, _ in self.spans]
@@ -101,19 +101,25 @@ class PackedBatch:
         padded = padded.index_copy_(0, self.indices, x).index_fill_(0, self.padding_indices, 0)
         return padded.view(self.batch_size, self.seq_len, *x.shape[1:])
 
-    def unpack_map(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def unpack_map(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                   min_rows: int = 64) -> torch.Tensor:
         """``unpack(fn(x))`` for a token-wise ``fn`` whose output is wide (the MLM head's logits).
 
-        On CPU, with contiguous sequences, ``fn`` runs one sequence at a time and each result goes straight into
-        the padded output. That skips the packed ``(N, vocab)`` intermediate and its copy (at the benchmark size
-        126 MiB of fresh memory and ~40 ms per forward). Elsewhere, or with no real token at all, it is
-        ``unpack(fn(x))``.
+        On CPU, with contiguous sequences of ``min_rows`` tokens on average or more, ``fn`` runs one sequence at a
+        time and each result goes straight into the padded output. That skips the packed ``(N, vocab)``
+        intermediate and its copy (at the benchmark size 126 MiB of fresh memory and ~40 ms per forward). Shorter
+        sequences would make ``fn`` too small a GEMM each (re-reading its whole weight), so they, other devices,
+        masks with holes and batches without a real token take ``unpack(fn(x))``.
         """
-        if self.indices is None or x.device.type != "cpu" or not self.blocks:
+        blocks = self.blocks if self.indices is not None and x.device.type == "cpu" else None
+        if not blocks or x.shape[0] < min_rows * len(blocks):
             return self.unpack(fn(x))
         padded, end = None, 0
-        for packed_start, padded_start, length in self.blocks:
+        for packed_start, padded_start, length in blocks:
             rows = fn(x[packed_start:packed_start + length])
+            if rows.shape[0] != length:
+                raise ValueError(f"unpack_map needs a token-wise fn (one output row per input row); it turned "
+                                 f"{length} rows into {rows.shape[0]}")
             if padded is None:
                 padded = rows.new_empty(self.batch_size * self.seq_len, *rows.shape[1:])
             padded[end:padded_start] = 0

@@ -111,10 +111,18 @@ def rotate(x: torch.Tensor, phases: torch.Tensor, layout: str = "interleaved") -
         (real, imag), (cos, sin) = pairs.unbind(-1), phases.unbind(-1)
         turned = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     else:
-        turned = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * torch.view_as_complex(phases))
+        turned = torch.view_as_real(_as_complex(pairs) * _as_complex(phases.float()))
     if layout == "interleaved":
         return turned.flatten(-2).to(x.dtype)
     return torch.cat(turned.unbind(-1), dim=-1).to(x.dtype)
+
+
+def _as_complex(pairs: torch.Tensor) -> torch.Tensor:
+    """``(..., 2)`` float32 -> ``(...)`` complex64: a view when the memory allows one (adjacent pairs, even strides
+    and offset), else a copy."""
+    if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(stride % 2 for stride in pairs.stride()[:-1]):
+        pairs = pairs.clone(memory_format=torch.contiguous_format)
+    return torch.view_as_complex(pairs)
 
 
 def interleaved_to_half_permutation(head_dim: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """PackedBatch: packing real tokens and putting them back."""
 
+import pytest
 import torch
 
 from roformer_hf.padding import PackedBatch
@@ -65,7 +66,7 @@ def test_unpack_map_equals_unpack_of_the_mapped_tokens():
                  torch.zeros(4, 4, dtype=torch.long)):
         batch = PackedBatch.from_attention_mask(mask, 4, 4)
         x = torch.randn(int(mask.sum()), 3, requires_grad=True)
-        mapped = batch.unpack_map(fn, x)
+        mapped = batch.unpack_map(fn, x, min_rows=1)  # per sequence even for these short ones
         expected = batch.unpack(fn(x))
         assert mapped.shape == (4, 4, 5)
         torch.testing.assert_close(mapped, expected, atol=0, rtol=0)
@@ -74,3 +75,25 @@ def test_unpack_map_equals_unpack_of_the_mapped_tokens():
         (got,) = torch.autograd.grad(mapped, x, grad)
         (want,) = torch.autograd.grad(expected, x, grad)
         torch.testing.assert_close(got, want)
+
+
+def test_unpack_map_runs_fn_per_sequence_only_for_long_enough_sequences():
+    calls = []
+
+    def fn(t):
+        calls.append(t.shape[0])
+        return t * 2
+
+    batch = PackedBatch.from_attention_mask(MASK, 4, 4)  # sequences of 3, 4 and 2 tokens
+    x = torch.randn(9, 3)
+    torch.testing.assert_close(batch.unpack_map(fn, x, min_rows=3), batch.unpack(x * 2))
+    assert calls == [3, 4, 2]
+    calls.clear()
+    torch.testing.assert_close(batch.unpack_map(fn, x, min_rows=4), batch.unpack(x * 2))
+    assert calls == [9]  # 9 tokens < 4 x 3 sequences: one call on all the packed tokens
+
+
+def test_unpack_map_refuses_a_fn_that_is_not_token_wise():
+    batch = PackedBatch.from_attention_mask(MASK, 4, 4)
+    with pytest.raises(ValueError, match="token-wise fn"):
+        batch.unpack_map(lambda t: t.mean(0, keepdim=True), torch.randn(9, 3), min_rows=1)

@@ -132,6 +132,19 @@ def test_complex_rotate_equals_the_real_formula(layout, dtype):
     torch.testing.assert_close(fast_grad, reference_grad, atol=1e-5 if exact else 1e-2, rtol=1e-5 if exact else 1e-2)
 
 
+def test_rotate_takes_any_memory_layout_and_phase_dtype():
+    """Views at odd offsets, transposed phases and bf16 phases cannot be read as complex numbers in place; rotate
+    must still give the real formula's result."""
+    positions = torch.arange(3)
+    cos, sin = rotary_cos_sin(positions, 8)
+    x = torch.randn(25)[1:].view(3, 8)  # contiguous, storage offset 1
+    expected = apply_rotary(x, cos, sin)
+    torch.testing.assert_close(rotate(x, rotary_phases(positions, 8)), expected)
+    transposed = rotary_phases(positions, 8).transpose(-1, -2).contiguous().transpose(-1, -2)  # last stride 4
+    torch.testing.assert_close(rotate(x, transposed), expected)
+    torch.testing.assert_close(rotate(x, rotary_phases(positions, 8).bfloat16()), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_phases_are_cos_and_sin_of_the_rotation_angles():
     positions = torch.tensor([0, 3, 1000])
     phases = rotary_phases(positions, 8, base=100.0)
