@@ -113,6 +113,9 @@ class RoFormerConfig(PreTrainedConfig):
             fail("norm_position", f"one of {NORM_POSITIONS}")
         if not self.rope_theta > 0:
             fail("rope_theta", "a number > 0")
+        chunk = self.chunk_size_feed_forward
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            fail("chunk_size_feed_forward", "a non-negative integer (0: no chunking)")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 fail(name, "a probability in [0, 1]")

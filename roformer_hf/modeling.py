@@ -200,18 +200,29 @@ class RoFormerIntermediate(nn.Module):
 
 
 class RoFormerLayer(GradientCheckpointingLayer):
-    """One encoder block: attention sublayer, then feed-forward sublayer (`intermediate` + `output`)."""
+    """One encoder block: attention sublayer, then feed-forward sublayer (`intermediate` + `output`).
+
+    With `config.chunk_size_feed_forward = n > 0` the feed-forward runs on `n` tokens at a time (as in
+    transformers): the same result, with the `intermediate_size`-wide activation only `n` tokens long.
+    """
 
     def __init__(self, config: RoFormerConfig):
         super().__init__()
         self.attention = RoFormerAttention(config)
         self.intermediate = RoFormerIntermediate(config)
         self.output = RoFormerResidual(config, config.intermediate_size)
+        self.chunk_size_feed_forward = config.chunk_size_feed_forward
+
+    def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # token-wise: (*T, H) -> (*T, H)
+        return self.output(self.intermediate(self.output.normalize_input(hidden_states)), hidden_states)
 
     def forward(self, hidden_states, phases, batch, output_attentions=False):
         hidden_states, weights = self.attention(hidden_states, phases, batch, output_attentions)
-        feed_forward = self.intermediate(self.output.normalize_input(hidden_states))
-        return self.output(feed_forward, hidden_states), weights
+        chunk = self.chunk_size_feed_forward
+        if chunk and hidden_states.shape[-2] > chunk:  # tokens are dim -2, packed (N, H) or padded (B, L, H)
+            parts = hidden_states.split(chunk, dim=-2)
+            return torch.cat([self.feed_forward(part) for part in parts], dim=-2), weights
+        return self.feed_forward(hidden_states), weights
 
 
 class EncoderOutput(NamedTuple):

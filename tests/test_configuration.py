@@ -31,6 +31,8 @@ def test_defaults_match_transformers_roformer():
         (dict(rope_theta=-5.0), "rope_theta"),
         (dict(vocab_size=0), "vocab_size"),
         (dict(hidden_dropout_prob=1.5), "hidden_dropout_prob"),
+        (dict(chunk_size_feed_forward=-1), "chunk_size_feed_forward"),
+        (dict(chunk_size_feed_forward=2.5), "chunk_size_feed_forward"),
     ],
 )
 def test_invalid_values_fail_at_construction_naming_the_field(kwargs, field):

@@ -219,6 +219,32 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("unpad", [True, False])
+def test_chunked_feed_forward_matches_transformers_and_unchunked(tmp_path, unpad):
+    """chunk_size_feed_forward=5: 41 packed tokens (or 4 x 20 padded) go through the feed-forward 5 at a time,
+    the last chunk short, with the outputs of transformers' (chunked) RoFormer and of our unchunked model."""
+    reference, ours = reference_and_ours("RoFormerForMaskedLM", tmp_path, chunk_size_feed_forward=5)
+    ours.config.unpad_inputs = unpad
+    ids, mask = padded_batch(LENGTHS)
+    calls = []
+    ours.roformer.encoder.layer[0].intermediate.dense.register_forward_hook(
+        lambda module, args, output: calls.append(args[0].shape[-2]))
+    with torch.no_grad():
+        expected, chunked = reference(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    tokens = sum(LENGTHS) if unpad else mask.shape[1]
+    assert calls == [5] * (tokens // 5) + ([tokens % 5] if tokens % 5 else [])
+    assert max_diff_on_real_tokens(chunked, expected, mask) < 1e-5
+
+    labels = ids.masked_fill(mask == 0, -100)
+    chunked_grads = _grads(ours, ids, mask, labels)
+    for layer in ours.roformer.encoder.layer:
+        layer.chunk_size_feed_forward = 0
+    plain_grads = _grads(ours, ids, mask, labels)
+    assert calls[-1] == tokens  # the unchunked pass took all tokens at once
+    for name in plain_grads:
+        torch.testing.assert_close(chunked_grads[name], plain_grads[name], atol=1e-6, rtol=1e-5)
+
+
 def _labels(cls, config, ids, mask):
     if cls is RoFormerForMaskedLM:
         return {"labels": ids.masked_fill(mask == 0, -100)}
