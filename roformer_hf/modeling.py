@@ -534,8 +534,11 @@ class RoFormerClassificationHead(nn.Module):
 
 
 def first_tokens(encoded: EncoderOutput) -> torch.Tensor:
-    """The last hidden state at position 0 ([CLS]) of every sequence: `(B, H)`."""
-    return encoded.batch.unpack(encoded.last_hidden_state)[:, 0]
+    """The last hidden state at the first real token ([CLS]) of every sequence, left padding or right: `(B, H)`.
+
+    transformers' RoFormer reads position 0, which is the same token unless the batch is left-padded (where
+    position 0 is padding and the logits would not depend on the text)."""
+    return encoded.batch.edge_tokens(encoded.last_hidden_state)
 
 
 class RoFormerForSequenceClassification(RoFormerHeadModel):
@@ -616,7 +619,8 @@ class RoFormerForQuestionAnswering(RoFormerHeadModel):
 
 class RoFormerForMultipleChoice(RoFormerHeadModel):
     """RoFormer scoring `num_choices` candidates per example: inputs `(B, num_choices, L)`, logits
-    `(B, num_choices)`, one score per choice from its [CLS] state."""
+    `(B, num_choices)`, one score per choice from the state of its last real token (as transformers' RoFormer,
+    whose sequence summary takes the last position: the same token unless the choice is right-padded)."""
 
     def __init__(self, config: RoFormerConfig):
         super().__init__(config)
@@ -639,7 +643,8 @@ class RoFormerForMultipleChoice(RoFormerHeadModel):
         encoded = self.roformer.encode(flat(input_ids, 1), flat(attention_mask, 1), flat(token_type_ids, 1),
                                        flat(position_ids, 1), flat(inputs_embeds, 2), output_attentions,
                                        output_hidden_states)
-        logits = self.classifier(self.dropout(first_tokens(encoded))).view(-1, num_choices)
+        last_tokens = encoded.batch.edge_tokens(encoded.last_hidden_state, last=True)  # (B * num_choices, H)
+        logits = self.classifier(self.dropout(last_tokens)).view(-1, num_choices)
         loss = None
         if labels is not None:
             check_range("labels", labels, num_choices)

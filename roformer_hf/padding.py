@@ -28,6 +28,7 @@ class PackedBatch:
         max_seqlen: the longest sequence.
         spans: ``(start, end)`` of each non-empty sequence among the packed tokens, on the host.
         padding_indices: ``(B * L - N,)`` flat positions of the padding.
+        mask: ``(B, L)`` boolean, True at the real tokens; ``None`` without padding.
     """
 
     batch_size: int
@@ -38,6 +39,7 @@ class PackedBatch:
     max_seqlen: int | None = None
     spans: list[tuple[int, int]] | None = None
     padding_indices: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
     @classmethod
     def from_attention_mask(
@@ -57,7 +59,7 @@ class PackedBatch:
         key_mask[:, 0] |= ~mask.any(dim=-1)
         key_mask = key_mask[:, None, None, :]
         if not unpad:
-            return cls(batch_size, seq_len, key_mask=key_mask)
+            return cls(batch_size, seq_len, key_mask=key_mask, mask=mask)
         lengths = mask.sum(dim=-1, dtype=torch.int32)
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         indices = mask.flatten().nonzero().squeeze(-1)
@@ -65,7 +67,7 @@ class PackedBatch:
         offsets = cu_seqlens.tolist()  # one host copy gives the spans and the longest length
         spans = [(start, end) for start, end in zip(offsets[:-1], offsets[1:]) if end > start]
         max_seqlen = max((end - start for start, end in spans), default=0)
-        return cls(batch_size, seq_len, indices, key_mask, cu_seqlens, max_seqlen, spans, padding_indices)
+        return cls(batch_size, seq_len, indices, key_mask, cu_seqlens, max_seqlen, spans, padding_indices, mask)
 
     @cached_property
     def blocks(self) -> list[tuple[int, int, int]] | None:
@@ -100,6 +102,18 @@ class PackedBatch:
         padded = x.new_empty(self.batch_size * self.seq_len, *x.shape[1:])
         padded = padded.index_copy_(0, self.indices, x).index_fill_(0, self.padding_indices, 0)
         return padded.view(self.batch_size, self.seq_len, *x.shape[1:])
+
+    def edge_tokens(self, x: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """Each sequence's first real token (its [CLS]), or its last one, ``(B, ...)``, from packed ``(N, ...)`` or
+        padded ``(B, L, ...)`` states; right and left padding alike, zeros for a sequence without real tokens."""
+        padded = self.unpack(x)
+        if self.mask is None:
+            return padded[:, -1 if last else 0]
+        real = self.mask.int()  # argmax gives the first maximal position
+        position = self.seq_len - 1 - real.flip(-1).argmax(-1) if last else real.argmax(-1)
+        tokens = padded[torch.arange(self.batch_size, device=padded.device), position]
+        has_tokens = self.mask.any(dim=-1).view(-1, *[1] * (tokens.dim() - 1))
+        return torch.where(has_tokens, tokens, 0)
 
     def unpack_map(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                    min_rows: int = 64) -> torch.Tensor:

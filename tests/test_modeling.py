@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformers
-from helpers import padded_batch, reference_and_ours, tiny_config
+from helpers import TINY, padded_batch, reference_and_ours, tiny_config
 
 import roformer_hf
 from roformer_hf import (
@@ -17,6 +17,7 @@ from roformer_hf import (
 from roformer_hf.rotary import interleaved_to_half_permutation
 
 LENGTHS = [20, 13, 7, 1]
+TINY_VOCAB = TINY["vocab_size"]
 
 
 def max_diff_on_real_tokens(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -141,6 +142,33 @@ def test_sequence_alone_equals_sequence_in_padded_batch(left, unpad):
             positions = (torch.arange(ids.shape[1])[keep] if left else None)
             alone = model(ids[row, keep][None], position_ids=positions).last_hidden_state[0]
             torch.testing.assert_close(batched[row, keep], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("left", [False, True])
+@pytest.mark.parametrize("unpad", [True, False])
+@pytest.mark.parametrize("cls", [RoFormerForSequenceClassification, RoFormerForMultipleChoice])
+def test_sentence_heads_score_a_sequence_in_a_padded_batch_as_alone(cls, left, unpad):
+    """Classification reads each sequence's first real token, multiple choice its last: with left padding too,
+    where position 0 is padding (reading it would give every padded row the same logits)."""
+    model = _sharpen(_model(cls, num_labels=3, unpad_inputs=unpad))
+    ids, mask = padded_batch(LENGTHS, left=left)
+    choices = (lambda t: t[None]) if cls is RoFormerForMultipleChoice else (lambda t: t)  # (1, 4 choices, L)
+    with torch.no_grad():
+        batched = model(choices(ids), attention_mask=choices(mask)).logits.reshape(len(LENGTHS), -1)
+        for row in range(len(LENGTHS)):
+            keep = mask[row].bool()
+            positions = torch.arange(ids.shape[1])[keep][None]
+            alone = model(choices(ids[row, keep][None]), position_ids=choices(positions)).logits.reshape(1, -1)
+            torch.testing.assert_close(batched[row], alone[0], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(batched[1], batched[2])  # padded rows differ, as their texts do
+
+
+def test_multiple_choice_matches_transformers(tmp_path):
+    """transformers' RoFormer scores each choice from its last position; so does ours on unpadded choices."""
+    reference, ours = reference_and_ours("RoFormerForMultipleChoice", tmp_path)
+    ids = torch.randint(1, TINY_VOCAB, (2, 3, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, reference(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_shifting_all_positions_leaves_outputs_unchanged():

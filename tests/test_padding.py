@@ -53,6 +53,23 @@ def test_blocks_locate_each_sequence_in_the_padded_batch():
     assert PackedBatch.from_attention_mask(holes, 2, 4).blocks is None
 
 
+@pytest.mark.parametrize("unpad", [True, False])
+def test_edge_tokens_are_each_sequences_first_and_last_real_token(unpad):
+    mask = torch.cat([MASK, torch.tensor([[1, 0, 1, 0], [0, 0, 1, 1]])])  # + holes, + left padding
+    batch = PackedBatch.from_attention_mask(mask, 6, 4, unpad=unpad)
+    x = torch.randn(6, 4, 3)
+    states = batch.pack(x) if unpad else x
+    for last in (False, True):
+        expected = []
+        for row in range(6):
+            real = mask[row].nonzero().flatten().tolist()
+            expected.append(x[row, real[-1 if last else 0]] if real else torch.zeros(3))
+        assert torch.equal(batch.edge_tokens(states, last=last), torch.stack(expected))
+    x = torch.randn(2, 3, 3)
+    no_padding = PackedBatch.from_attention_mask(None, 2, 3)
+    assert torch.equal(no_padding.edge_tokens(x), x[:, 0]) and torch.equal(no_padding.edge_tokens(x, True), x[:, -1])
+
+
 def test_unpack_map_equals_unpack_of_the_mapped_tokens():
     """The per-sequence path (contiguous sequences) and the fallback (holes) both give unpack(fn(x)), values and
     gradients, with zeros at the padding."""
