@@ -43,7 +43,8 @@ from workload import (Size, add_size_arguments, forward_flops, padded_batch, par
 
 TARGETS = {"infer speed-up": 3.0, "train speed-up": 3.0, "train MFU": 0.45}
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, matched against the device name; the first match wins.
-PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0))
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0),
+                    ("H200", 989.0))
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODES = {"infer": infer, "train": train_step}
 
@@ -63,16 +64,28 @@ class Contender:
 
 # ---------------------------------------------------------------------------------------------------- models
 
-def resolve_attention(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto` is flash-attn's kernel where it can run (CUDA, flash-attn installed, half precision), else SDPA."""
+def flash_attn_importable() -> bool:
+    """flash-attn installed and importable: transformers' check reads the package metadata only, and a wheel built
+    for another torch release fails on import (undefined symbols)."""
     from transformers.utils import is_flash_attn_2_available
 
-    flash_usable = device.type == "cuda" and is_flash_attn_2_available() and dtype != torch.float32
+    if not is_flash_attn_2_available():
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def resolve_attention(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`auto` is flash-attn's kernel where it can run (CUDA, flash-attn importable, half precision), else SDPA."""
+    flash_usable = device.type == "cuda" and dtype != torch.float32 and flash_attn_importable()
     if requested == "auto":
         return "flash_attention_2" if flash_usable else "sdpa"
     if requested == "flash_attention_2" and not flash_usable:
-        raise SystemExit(f"--attn flash_attention_2 needs CUDA, flash-attn installed and --dtype bf16; got device "
-                         f"{device}, dtype {dtype}, flash-attn available: {is_flash_attn_2_available()}")
+        raise SystemExit(f"--attn flash_attention_2 needs CUDA, an importable flash-attn and --dtype bf16; got "
+                         f"device {device}, dtype {dtype}, flash-attn importable: {flash_attn_importable()}")
     return requested
 
 
@@ -84,6 +97,8 @@ def modernbert_config(size: Size):
     where RoFormer's GELU MLP has 2·H·I. Its `intermediate_size` is therefore 2/3 of RoFormer's (2048 for 3072):
     the same feed-forward weights and FLOPs per token, so `workload.forward_flops` counts both models alike. What
     still differs: ModernBERT has no biases and no token-type embeddings, and normalises before each sublayer.
+    transformers' ModernBERT (5.x) does not skip padding in its linear layers: it computes them on the padded
+    batch (its flash path unpads inside each attention call only).
     """
     from transformers import ModernBertConfig
 
@@ -260,7 +275,8 @@ def report(args, size: Size, lengths: tuple[int, ...], labelled: int, contenders
         print("| torch.compile speed-up over eager-mode roformer_hf (sdpa): inference / training step | " +
               " / ".join(f"{median(eager_mode.times[m]) / median(compiled.times[m]):.2f}x" for m in MODES) +
               " | reported | |")
-        print("| torch.compile: first call (compilation included), inference / training step, s | " +
+        print("| torch.compile: first call (compilation included; less if inductor's on-disk cache is warm), "
+              "inference / training step, s | " +
               " / ".join(f"{compiled.compile_seconds[m]:.1f}" for m in MODES) + " | reported | |")
     if "modernbert" in contenders:
         modernbert = contenders["modernbert"]

@@ -28,6 +28,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
+from transformers.utils.generic import is_flash_attention_requested
 
 from .configuration import AUTO_MAP, RoFormerConfig
 from .hub import push_to_hub_with_card, write_model_card
@@ -117,8 +118,12 @@ class RoFormerSelfAttention(nn.Module):
         implementation = "eager" if output_attentions else self.config._attn_implementation
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         dropout = self.config.attention_probs_dropout_prob if self.training else 0.0
+        # flash_attention_2/3, or a flash kernel from the Hub ("kernels-community/flash-attn2", ...)
+        flash = is_flash_attention_requested(requested_attention_implementation=implementation)
 
-        if batch.is_packed and implementation.startswith("flash"):
+        if batch.is_packed and flash and not batch.max_seqlen:
+            output, weights = query.new_zeros(query.shape), None  # not a single real token: nothing to attend
+        elif batch.is_packed and flash:
             # flash-attn's varlen kernel reads the packed tokens directly: (1, nh, N, d) plus sequence offsets.
             query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
             output, weights = attention(
@@ -144,7 +149,7 @@ class RoFormerSelfAttention(nn.Module):
         else:
             query, key, value = (batch.unpack(t).transpose(1, 2) for t in (query, key, value))  # (B, nh, L, d)
             mask = batch.key_mask
-            if mask is not None and implementation.startswith("flash"):
+            if mask is not None and flash:
                 mask = mask[:, 0, 0]  # flash-attn unpads by itself from a (B, L) mask
             output, weights = attention(self, query, key, value, mask, dropout=dropout, scaling=self.scaling)
             output = batch.pack(output)  # (*T, nh, d)
