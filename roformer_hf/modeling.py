@@ -34,7 +34,13 @@ from .configuration import AUTO_MAP, RoFormerConfig
 from .hub import push_to_hub_with_card, write_model_card
 from .padding import PackedBatch
 from .rotary import rotary_phases, rotate
-from .validation import check_encoder_inputs, check_range
+from .validation import (
+    check_choice_labels,
+    check_encoder_inputs,
+    check_sequence_labels,
+    check_span_positions,
+    check_token_labels,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -507,7 +513,7 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
                                        output_attentions, output_hidden_states)
         hidden_states, batch = encoded.last_hidden_state, encoded.batch  # (*T, H), real tokens only
         if labels is not None:
-            check_range("labels", labels, self.config.vocab_size, allowed=-100)
+            check_token_labels(labels, (batch.batch_size, batch.seq_len), self.config.vocab_size)
             labels = batch.pack(labels)
         sparse = labels is not None and self.training and self.config.sparse_prediction
         if sparse:  # the head only where there is something to predict (~15% of tokens)
@@ -567,8 +573,7 @@ class RoFormerForSequenceClassification(RoFormerHeadModel):
         logits = self.classifier(first_tokens(encoded))
         loss = None
         if labels is not None:
-            if not labels.is_floating_point():
-                check_range("labels", labels, self.num_labels)
+            check_sequence_labels(labels, self.config, logits.shape[0])
             loss = self.loss_function(labels, logits, self.config)
         return self._finish(SequenceClassifierOutput, encoded, return_dict, loss=loss, logits=logits)
 
@@ -591,7 +596,7 @@ class RoFormerForTokenClassification(RoFormerHeadModel):
         logits = self.classifier(self.dropout(encoded.last_hidden_state))  # (*T, num_labels)
         loss = None
         if labels is not None:
-            check_range("labels", labels, self.num_labels, allowed=-100)
+            check_token_labels(labels, (encoded.batch.batch_size, encoded.batch.seq_len), self.num_labels)
             loss = self.loss_function(logits, encoded.batch.pack(labels), self.config)
         return self._finish(TokenClassifierOutput, encoded, return_dict, loss=loss,
                             logits=encoded.batch.unpack(logits))
@@ -617,6 +622,8 @@ class RoFormerForQuestionAnswering(RoFormerHeadModel):
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
+            for name, positions in (("start_positions", start_positions), ("end_positions", end_positions)):
+                check_span_positions(name, positions, attention_mask, tuple(start_logits.shape))
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
         return self._finish(QuestionAnsweringModelOutput, encoded, return_dict, loss=loss,
                             start_logits=start_logits, end_logits=end_logits)
@@ -652,7 +659,7 @@ class RoFormerForMultipleChoice(RoFormerHeadModel):
         logits = self.classifier(self.dropout(last_tokens)).view(-1, num_choices)
         loss = None
         if labels is not None:
-            check_range("labels", labels, num_choices)
+            check_choice_labels(labels, logits.shape[0], num_choices)
             loss = nn.functional.cross_entropy(logits, labels)
         return self._finish(MultipleChoiceModelOutput, encoded, return_dict, loss=loss, logits=logits)
 

@@ -38,6 +38,71 @@ def check_range(name: str, tensor: torch.Tensor, high: int, allowed: int | None 
         raise ValueError(f"{name} contains {bad}; expected values in [0, {high}){extra}")
 
 
+def check_token_labels(labels: torch.Tensor, shape: tuple[int, ...], high: int) -> None:
+    """Per-token labels (MLM, token classification): the input's `(B, L)`, values in [0, high) or -100."""
+    _check_shape("labels", labels, shape)
+    _check_integer("labels", labels)
+    check_range("labels", labels, high, allowed=-100)
+
+
+def sequence_problem_type(config, labels: torch.Tensor) -> str:
+    """transformers' rule: `config.problem_type`, else regression for one label, single-label classification for
+    integer labels, multi-label for float ones."""
+    if config.problem_type is not None:
+        return config.problem_type
+    if config.num_labels == 1:
+        return "regression"
+    return "single_label_classification" if labels.dtype in (torch.long, torch.int) else "multi_label_classification"
+
+
+def check_sequence_labels(labels: torch.Tensor, config, batch_size: int) -> None:
+    """Sequence classification labels, by problem type: a class (or -100, ignored) per sequence; a 0/1 target per
+    sequence and label; a number per sequence and label for regression."""
+    problem_type = sequence_problem_type(config, labels)
+    if problem_type == "single_label_classification":
+        if labels.numel() != batch_size:
+            raise ValueError(f"labels has shape {tuple(labels.shape)}; expected ({batch_size},): one class per "
+                             "sequence (single_label_classification)")
+        _check_integer("labels", labels)
+        check_range("labels", labels, config.num_labels, allowed=-100)
+    elif problem_type == "multi_label_classification":
+        _check_shape("labels", labels, (batch_size, config.num_labels))
+    elif labels.numel() != batch_size * config.num_labels:
+        raise ValueError(f"labels has shape {tuple(labels.shape)}; expected ({batch_size}, {config.num_labels}) "
+                         f"or ({batch_size},) with one label: a target per sequence and label (regression)")
+
+
+def check_choice_labels(labels: torch.Tensor, batch_size: int, num_choices: int) -> None:
+    """Multiple choice: the index of the right choice per example, or -100 (ignored)."""
+    _check_shape("labels", labels, (batch_size,))
+    _check_integer("labels", labels)
+    check_range("labels", labels, num_choices, allowed=-100)
+
+
+def check_span_positions(name: str, positions: torch.Tensor, attention_mask: torch.Tensor | None,
+                         shape: tuple[int, int]) -> None:
+    """QA start/end positions, `(B,)` or `(B, 1)`. As in transformers, a position outside the sequence (>= L) is
+    ignored; one inside must be a real token, since the padding's logits are masked out of the span."""
+    batch_size, seq_len = shape
+    if tuple(positions.shape) not in ((batch_size,), (batch_size, 1)):
+        raise ValueError(f"{name} has shape {tuple(positions.shape)}; expected ({batch_size},): one position per "
+                         "sequence")
+    _check_integer(name, positions)
+    positions = positions.flatten()
+    if _tracing() or not positions.numel():
+        return
+    if positions.min() < 0:
+        raise ValueError(f"{name} contains {positions.min().item()}; expected positions >= 0")
+    if attention_mask is not None:
+        inside = positions < seq_len
+        on_padding = inside & ~attention_mask.bool()[torch.arange(batch_size, device=positions.device),
+                                                     positions.clamp(max=seq_len - 1)]
+        if on_padding.any():
+            row = on_padding.nonzero()[0, 0].item()
+            raise ValueError(f"{name}[{row}] = {positions[row].item()} points at padding (attention_mask is 0 "
+                             "there); expected a real token, or a position >= seq_len to ignore the example")
+
+
 def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> None:
     """Validates the inputs of `RoFormerModel.encode` against `config`."""
     if (input_ids is None) == (inputs_embeds is None):
@@ -53,6 +118,9 @@ def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, posi
             raise ValueError(f"inputs_embeds has shape {tuple(inputs_embeds.shape)}; expected "
                              f"(batch_size, seq_len, {config.embedding_size}) (embedding_size)")
         shape = tuple(inputs_embeds.shape[:2])
+    if 0 in shape:
+        raise ValueError(f"{'input_ids' if input_ids is not None else 'inputs_embeds'} has shape {shape}: expected "
+                         "at least one sequence of at least one token")
     _check_shape("attention_mask", attention_mask, shape)
     _check_shape("token_type_ids", token_type_ids, shape)
     if position_ids is not None and tuple(position_ids.shape) not in (shape, (1, shape[1]), (shape[1],)):

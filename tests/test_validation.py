@@ -7,6 +7,7 @@ from helpers import tiny_config
 from roformer_hf import (
     RoFormerForMaskedLM,
     RoFormerForMultipleChoice,
+    RoFormerForQuestionAnswering,
     RoFormerForSequenceClassification,
     RoFormerForTokenClassification,
     RoFormerModel,
@@ -68,3 +69,66 @@ def test_multiple_choice_labels_and_shape():
         model(IDS)
     with pytest.raises(ValueError, match=r"labels contains 2; expected values in \[0, 2\)"):
         model(IDS[None], attention_mask=MASK[None], labels=torch.tensor([2]))
+
+
+@pytest.mark.parametrize("cls", [RoFormerForMaskedLM, RoFormerForTokenClassification])
+@pytest.mark.parametrize("labels, pattern", [
+    (torch.zeros(2, 5, dtype=torch.long), r"labels has shape \(2, 5\); expected \(2, 4\)"),
+    (torch.zeros(8, dtype=torch.long), r"labels has shape \(8,\); expected \(2, 4\)"),
+    (torch.zeros(2, 4), r"labels has dtype torch.float32; expected an integer"),
+])
+def test_token_labels_must_have_the_inputs_shape(cls, labels, pattern):
+    """Packing would otherwise read wrong-shaped labels at the input's token positions and return a loss."""
+    with pytest.raises(ValueError, match=pattern):
+        cls(tiny_config(num_labels=3))(IDS, attention_mask=MASK, labels=labels)
+
+
+@pytest.mark.parametrize("config, labels, pattern", [
+    (dict(num_labels=3), torch.zeros(2, 3, dtype=torch.long), r"labels has shape \(2, 3\); expected \(2,\)"),
+    (dict(num_labels=3), torch.zeros(2, 2), r"labels has shape \(2, 2\); expected \(2, 3\)"),  # multi-label
+    (dict(num_labels=1), torch.zeros(2, 2), r"labels has shape \(2, 2\); expected \(2, 1\) or \(2,\)"),
+    (dict(num_labels=3, problem_type="single_label_classification"), torch.tensor([0.0, 1.0]), "dtype"),
+])
+def test_sequence_labels_must_fit_the_problem_type(config, labels, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        RoFormerForSequenceClassification(tiny_config(**config))(IDS, attention_mask=MASK, labels=labels)
+
+
+def test_sequence_and_choice_labels_that_transformers_accepts():
+    """Integer regression targets (any value) and -100 for an ignored example, with the losses of their formulas."""
+    torch.manual_seed(0)
+    regression = RoFormerForSequenceClassification(tiny_config(num_labels=1)).eval()
+    targets = torch.tensor([0, 5])
+    out = regression(IDS, attention_mask=MASK, labels=targets)
+    torch.testing.assert_close(out.loss, torch.nn.functional.mse_loss(out.logits.squeeze(-1), targets.float()))
+
+    classifier = RoFormerForSequenceClassification(tiny_config(num_labels=3)).eval()
+    out = classifier(IDS, attention_mask=MASK, labels=torch.tensor([2, -100]))
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits[:1], torch.tensor([2])))
+
+    choices = RoFormerForMultipleChoice(tiny_config()).eval()
+    out = choices(IDS[None].expand(2, 2, 4), attention_mask=MASK[None].expand(2, 2, 4), labels=torch.tensor([-100, 1]))
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits[1:], torch.tensor([1])))
+
+
+def test_question_answering_positions():
+    torch.manual_seed(0)
+    model = RoFormerForQuestionAnswering(tiny_config()).eval()
+    inside = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"end_positions\[1\] = 3 points at padding"):
+        model(IDS, attention_mask=MASK, start_positions=inside, end_positions=torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match=r"start_positions contains -1; expected positions >= 0"):
+        model(IDS, attention_mask=MASK, start_positions=torch.tensor([-1, 0]), end_positions=inside)
+    with pytest.raises(ValueError, match=r"start_positions has shape \(3,\); expected \(2,\)"):
+        model(IDS, attention_mask=MASK, start_positions=torch.tensor([0, 1, 2]), end_positions=inside)
+    # As in transformers, a position past the sequence drops that example from the loss.
+    out = model(IDS, attention_mask=MASK, start_positions=torch.tensor([1, 4]), end_positions=torch.tensor([2, 4]))
+    expected = (torch.nn.functional.cross_entropy(out.start_logits[:1], torch.tensor([1]))
+                + torch.nn.functional.cross_entropy(out.end_logits[:1], torch.tensor([2]))) / 2
+    torch.testing.assert_close(out.loss, expected)
+
+
+@pytest.mark.parametrize("ids", [IDS[:, :0], IDS[:0]])
+def test_empty_inputs_are_refused(model, ids):
+    with pytest.raises(ValueError, match="expected at least one sequence of at least one token"):
+        model(ids)
