@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 
 ROTARY_LAYOUTS = ("interleaved", "half")
 NORM_POSITIONS = ("post", "pre")
@@ -107,18 +108,31 @@ class RoFormerConfig(PreTrainedConfig):
         if self.head_dim % 2:
             fail("num_attention_heads",
                  f"a value giving an even head dimension (hidden_size / heads = {self.head_dim})")
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
+            fail("hidden_act", f"one of transformers' activations ({', '.join(sorted(ACT2FN))})")
+        if self.pad_token_id is not None and not (isinstance(self.pad_token_id, int)
+                                                  and 0 <= self.pad_token_id < self.vocab_size):
+            fail("pad_token_id", f"None or an id in [0, vocab_size={self.vocab_size})")
+        if self.num_labels < 1:
+            fail("num_labels", "at least 1")
         if self.rotary_layout not in ROTARY_LAYOUTS:
             fail("rotary_layout", f"one of {ROTARY_LAYOUTS}")
         if self.norm_position not in NORM_POSITIONS:
             fail("norm_position", f"one of {NORM_POSITIONS}")
-        if not self.rope_theta > 0:
-            fail("rope_theta", "a number > 0")
         chunk = self.chunk_size_feed_forward
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             fail("chunk_size_feed_forward", "a non-negative integer (0: no chunking)")
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                fail(name, "a probability in [0, 1]")
+
+        def number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        for name in ("rope_theta", "layer_norm_eps"):
+            if not (number(getattr(self, name)) and getattr(self, name) > 0):
+                fail(name, "a number > 0")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+            value = getattr(self, name)
+            if not (number(value) and 0.0 <= value <= 1.0) and not (name == "classifier_dropout" and value is None):
+                fail(name, "a probability in [0, 1]" + (" or None" if name == "classifier_dropout" else ""))
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):

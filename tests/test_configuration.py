@@ -32,6 +32,13 @@ def test_defaults_match_transformers_roformer():
         (dict(vocab_size=0), "vocab_size"),
         (dict(hidden_dropout_prob=1.5), "hidden_dropout_prob"),
         (dict(chunk_size_feed_forward=-1), "chunk_size_feed_forward"),
+        (dict(hidden_act="nonexistent"), "hidden_act"),
+        (dict(vocab_size=97, pad_token_id=200), "pad_token_id"),
+        (dict(rope_theta="abc"), "rope_theta"),
+        (dict(hidden_dropout_prob=None), "hidden_dropout_prob"),
+        (dict(classifier_dropout=2.0), "classifier_dropout"),
+        (dict(layer_norm_eps=-1.0), "layer_norm_eps"),
+        (dict(num_labels=0), "num_labels"),
         (dict(chunk_size_feed_forward=2.5), "chunk_size_feed_forward"),
     ],
 )
