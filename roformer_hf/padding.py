@@ -52,13 +52,15 @@ class PackedBatch:
         if attention_mask is None:
             return cls(batch_size, seq_len)
         mask = attention_mask.bool()
-        if bool(mask.all()):  # a host sync, and the decision between the packed and the padded layout
+        # torch.export wants one graph for every mask: no data-dependent branch or shape, so the padded layout.
+        exporting = torch.compiler.is_exporting()
+        if not exporting and bool(mask.all()):  # a host sync, and the choice between packed and padded layout
             return cls(batch_size, seq_len)
         # A fully padded row would leave softmax nothing to normalise (NaN); let it see its first (zero) key.
         key_mask = mask.clone()
         key_mask[:, 0] |= ~mask.any(dim=-1)
         key_mask = key_mask[:, None, None, :]
-        if not unpad:
+        if not unpad or exporting:
             return cls(batch_size, seq_len, key_mask=key_mask, mask=mask)
         lengths = mask.sum(dim=-1, dtype=torch.int32)
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
