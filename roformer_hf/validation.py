@@ -11,7 +11,7 @@ import torch
 
 
 def _tracing() -> bool:
-    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
 def _check_shape(name: str, tensor: torch.Tensor | None, expected: tuple[int, ...]) -> None:
@@ -28,14 +28,12 @@ def check_range(name: str, tensor: torch.Tensor, high: int, allowed: int | None 
     """Raises unless every value is in [0, high) (or equals `allowed`, e.g. the -100 of ignored labels)."""
     if _tracing() or tensor.numel() == 0:
         return
-    values = tensor if allowed is None else tensor[tensor != allowed]
-    if values.numel() == 0:
-        return
-    low_value, high_value = torch.aminmax(values)
+    values = tensor if allowed is None else tensor.masked_fill(tensor == allowed, 0)  # 0 is always in range
+    low_value, high_value = torch.stack(torch.aminmax(values)).tolist()  # the one host sync
     if low_value < 0 or high_value >= high:
-        bad = low_value.item() if low_value < 0 else high_value.item()
         extra = f" or {allowed}" if allowed is not None else ""
-        raise ValueError(f"{name} contains {bad}; expected values in [0, {high}){extra}")
+        raise ValueError(f"{name} contains {low_value if low_value < 0 else high_value}; expected values in "
+                         f"[0, {high}){extra}")
 
 
 def check_token_labels(labels: torch.Tensor, shape: tuple[int, ...], high: int) -> None:
