@@ -28,7 +28,7 @@ from .modeling import (
 from .summary import summary
 from .tokenization import RoFormerTokenizerFast, train_tokenizer
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 AutoConfig.register(RoFormerConfig.model_type, RoFormerConfig, exist_ok=True)
 for _auto, _model in (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Literal
 
 from transformers import PreTrainedConfig
@@ -123,8 +124,8 @@ class RoFormerConfig(PreTrainedConfig):
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             fail("chunk_size_feed_forward", "a non-negative integer (0: no chunking)")
 
-        def number(value) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        def number(value) -> bool:  # numpy scalars too
+            return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
         for name in ("rope_theta", "layer_norm_eps"):
             if not (number(getattr(self, name)) and getattr(self, name) > 0):

@@ -28,7 +28,12 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
-from transformers.utils.generic import is_flash_attention_requested
+try:
+    from transformers.utils.generic import is_flash_attention_requested
+except ImportError:  # transformers releases before it: the same test
+
+    def is_flash_attention_requested(requested_attention_implementation: str | None = None) -> bool:
+        return "flash" in (requested_attention_implementation or "")
 
 from .configuration import AUTO_MAP, RoFormerConfig
 from .hub import push_to_hub_with_card, write_model_card
@@ -40,6 +45,7 @@ from .validation import (
     check_sequence_labels,
     check_span_positions,
     check_token_labels,
+    sequence_problem_type,
 )
 
 logger = logging.get_logger(__name__)
@@ -514,7 +520,7 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
         hidden_states, batch = encoded.last_hidden_state, encoded.batch  # (*T, H), real tokens only
         if labels is not None:
             check_token_labels(labels, (batch.batch_size, batch.seq_len), self.config.vocab_size)
-            labels = batch.pack(labels)
+            labels = batch.pack(labels).long()  # int32 labels too (cross-entropy wants int64)
         sparse = labels is not None and self.training and self.config.sparse_prediction
         if sparse:  # the head only where there is something to predict (~15% of tokens)
             labelled = (labels.flatten() != -100).nonzero().squeeze(-1)
@@ -574,6 +580,8 @@ class RoFormerForSequenceClassification(RoFormerHeadModel):
         loss = None
         if labels is not None:
             check_sequence_labels(labels, self.config, logits.shape[0])
+            single_label = sequence_problem_type(self.config, labels) == "single_label_classification"
+            labels = labels.long() if single_label else labels.to(logits.dtype)  # int32 classes, 0/1 multi-hot
             loss = self.loss_function(labels, logits, self.config)
         return self._finish(SequenceClassifierOutput, encoded, return_dict, loss=loss, logits=logits)
 
@@ -597,7 +605,7 @@ class RoFormerForTokenClassification(RoFormerHeadModel):
         loss = None
         if labels is not None:
             check_token_labels(labels, (encoded.batch.batch_size, encoded.batch.seq_len), self.num_labels)
-            loss = self.loss_function(logits, encoded.batch.pack(labels), self.config)
+            loss = self.loss_function(logits, encoded.batch.pack(labels).long(), self.config)
         return self._finish(TokenClassifierOutput, encoded, return_dict, loss=loss,
                             logits=encoded.batch.unpack(logits))
 
@@ -624,7 +632,7 @@ class RoFormerForQuestionAnswering(RoFormerHeadModel):
         if start_positions is not None and end_positions is not None:
             for name, positions in (("start_positions", start_positions), ("end_positions", end_positions)):
                 check_span_positions(name, positions, attention_mask, tuple(start_logits.shape))
-            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
+            loss = self.loss_function(start_logits, end_logits, start_positions.long(), end_positions.long())
         return self._finish(QuestionAnsweringModelOutput, encoded, return_dict, loss=loss,
                             start_logits=start_logits, end_logits=end_logits)
 
@@ -660,7 +668,7 @@ class RoFormerForMultipleChoice(RoFormerHeadModel):
         loss = None
         if labels is not None:
             check_choice_labels(labels, logits.shape[0], num_choices)
-            loss = nn.functional.cross_entropy(logits, labels)
+            loss = nn.functional.cross_entropy(logits, labels.long())
         return self._finish(MultipleChoiceModelOutput, encoded, return_dict, loss=loss, logits=logits)
 
 

@@ -57,17 +57,18 @@ def check_sequence_labels(labels: torch.Tensor, config, batch_size: int) -> None
     """Sequence classification labels, by problem type: a class (or -100, ignored) per sequence; a 0/1 target per
     sequence and label; a number per sequence and label for regression."""
     problem_type = sequence_problem_type(config, labels)
+    num_labels = config.num_labels
     if problem_type == "single_label_classification":
         if labels.numel() != batch_size:
             raise ValueError(f"labels has shape {tuple(labels.shape)}; expected ({batch_size},): one class per "
                              "sequence (single_label_classification)")
         _check_integer("labels", labels)
-        check_range("labels", labels, config.num_labels, allowed=-100)
-    elif problem_type == "multi_label_classification":
-        _check_shape("labels", labels, (batch_size, config.num_labels))
-    elif labels.numel() != batch_size * config.num_labels:
-        raise ValueError(f"labels has shape {tuple(labels.shape)}; expected ({batch_size}, {config.num_labels}) "
-                         f"or ({batch_size},) with one label: a target per sequence and label (regression)")
+        check_range("labels", labels, num_labels, allowed=-100)
+    elif problem_type == "multi_label_classification" or num_labels > 1:
+        _check_shape("labels", labels, (batch_size, num_labels))
+    elif labels.numel() != batch_size:
+        raise ValueError(f"labels has shape {tuple(labels.shape)}; expected ({batch_size},): a target per sequence "
+                         "(regression)")
 
 
 def check_choice_labels(labels: torch.Tensor, batch_size: int, num_choices: int) -> None:
@@ -80,25 +81,28 @@ def check_choice_labels(labels: torch.Tensor, batch_size: int, num_choices: int)
 def check_span_positions(name: str, positions: torch.Tensor, attention_mask: torch.Tensor | None,
                          shape: tuple[int, int]) -> None:
     """QA start/end positions, `(B,)` or `(B, 1)`. As in transformers, a position outside the sequence (>= L) is
-    ignored; one inside must be a real token, since the padding's logits are masked out of the span."""
+    ignored; one inside must be a real token, since the padding's logits are masked out of the span; negative
+    positions are refused (transformers would clamp them to 0)."""
     batch_size, seq_len = shape
     if tuple(positions.shape) not in ((batch_size,), (batch_size, 1)):
         raise ValueError(f"{name} has shape {tuple(positions.shape)}; expected ({batch_size},): one position per "
                          "sequence")
     _check_integer(name, positions)
-    positions = positions.flatten()
-    if _tracing() or not positions.numel():
+    if _tracing():
         return
-    if positions.min() < 0:
-        raise ValueError(f"{name} contains {positions.min().item()}; expected positions >= 0")
+    positions = positions.flatten()
+    bad = positions < 0
     if attention_mask is not None:
-        inside = positions < seq_len
-        on_padding = inside & ~attention_mask.bool()[torch.arange(batch_size, device=positions.device),
-                                                     positions.clamp(max=seq_len - 1)]
-        if on_padding.any():
-            row = on_padding.nonzero()[0, 0].item()
-            raise ValueError(f"{name}[{row}] = {positions[row].item()} points at padding (attention_mask is 0 "
-                             "there); expected a real token, or a position >= seq_len to ignore the example")
+        positions = positions.to(attention_mask.device)
+        on_token = attention_mask.bool()[torch.arange(batch_size, device=attention_mask.device),
+                                         positions.clamp(0, seq_len - 1)]
+        bad = bad.to(attention_mask.device) | ((positions < seq_len) & ~on_token)
+    if bad.any():  # the one host sync
+        row = bad.nonzero()[0, 0].item()
+        value = positions[row].item()
+        expected = "positions >= 0" if value < 0 else "a real token, or a position >= seq_len to ignore the example"
+        raise ValueError(f"{name}[{row}] = {value}" + ("" if value < 0 else " points at padding (attention_mask "
+                                                      "is 0 there)") + f"; expected {expected}")
 
 
 def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> None:

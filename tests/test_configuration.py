@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 import pytest
 import transformers
 
@@ -60,6 +62,12 @@ def test_round_trip_keeps_new_fields(tmp_path):
     RoFormerConfig(rope_theta=1e6, rotary_layout="half", norm_position="pre").save_pretrained(tmp_path)
     config = RoFormerConfig.from_pretrained(tmp_path)
     assert (config.rope_theta, config.rotary_layout, config.norm_position) == (1e6, "half", "pre")
+
+
+def test_numpy_scalars_are_numbers():
+    config = RoFormerConfig(hidden_dropout_prob=np.float32(0.25), rope_theta=np.int64(500),
+                            layer_norm_eps=np.float32(1e-6))
+    assert config.rope_theta == 500 and config.hidden_dropout_prob == 0.25
 
 
 def test_auto_config_is_registered_and_roformer_is_untouched():

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -140,13 +141,20 @@ def test_run_classification_from_scratch_rejects_a_missing_label_column(text_fil
                                         label_column_name="nope", config_overrides=TINY_MODEL))
 
 
+def free_port() -> int:
+    """A port nothing listens on now (a fixed one can still be held by an earlier run, or a parallel one)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_two_process_ddp_run_with_accelerate(text_files, pretrained, tmp_path):
     """accelerate launch --multi_gpu runs two gloo ranks on CPU; our code has no distribution logic."""
     mlm_dir, _ = pretrained
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
     command = [PYTHON, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", "29533", str(EXAMPLES / "run_mlm.py"),
+               "--main_process_port", str(free_port()), str(EXAMPLES / "run_mlm.py"),
                *_mlm_args(text_files, tmp_path, max_steps=3, tokenizer_name=mlm_dir, ddp_find_unused_parameters="false",
                           save_strategy="no")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)

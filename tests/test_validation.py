@@ -86,7 +86,8 @@ def test_token_labels_must_have_the_inputs_shape(cls, labels, pattern):
 @pytest.mark.parametrize("config, labels, pattern", [
     (dict(num_labels=3), torch.zeros(2, 3, dtype=torch.long), r"labels has shape \(2, 3\); expected \(2,\)"),
     (dict(num_labels=3), torch.zeros(2, 2), r"labels has shape \(2, 2\); expected \(2, 3\)"),  # multi-label
-    (dict(num_labels=1), torch.zeros(2, 2), r"labels has shape \(2, 2\); expected \(2, 1\) or \(2,\)"),
+    (dict(num_labels=1), torch.zeros(2, 2), r"labels has shape \(2, 2\); expected \(2,\): a target per"),
+    (dict(num_labels=2, problem_type="regression"), torch.zeros(4, 1), r"labels has shape \(4, 1\); expected \(2, 2\)"),
     (dict(num_labels=3, problem_type="single_label_classification"), torch.tensor([0.0, 1.0]), "dtype"),
 ])
 def test_sequence_labels_must_fit_the_problem_type(config, labels, pattern):
@@ -117,7 +118,7 @@ def test_question_answering_positions():
     inside = torch.tensor([1, 2])
     with pytest.raises(ValueError, match=r"end_positions\[1\] = 3 points at padding"):
         model(IDS, attention_mask=MASK, start_positions=inside, end_positions=torch.tensor([3, 3]))
-    with pytest.raises(ValueError, match=r"start_positions contains -1; expected positions >= 0"):
+    with pytest.raises(ValueError, match=r"start_positions\[0\] = -1; expected positions >= 0"):
         model(IDS, attention_mask=MASK, start_positions=torch.tensor([-1, 0]), end_positions=inside)
     with pytest.raises(ValueError, match=r"start_positions has shape \(3,\); expected \(2,\)"):
         model(IDS, attention_mask=MASK, start_positions=torch.tensor([0, 1, 2]), end_positions=inside)
@@ -132,3 +133,27 @@ def test_question_answering_positions():
 def test_empty_inputs_are_refused(model, ids):
     with pytest.raises(ValueError, match="expected at least one sequence of at least one token"):
         model(ids)
+
+
+@pytest.mark.parametrize("cls, targets", [
+    (RoFormerForMaskedLM, dict(labels=torch.tensor([[-100, 4, 9, -100], [5, -100, -100, -100]]))),
+    (RoFormerForTokenClassification, dict(labels=torch.tensor([[0, 1, 2, 1], [2, 0, 1, -100]]))),
+    (RoFormerForSequenceClassification, dict(labels=torch.tensor([2, 0]))),
+    (RoFormerForQuestionAnswering, dict(start_positions=torch.tensor([1, 0]), end_positions=torch.tensor([2, 2]))),
+])
+def test_int32_targets_give_the_int64_loss(cls, targets):
+    """Labels from numpy or Arrow often arrive as int32; cross-entropy itself only takes int64."""
+    torch.manual_seed(0)
+    model = cls(tiny_config(num_labels=3)).eval()
+    expected = model(IDS, attention_mask=MASK, **targets).loss
+    actual = model(IDS, attention_mask=MASK, **{k: v.int() for k, v in targets.items()}).loss
+    torch.testing.assert_close(actual, expected)
+
+
+def test_integer_multi_hot_labels_give_the_float_loss():
+    torch.manual_seed(0)
+    model = RoFormerForSequenceClassification(tiny_config(num_labels=3,
+                                                          problem_type="multi_label_classification")).eval()
+    multi_hot = torch.tensor([[0, 1, 1], [1, 0, 0]])
+    torch.testing.assert_close(model(IDS, attention_mask=MASK, labels=multi_hot).loss,
+                               model(IDS, attention_mask=MASK, labels=multi_hot.float()).loss)
