@@ -343,6 +343,24 @@ def test_mlm_loss_ignores_minus_100_and_matches_cross_entropy():
     torch.testing.assert_close(out.loss, expected)
 
 
+@pytest.mark.parametrize("left", [False, True])
+def test_mlm_evaluation_loss_and_logits_match_transformers(tmp_path, left):
+    """Evaluation with labels (Trainer's loop): padded logits and the loss equal transformers' on the same weights.
+    With Trainer's `num_items_in_batch` the loss is the summed cross-entropy over that count (transformers'
+    RoFormer ignores it and takes the mean)."""
+    reference, ours = reference_and_ours("RoFormerForMaskedLM", tmp_path)
+    ids, mask = padded_batch(LENGTHS, left=left)
+    labels = ids.masked_fill((mask == 0) | (torch.arange(ids.shape[1]) % 3 != 0), -100)
+    with torch.no_grad():
+        expected, actual = reference(ids, attention_mask=mask, labels=labels), ours(ids, attention_mask=mask,
+                                                                                    labels=labels)
+        summed = ours(ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(50)).loss
+    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(summed, expected.loss * (labels != -100).sum() / 50, atol=1e-5, rtol=1e-5)
+    assert max_diff_on_real_tokens(actual.logits, expected.logits, mask) < 1e-5
+    assert (actual.logits[mask == 0] == 0).all()
+
+
 def test_sparse_prediction_gives_the_same_loss_and_gradients():
     ids, mask = padded_batch(LENGTHS)
     labels = torch.full_like(ids, -100)
