@@ -15,6 +15,12 @@ from functools import cached_property
 import torch
 
 
+def _exporting() -> bool:
+    """Whether torch.export is tracing (torch 2.7+ can tell; earlier releases never report it)."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting is not None and is_exporting())
+
+
 @dataclass
 class PackedBatch:
     """Where the real tokens of a padded batch sit.
@@ -53,7 +59,7 @@ class PackedBatch:
             return cls(batch_size, seq_len)
         mask = attention_mask.bool()
         # torch.export wants one graph for every mask: no data-dependent branch or shape, so the padded layout.
-        exporting = torch.compiler.is_exporting()
+        exporting = _exporting()
         if not exporting and bool(mask.all()):  # a host sync, and the choice between packed and padded layout
             return cls(batch_size, seq_len)
         # A fully padded row would leave softmax nothing to normalise (NaN); let it see its first (zero) key.

@@ -11,7 +11,7 @@ import torch
 
 
 def _tracing() -> bool:
-    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    return torch.jit.is_tracing() or torch.compiler.is_compiling()  # export counts as compiling
 
 
 def _check_shape(name: str, tensor: torch.Tensor | None, expected: tuple[int, ...]) -> None:
