@@ -1,57 +1,22 @@
 """RoFormer (rotary position embeddings) as a first-class Hugging Face transformers model.
 
 Importing the package registers `model_type="roformer_hf"` with AutoConfig, AutoTokenizer and every Auto model
-class it implements; transformers' own `model_type="roformer"` is left untouched.
+class it implements (`modeling.HEADS`); transformers' own `model_type="roformer"` is left untouched.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForMaskedLM,
-    AutoModelForMultipleChoice,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-    AutoTokenizer,
-)
+import transformers
 
+from . import modeling
 from .configuration import RoFormerConfig
-from .modeling import (
-    RoFormerForMaskedLM,
-    RoFormerForMultipleChoice,
-    RoFormerForQuestionAnswering,
-    RoFormerForSequenceClassification,
-    RoFormerForTokenClassification,
-    RoFormerModel,
-    RoFormerPreTrainedModel,
-)
+from .modeling import *  # noqa: F403  (the classes of modeling.HEADS, see modeling.__all__)
 from .summary import summary
 from .tokenization import RoFormerTokenizerFast, train_tokenizer
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
-AutoConfig.register(RoFormerConfig.model_type, RoFormerConfig, exist_ok=True)
-for _auto, _model in (
-    (AutoModel, RoFormerModel),
-    (AutoModelForMaskedLM, RoFormerForMaskedLM),
-    (AutoModelForSequenceClassification, RoFormerForSequenceClassification),
-    (AutoModelForTokenClassification, RoFormerForTokenClassification),
-    (AutoModelForQuestionAnswering, RoFormerForQuestionAnswering),
-    (AutoModelForMultipleChoice, RoFormerForMultipleChoice),
-):
-    _auto.register(RoFormerConfig, _model, exist_ok=True)
-AutoTokenizer.register(RoFormerConfig, tokenizer_class=RoFormerTokenizerFast, exist_ok=True)
+transformers.AutoConfig.register(RoFormerConfig.model_type, RoFormerConfig, exist_ok=True)
+for _head in modeling.HEADS:
+    getattr(transformers, _head.auto_class).register(RoFormerConfig, _head.model_class, exist_ok=True)
+transformers.AutoTokenizer.register(RoFormerConfig, tokenizer_class=RoFormerTokenizerFast, exist_ok=True)
 
-__all__ = [
-    "RoFormerConfig",
-    "RoFormerPreTrainedModel",
-    "RoFormerModel",
-    "RoFormerForMaskedLM",
-    "RoFormerForSequenceClassification",
-    "RoFormerForTokenClassification",
-    "RoFormerForQuestionAnswering",
-    "RoFormerForMultipleChoice",
-    "RoFormerTokenizerFast",
-    "train_tokenizer",
-    "summary",
-]
+__all__ = ["RoFormerConfig", *modeling.__all__, "RoFormerTokenizerFast", "train_tokenizer", "summary"]

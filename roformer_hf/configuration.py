@@ -8,21 +8,10 @@ from typing import Literal
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
-ROTARY_LAYOUTS = ("interleaved", "half")
+from .rotary import ROTARY_LAYOUTS, check_head_dim
+
 NORM_POSITIONS = ("post", "pre")
 TRANSFORMERS_MODEL_TYPE = "roformer"  # transformers' own RoFormer, whose checkpoints we load
-
-# Every Auto class a saved folder can be loaded with through `trust_remote_code=True`; written into
-# config.json on save (see `RoFormerPreTrainedModel.save_pretrained`).
-AUTO_MAP = {
-    "AutoConfig": "configuration.RoFormerConfig",
-    "AutoModel": "modeling.RoFormerModel",
-    "AutoModelForMaskedLM": "modeling.RoFormerForMaskedLM",
-    "AutoModelForSequenceClassification": "modeling.RoFormerForSequenceClassification",
-    "AutoModelForTokenClassification": "modeling.RoFormerForTokenClassification",
-    "AutoModelForQuestionAnswering": "modeling.RoFormerForQuestionAnswering",
-    "AutoModelForMultipleChoice": "modeling.RoFormerForMultipleChoice",
-}
 
 
 class RoFormerConfig(PreTrainedConfig):
@@ -106,7 +95,9 @@ class RoFormerConfig(PreTrainedConfig):
                 fail(name, "a positive integer")
         if self.hidden_size % self.num_attention_heads:
             fail("num_attention_heads", f"a divisor of hidden_size={self.hidden_size}")
-        if self.head_dim % 2:
+        try:
+            check_head_dim(self.head_dim)
+        except ValueError:
             fail("num_attention_heads",
                  f"a value giving an even head dimension (hidden_size / heads = {self.head_dim})")
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:

@@ -3,8 +3,8 @@
 `save_pretrained` writes a model card (README.md) next to the weights unless the folder already has one, and
 `push_to_hub` uploads it unless the Hub repository already has one: a card someone wrote is never replaced.
 
-This file is copied next to `modeling.py` into every saved model folder (remote code), so it imports only
-relatively and from packages that transformers itself needs.
+It only reads the model it is given (its class's `heads` table names the Auto class and Hub task), and imports
+only packages that transformers itself needs: saved folders carry it as remote code.
 """
 
 from __future__ import annotations
@@ -17,31 +17,26 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCardData
 
-from .configuration import AUTO_MAP
-
 logger = logging.getLogger(__name__)
 
 CARD_NAME = "README.md"
 DEFAULT_TAGS = ("roformer_hf", "roformer", "rotary")
-# The Hub task of each Auto class; multiple choice has no widget on the Hub, so no tag.
-PIPELINE_TAGS = {
-    "AutoModel": "feature-extraction",
-    "AutoModelForMaskedLM": "fill-mask",
-    "AutoModelForSequenceClassification": "text-classification",
-    "AutoModelForTokenClassification": "token-classification",
-    "AutoModelForQuestionAnswering": "question-answering",
-}
 CONFIG_ROWS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                "hidden_act", "max_position_embeddings", "rotary_layout", "rope_theta", "rotary_value",
                "norm_position")
 
 
+def _head(model):
+    """The row of `model`'s class in the table of RoFormer models (`modeling.HEADS`)."""
+    for head in getattr(model, "heads", ()):
+        if head.model_class is type(model):
+            return head
+    raise ValueError(f"model={type(model).__name__}: expected a roformer_hf model class")
+
+
 def auto_class_name(model) -> str:
     """The transformers Auto class that loads `model`'s class, e.g. `"AutoModelForMaskedLM"`."""
-    for auto_class, reference in AUTO_MAP.items():
-        if reference == f"modeling.{type(model).__name__}":
-            return auto_class
-    raise ValueError(f"model={type(model).__name__}: expected a RoFormer class, one of {sorted(AUTO_MAP.values())}")
+    return _head(model).auto_class
 
 
 def model_card_text(
@@ -72,7 +67,7 @@ def model_card_text(
         library_name="transformers",
         license=license,
         tags=[*DEFAULT_TAGS, *(tag for tag in tags if tag not in DEFAULT_TAGS)],
-        pipeline_tag=PIPELINE_TAGS.get(auto_class),
+        pipeline_tag=_head(model).pipeline_tag,
         datasets=datasets,
     )
     sections = [

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import padded_batch, tiny_config
 from transformers import AttentionInterface
 
-from roformer_hf import RoFormerForMaskedLM, modeling
+from roformer_hf import RoFormerForMaskedLM, attention
 
 STAND_IN = "test_varlen_stand_in"  # a name with "flash" in it would make transformers look for the real kernel
 calls: list[str] = []
@@ -38,7 +38,7 @@ def varlen_stand_in(module, query, key, value, attention_mask, dropout=0.0, scal
 @pytest.fixture
 def stand_in_flash(monkeypatch):
     AttentionInterface.register(STAND_IN, varlen_stand_in)
-    monkeypatch.setattr(modeling, "is_flash_attention_requested",
+    monkeypatch.setattr(attention, "is_flash_attention_requested",
                         lambda requested_attention_implementation: requested_attention_implementation == STAND_IN)
     calls.clear()
     return calls

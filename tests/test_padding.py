@@ -1,28 +1,29 @@
-"""PackedBatch: packing real tokens and putting them back."""
+"""BatchLayout: the modes of a batch, packing real tokens and putting them back."""
 
 import pytest
 import torch
 
-from roformer_hf.padding import PackedBatch
+from roformer_hf.modeling import logits_in_padded_layout
+from roformer_hf.padding import BatchLayout
 
 MASK = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
 
 
 def test_pack_unpack_round_trip_and_layout():
-    batch = PackedBatch.from_attention_mask(MASK, 4, 4)
+    batch = BatchLayout.from_attention_mask(MASK, 4, 4)
     x = torch.arange(16.0).view(4, 4, 1).expand(4, 4, 3)
     packed = batch.pack(x)
     assert packed.shape == (9, 3)
     assert packed[:, 0].tolist() == [0, 1, 2, 8, 9, 10, 11, 13, 14]  # row-major real tokens
+    assert batch.mode == "varlen"
     assert batch.cu_seqlens.tolist() == [0, 3, 3, 7, 9] and batch.max_seqlen == 4
-    assert batch.spans == [(0, 3), (3, 7), (7, 9)]  # the empty row has no span
     unpacked = batch.unpack(packed)
     assert torch.equal(unpacked[MASK.bool()], x[MASK.bool()])
     assert (unpacked[~MASK.bool()] == 0).all()
 
 
 def test_gradients_flow_through_pack_and_unpack():
-    batch = PackedBatch.from_attention_mask(MASK, 4, 4)
+    batch = BatchLayout.from_attention_mask(MASK, 4, 4)
     x = torch.randn(4, 4, 2, requires_grad=True)
     batch.unpack(batch.pack(x) * 2).sum().backward()
     assert torch.equal(x.grad, 2 * MASK[..., None].float().expand(4, 4, 2))
@@ -30,15 +31,15 @@ def test_gradients_flow_through_pack_and_unpack():
 
 def test_no_padding_keeps_tensors_as_they_are():
     for mask in (None, torch.ones(2, 3, dtype=torch.long)):
-        batch = PackedBatch.from_attention_mask(mask, 2, 3)
+        batch = BatchLayout.from_attention_mask(mask, 2, 3)
         x = torch.randn(2, 3, 5)
-        assert not batch.is_packed and batch.key_mask is None
+        assert batch.mode == "dense" and batch.key_mask is None
         assert batch.pack(x) is x and batch.unpack(x) is x
 
 
 def test_key_mask_never_leaves_a_row_empty():
-    batch = PackedBatch.from_attention_mask(MASK, 4, 4, unpad=False)
-    assert not batch.is_packed and batch.key_mask.shape == (4, 1, 1, 4)
+    batch = BatchLayout.from_attention_mask(MASK, 4, 4, unpad=False)
+    assert batch.mode == "padded" and batch.key_mask.shape == (4, 1, 1, 4)
     assert batch.key_mask.any(dim=-1).all()  # the fully padded row may see its first key
     assert batch.key_mask[1, 0, 0].tolist() == [True, False, False, False]
     assert torch.equal(batch.key_mask[[0, 2, 3], 0, 0], MASK[[0, 2, 3]].bool())
@@ -46,17 +47,17 @@ def test_key_mask_never_leaves_a_row_empty():
 
 def test_blocks_locate_each_sequence_in_the_padded_batch():
     # MASK has right, no, and both-side padding and an empty row: every sequence is still one run of rows.
-    assert PackedBatch.from_attention_mask(MASK, 4, 4).blocks == [(0, 0, 3), (3, 8, 4), (7, 13, 2)]
+    assert BatchLayout.from_attention_mask(MASK, 4, 4).blocks == [(0, 0, 3), (3, 8, 4), (7, 13, 2)]
     left = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    assert PackedBatch.from_attention_mask(left, 2, 4).blocks == [(0, 2, 2), (2, 4, 4)]
+    assert BatchLayout.from_attention_mask(left, 2, 4).blocks == [(0, 2, 2), (2, 4, 4)]
     holes = torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]])
-    assert PackedBatch.from_attention_mask(holes, 2, 4).blocks is None
+    assert BatchLayout.from_attention_mask(holes, 2, 4).blocks is None
 
 
 @pytest.mark.parametrize("unpad", [True, False])
 def test_edge_tokens_are_each_sequences_first_and_last_real_token(unpad):
     mask = torch.cat([MASK, torch.tensor([[1, 0, 1, 0], [0, 0, 1, 1]])])  # + holes, + left padding
-    batch = PackedBatch.from_attention_mask(mask, 6, 4, unpad=unpad)
+    batch = BatchLayout.from_attention_mask(mask, 6, 4, unpad=unpad)
     x = torch.randn(6, 4, 3)
     states = batch.pack(x) if unpad else x
     for last in (False, True):
@@ -66,11 +67,11 @@ def test_edge_tokens_are_each_sequences_first_and_last_real_token(unpad):
             expected.append(x[row, real[-1 if last else 0]] if real else torch.zeros(3))
         assert torch.equal(batch.edge_tokens(states, last=last), torch.stack(expected))
     x = torch.randn(2, 3, 3)
-    no_padding = PackedBatch.from_attention_mask(None, 2, 3)
+    no_padding = BatchLayout.from_attention_mask(None, 2, 3)
     assert torch.equal(no_padding.edge_tokens(x), x[:, 0]) and torch.equal(no_padding.edge_tokens(x, True), x[:, -1])
 
 
-def test_unpack_map_equals_unpack_of_the_mapped_tokens():
+def test_logits_in_padded_layout_equals_unpack_of_the_mapped_tokens():
     """The per-sequence path (contiguous sequences) and the fallback (holes) both give unpack(fn(x)), values and
     gradients, with zeros at the padding."""
     weight = torch.randn(3, 5)
@@ -79,11 +80,10 @@ def test_unpack_map_equals_unpack_of_the_mapped_tokens():
         return torch.tanh(t @ weight)
 
     for mask in (MASK, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]),
-                 torch.tensor([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 1]]),
-                 torch.zeros(4, 4, dtype=torch.long)):
-        batch = PackedBatch.from_attention_mask(mask, 4, 4)
+                 torch.tensor([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 1]])):
+        batch = BatchLayout.from_attention_mask(mask, 4, 4)
         x = torch.randn(int(mask.sum()), 3, requires_grad=True)
-        mapped = batch.unpack_map(fn, x, min_rows=1)  # per sequence even for these short ones
+        mapped = logits_in_padded_layout(fn, x, batch, min_rows=1)  # per sequence even for these short ones
         expected = batch.unpack(fn(x))
         assert mapped.shape == (4, 4, 5)
         torch.testing.assert_close(mapped, expected, atol=0, rtol=0)
@@ -94,23 +94,24 @@ def test_unpack_map_equals_unpack_of_the_mapped_tokens():
         torch.testing.assert_close(got, want)
 
 
-def test_unpack_map_runs_fn_per_sequence_only_for_long_enough_sequences():
+def test_logits_in_padded_layout_runs_fn_per_sequence_only_for_long_enough_sequences():
     calls = []
 
     def fn(t):
         calls.append(t.shape[0])
         return t * 2
 
-    batch = PackedBatch.from_attention_mask(MASK, 4, 4)  # sequences of 3, 4 and 2 tokens
+    batch = BatchLayout.from_attention_mask(MASK, 4, 4)  # sequences of 3, 4 and 2 tokens
     x = torch.randn(9, 3)
-    torch.testing.assert_close(batch.unpack_map(fn, x, min_rows=3), batch.unpack(x * 2))
+    torch.testing.assert_close(logits_in_padded_layout(fn, x, batch, min_rows=3), batch.unpack(x * 2))
     assert calls == [3, 4, 2]
     calls.clear()
-    torch.testing.assert_close(batch.unpack_map(fn, x, min_rows=4), batch.unpack(x * 2))
+    torch.testing.assert_close(logits_in_padded_layout(fn, x, batch, min_rows=4), batch.unpack(x * 2))
     assert calls == [9]  # 9 tokens < 4 x 3 sequences: one call on all the packed tokens
 
 
-def test_unpack_map_refuses_a_fn_that_is_not_token_wise():
-    batch = PackedBatch.from_attention_mask(MASK, 4, 4)
-    with pytest.raises(ValueError, match="token-wise fn"):
-        batch.unpack_map(lambda t: t.mean(0, keepdim=True), torch.randn(9, 3), min_rows=1)
+def test_a_batch_without_real_tokens_packs_to_nothing():
+    batch = BatchLayout.from_attention_mask(torch.zeros(2, 3, dtype=torch.long), 2, 3)
+    assert batch.mode == "varlen" and batch.max_seqlen == 0 and batch.blocks == []
+    assert batch.pack(torch.randn(2, 3, 4)).shape == (0, 4)
+    assert torch.equal(batch.unpack(torch.randn(0, 4)), torch.zeros(2, 3, 4))

@@ -4,8 +4,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rope_reference import apply_rotary, rotary_cos_sin
+
 from roformer_hf import RoFormerConfig, RoFormerModel
-from roformer_hf.rotary import apply_rotary, rotary_cos_sin
 
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

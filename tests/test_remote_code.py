@@ -8,7 +8,7 @@ import torch
 from helpers import BLOCK_ROFORMER_HF, PYTHON, padded_batch, tiny_config
 
 from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification, RoFormerForTokenClassification
-from roformer_hf.configuration import AUTO_MAP
+from roformer_hf.modeling import RoFormerPreTrainedModel
 
 LOAD_AND_RUN = BLOCK_ROFORMER_HF + """
 import json, sys, torch, transformers
@@ -31,8 +31,9 @@ def test_remote_code_loading_without_the_package(tmp_path, cls, auto):
     model = cls(tiny_config(num_labels=3, norm_position="pre", rotary_layout="half")).eval()
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["auto_map"] == AUTO_MAP
-    for code_file in ("configuration.py", "modeling.py", "rotary.py", "padding.py"):
+    assert config["auto_map"] == RoFormerPreTrainedModel.auto_map
+    assert len(config["auto_map"]) == 7  # AutoConfig and the six model classes
+    for code_file in ("configuration.py", "modeling.py", "attention.py", "rotary.py", "padding.py", "loading.py"):
         assert (tmp_path / code_file).exists(), code_file
 
     ids, mask = padded_batch([7, 4])

@@ -3,15 +3,19 @@
 import pytest
 import torch
 
+from rope_reference import apply_rotary, rotary_cos_sin, rotate_pairs
+
 from roformer_hf.rotary import (
-    apply_rotary,
+    check_layout,
     interleaved_to_half_permutation,
     inverse_frequencies,
-    rotary_cos_sin,
     rotary_phases,
     rotate,
-    rotate_pairs,
 )
+
+
+def phases_of(positions: torch.Tensor, head_dim: int, base: float = 10000.0) -> torch.Tensor:
+    return rotary_phases(positions, inverse_frequencies(head_dim, base))
 
 
 def complex_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -122,7 +126,7 @@ def test_complex_rotate_equals_the_real_formula(layout, dtype):
     positions = torch.tensor([0, 1, 7, 511, 4095, 20000])
     x = torch.randn(6, 4, 32).to(dtype).requires_grad_()
     cos, sin = rotary_cos_sin(positions, 32, layout=layout)
-    fast = rotate(x, rotary_phases(positions, 32)[:, None], layout)
+    fast = rotate(x, phases_of(positions, 32)[:, None], layout)
     reference = apply_rotary(x, cos[:, None], sin[:, None], layout)
     assert fast.dtype == dtype
     exact = dtype == torch.float32
@@ -139,15 +143,15 @@ def test_rotate_takes_any_memory_layout_and_phase_dtype():
     cos, sin = rotary_cos_sin(positions, 8)
     x = torch.randn(25)[1:].view(3, 8)  # contiguous, storage offset 1
     expected = apply_rotary(x, cos, sin)
-    torch.testing.assert_close(rotate(x, rotary_phases(positions, 8)), expected)
-    transposed = rotary_phases(positions, 8).transpose(-1, -2).contiguous().transpose(-1, -2)  # last stride 4
+    torch.testing.assert_close(rotate(x, phases_of(positions, 8)), expected)
+    transposed = phases_of(positions, 8).transpose(-1, -2).contiguous().transpose(-1, -2)  # last stride 4
     torch.testing.assert_close(rotate(x, transposed), expected)
-    torch.testing.assert_close(rotate(x, rotary_phases(positions, 8).bfloat16()), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(rotate(x, phases_of(positions, 8).bfloat16()), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_phases_are_cos_and_sin_of_the_rotation_angles():
     positions = torch.tensor([0, 3, 1000])
-    phases = rotary_phases(positions, 8, base=100.0)
+    phases = phases_of(positions, 8, base=100.0)
     assert phases.shape == (3, 4, 2) and phases.dtype == torch.float32
     angles = positions[:, None].double() * torch.tensor([100.0 ** (-2 * i / 8) for i in range(4)], dtype=torch.float64)
     torch.testing.assert_close(phases[..., 0].double(), angles.cos(), atol=1e-7, rtol=0)
@@ -163,7 +167,7 @@ def test_compiled_rotate_equals_the_real_formula(layout):
     x = torch.randn(30, 2, 16)
     cos, sin = rotary_cos_sin(positions, 16, layout=layout)
     compiled = torch.compile(rotate, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(x, rotary_phases(positions, 16)[:, None], layout),
+    torch.testing.assert_close(compiled(x, phases_of(positions, 16)[:, None], layout),
                                apply_rotary(x, cos[:, None], sin[:, None], layout), atol=1e-5, rtol=1e-5)
 
 
@@ -172,7 +176,7 @@ def test_compiled_rotate_equals_the_real_formula(layout):
     [
         (lambda: inverse_frequencies(7), "head_dim=7"),
         (lambda: inverse_frequencies(8, base=0), "base=0"),
-        (lambda: rotary_cos_sin(torch.arange(3), 8, layout="spiral"), "layout='spiral'"),
+        (lambda: check_layout("spiral"), "layout='spiral'"),
         (lambda: interleaved_to_half_permutation(5), "head_dim=5"),
         (lambda: rotate(torch.zeros(2, 8), torch.ones(2, 4, 2), "spiral"), "layout='spiral'"),
     ],

@@ -1,0 +1,145 @@
+"""Ways of attending: functions on tensors and a batch layout (`padding.BatchLayout`), no modules.
+
+Every function follows transformers' attention interface: ``fn(module, query, key, value, attention_mask,
+scaling, dropout, **kwargs) -> (output, weights)`` with ``query`` etc. of shape ``(B, nh, L, d)`` and ``output``
+of shape ``(B, L, nh, d)``; ``module`` only tells train from eval. Packed tokens use flash-attn's varlen
+convention: ``B = 1``, ``L = N`` real tokens, sequence boundaries in ``cu_seq_lens_q``/``cu_seq_lens_k``.
+
+`attend` picks the way for a layout and a kernel:
+
+- varlen mode, flash-attn: its varlen kernel reads the packed tokens directly;
+- varlen mode, SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its own slice (no padding, no mask);
+- otherwise the padded layout ``(B, nh, L, L)`` with the key mask (`attend_padded`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+try:
+    from transformers.utils.generic import is_flash_attention_requested
+except ImportError:  # transformers releases before it: the same test
+
+    def is_flash_attention_requested(requested_attention_implementation: str | None = None) -> bool:
+        return "flash" in (requested_attention_implementation or "")
+
+from .padding import BatchLayout
+
+SDPA_VARLEN = "roformer_sdpa_varlen"
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,  # (B, nh, L, d)
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,  # (B, 1, 1, L) bool, True = may attend
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention that also returns its weights ``(B, nh, L, L)``. The softmax runs in float32 whatever the
+    input dtype, and padding is masked with `masked_fill` rather than by adding `finfo.min`, which overflows in
+    float16."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling  # (B, nh, L, L)
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
+    weights = scores.softmax(dim=-1).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, L, nh, d)
+    return output, weights
+
+
+def sdpa_varlen_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,  # (1, nh, N, d): packed tokens
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: None,
+    scaling: float,
+    dropout: float = 0.0,
+    *,
+    cu_seq_lens_q: torch.Tensor,  # (S + 1,) offsets of the sequences among the N tokens
+    cu_seq_lens_k: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA on packed tokens, one sequence at a time: no work and no mask for padding.
+
+    Meant for the CPU, where a loop over sequences costs nothing next to the attention itself; `split` (not
+    indexing) lets the backward pass join the gradients with one `cat`.
+    """
+    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q,
+                                                                                              cu_seq_lens_k):
+        raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q: self-attention needs the same boundaries")
+    lengths = [n for n in cu_seq_lens_q.diff().tolist() if n]  # sequences without tokens hold no rows
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    sequences = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))  # (1, nh, n, d) each
+    outputs = [sdpa(module, q, k, v, None, dropout=dropout, scaling=scaling)[0] for q, k, v in sequences]
+    return torch.cat(outputs, dim=1), None  # (1, N, nh, d)
+
+
+AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention_forward)
+
+
+def attend_varlen(
+    module: nn.Module,
+    query: torch.Tensor,  # (N, nh, d)
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: BatchLayout,
+    implementation: str,
+    scaling: float,
+    dropout: float = 0.0,
+) -> tuple[torch.Tensor, None]:
+    """Attention on packed tokens through a varlen kernel (flash-attn's, or `SDPA_VARLEN`): ``(N, nh, d)``."""
+    if not layout.max_seqlen:  # not a single real token: nothing to attend, no kernel to call
+        return torch.zeros_like(query), None
+    attention = ALL_ATTENTION_FUNCTIONS[implementation]
+    query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # (1, nh, N, d)
+    output, _ = attention(
+        module, query, key, value, None, dropout=dropout, scaling=scaling,
+        cu_seq_lens_q=layout.cu_seqlens, cu_seq_lens_k=layout.cu_seqlens,
+        max_length_q=layout.max_seqlen, max_length_k=layout.max_seqlen,
+    )
+    return output.squeeze(0), None
+
+
+def attend_padded(
+    module: nn.Module,
+    query: torch.Tensor,  # the layout's tokens: (B, L, nh, d), or (N, nh, d) in varlen mode
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: BatchLayout,
+    implementation: str,
+    scaling: float,
+    dropout: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention on the padded layout ``(B, nh, L, d)`` with the key mask; output in the layout's token shape."""
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    query, key, value = (layout.unpack(t).transpose(1, 2) for t in (query, key, value))  # (B, nh, L, d)
+    mask = layout.key_mask
+    if mask is not None and is_flash_attention_requested(requested_attention_implementation=implementation):
+        mask = layout.token_mask  # flash-attn unpads by itself from a (B, L) mask
+    output, weights = attention(module, query, key, value, mask, dropout=dropout, scaling=scaling)
+    return layout.pack(output), weights
+
+
+def attend(
+    module: nn.Module,
+    query: torch.Tensor,  # (*T, nh, d): T = (N,) in varlen mode, else (B, L)
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: BatchLayout,
+    implementation: str,
+    scaling: float,
+    dropout: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Self-attention in the way that suits the layout and kernel: ``(*T, nh, d)`` and the weights (eager only)."""
+    if layout.mode == "varlen":
+        if is_flash_attention_requested(requested_attention_implementation=implementation):
+            return attend_varlen(module, query, key, value, layout, implementation, scaling, dropout)
+        if implementation == "sdpa" and query.device.type == "cpu":
+            return attend_varlen(module, query, key, value, layout, SDPA_VARLEN, scaling, dropout)
+    return attend_padded(module, query, key, value, layout, implementation, scaling, dropout)

@@ -1,0 +1,62 @@
+"""What loading and saving a RoFormer checkpoint guarantees, on top of transformers' `from_pretrained`.
+
+- Weights load only from safetensors files, never from pickles (unpickling can run code).
+- A truncated or corrupted safetensors file raises an `OSError` naming the checkpoint.
+- Task heads missing from a checkpoint start fresh (fine-tuning starts that way); missing encoder weights (those
+  under the model's `base_model_prefix`) raise, unless `allow_missing_encoder_weights=True`.
+- A saved folder loads with every Auto class through `trust_remote_code=True` (`auto_map` in config.json) and
+  carries a model card (`hub.py`), unless it has one.
+"""
+
+from __future__ import annotations
+
+import os
+
+from safetensors import SafetensorError
+
+from .hub import push_to_hub_with_card, write_model_card
+
+
+class CheckpointPolicy:
+    """Mixin for `PreTrainedModel` subclasses; `auto_map` (class attribute) is what `save_pretrained` writes."""
+
+    auto_map: dict[str, str] = {}
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_missing_encoder_weights: bool = False,
+                        **kwargs):
+        """transformers' `from_pretrained` with the guarantees of this module."""
+        name = os.fspath(pretrained_model_name_or_path)
+        want_info = kwargs.pop("output_loading_info", False)
+        if kwargs.setdefault("use_safetensors", True) is not True:
+            raise ValueError("use_safetensors must be True: roformer_hf never unpickles weights (pickle can run code)")
+        try:
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                                  **kwargs)
+        except SafetensorError as error:
+            raise OSError(f"The safetensors weights of {name!r} are truncated or corrupted and cannot be read "
+                          f"({error}); re-download or re-save them") from error
+        missing = sorted(key for key in info["missing_keys"] if model.is_encoder_weight(key))
+        if missing and not allow_missing_encoder_weights:
+            raise ValueError(
+                f"{name!r} lacks {len(missing)} encoder weight(s), e.g. {missing[:3]}: the model would be half "
+                "random. Check the checkpoint, or pass allow_missing_encoder_weights=True to initialise them "
+                "randomly on purpose")
+        return (model, info) if want_info else model
+
+    def is_encoder_weight(self, name: str) -> bool:
+        """Whether parameter `name` belongs to the encoder: all of the bare model's, a head model's under its
+        `base_model_prefix`."""
+        return self.base_model is self or name.startswith(f"{self.base_model_prefix}.")
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' `save_pretrained`; config.json maps every Auto class to this package's classes, and a model
+        card is written unless the folder has a README.md."""
+        self.config.auto_map = dict(self.auto_map)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        write_model_card(self, save_directory)
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """transformers' `push_to_hub`, uploading this model's card unless the repository has one (see
+        `hub.push_to_hub_with_card`)."""
+        return push_to_hub_with_card(self, repo_id, **kwargs)
