@@ -15,7 +15,7 @@ convention: ``B = 1``, ``L = N`` real tokens, sequence boundaries in ``cu_seq_le
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 try:
@@ -83,17 +83,9 @@ def sdpa_varlen_attention_forward(
 AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention_forward)
 
 
-def attend_varlen(
-    module: nn.Module,
-    query: torch.Tensor,  # (N, nh, d)
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layout: BatchLayout,
-    implementation: str,
-    scaling: float,
-    dropout: float = 0.0,
-) -> tuple[torch.Tensor, None]:
-    """Attention on packed tokens through a varlen kernel (flash-attn's, or `SDPA_VARLEN`): ``(N, nh, d)``."""
+def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: BatchLayout,
+                  implementation: str, scaling: float, dropout: float = 0.0) -> tuple[Tensor, None]:
+    """Attention on packed tokens ``(N, nh, d)`` through a varlen kernel (flash-attn's, or `SDPA_VARLEN`)."""
     if not layout.max_seqlen:  # not a single real token: nothing to attend, no kernel to call
         return torch.zeros_like(query), None
     attention = ALL_ATTENTION_FUNCTIONS[implementation]
@@ -106,17 +98,10 @@ def attend_varlen(
     return output.squeeze(0), None
 
 
-def attend_padded(
-    module: nn.Module,
-    query: torch.Tensor,  # the layout's tokens: (B, L, nh, d), or (N, nh, d) in varlen mode
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layout: BatchLayout,
-    implementation: str,
-    scaling: float,
-    dropout: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention on the padded layout ``(B, nh, L, d)`` with the key mask; output in the layout's token shape."""
+def attend_padded(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: BatchLayout,
+                  implementation: str, scaling: float, dropout: float = 0.0) -> tuple[Tensor, Tensor | None]:
+    """Attention on the padded layout ``(B, nh, L, d)`` with the key mask. Takes and returns the layout's tokens,
+    ``(*T, nh, d)``; returns the weights too when the kernel gives them (eager)."""
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     query, key, value = (layout.unpack(t).transpose(1, 2) for t in (query, key, value))  # (B, nh, L, d)
     mask = layout.key_mask
@@ -126,17 +111,18 @@ def attend_padded(
     return layout.pack(output), weights
 
 
-def attend(
-    module: nn.Module,
-    query: torch.Tensor,  # (*T, nh, d): T = (N,) in varlen mode, else (B, L)
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layout: BatchLayout,
-    implementation: str,
-    scaling: float,
-    dropout: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Self-attention in the way that suits the layout and kernel: ``(*T, nh, d)`` and the weights (eager only)."""
+def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: BatchLayout,
+           implementation: str, scaling: float, dropout: float = 0.0) -> tuple[Tensor, Tensor | None]:
+    """Self-attention in the way that suits the layout and the kernel `implementation`.
+
+    Args:
+        module: the attention module (train or eval decides dropout).
+        query, key, value: ``(*T, nh, d)`` with ``T = (N,)`` in varlen mode, else ``(B, L)``.
+        layout: where the tokens sit in the batch.
+
+    Returns:
+        The context ``(*T, nh, d)``, and the weights ``(B, nh, L, L)`` from the eager kernel (else ``None``).
+    """
     if layout.mode == "varlen":
         if is_flash_attention_requested(requested_attention_implementation=implementation):
             return attend_varlen(module, query, key, value, layout, implementation, scaling, dropout)

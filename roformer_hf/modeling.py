@@ -250,7 +250,7 @@ class RoFormerPreTrainedModel(CheckpointPolicy, PreTrainedModel):
 class RoFormerModel(RoFormerPreTrainedModel):
     """The bare RoFormer encoder, returning hidden states.
 
-    Example:
+    Example, a padded batch:
 
     ```python
     >>> import torch
@@ -278,15 +278,9 @@ class RoFormerModel(RoFormerPreTrainedModel):
         self.embeddings.word_embeddings = value
 
     @capture_outputs
-    def encode(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        **kwargs,
-    ) -> RoFormerEncoding:
+    def encode(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+               token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+               inputs_embeds: torch.Tensor | None = None, **kwargs) -> RoFormerEncoding:
         """Runs the encoder and leaves the last hidden state in the batch's layout, for the heads to consume.
 
         Requested hidden states are those the model computed with: they keep the padded layout.
@@ -318,23 +312,17 @@ class RoFormerModel(RoFormerPreTrainedModel):
         return RoFormerEncoding(last_hidden_state=hidden_states, layout=layout)
 
     @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        **kwargs,
-    ) -> BaseModelOutput:
-        encoding = self.encode(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                               position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                **kwargs) -> BaseModelOutput:
+        """`encode` with the last hidden state in the padded layout `(B, L, H)`, zeros at the padding."""
+        encoding = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
         return BaseModelOutput(last_hidden_state=encoding.layout.unpack(encoding.last_hidden_state),
                                hidden_states=encoding.hidden_states, attentions=encoding.attentions)
 
 
 class RoFormerHeadModel(RoFormerPreTrainedModel):
-    """Base of the task heads: owns the encoder, `self.roformer`."""
+    """Base of the task heads: owns the encoder (`self.roformer`); each head's `predict` turns the encoding into
+    its output and loss."""
 
     # Tells Trainer that the loss is a plain batch mean (it then divides by the gradient-accumulation steps
     # itself); only the MLM head uses Trainer's `num_items_in_batch` to average over the labelled tokens.
@@ -343,6 +331,22 @@ class RoFormerHeadModel(RoFormerPreTrainedModel):
     def __init__(self, config: RoFormerConfig):
         super().__init__(config)
         self.roformer = RoFormerModel(config)
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels=None, **kwargs) -> ModelOutput:
+        encoding = self.roformer.encode(input_ids=input_ids, attention_mask=attention_mask,
+                                        token_type_ids=token_type_ids, position_ids=position_ids,
+                                        inputs_embeds=inputs_embeds, **kwargs)
+        output = self.predict(encoding, labels, **kwargs)
+        for name in ("hidden_states", "attentions"):
+            if encoding.get(name) is not None:
+                output[name] = encoding[name]
+        return output
+
+    def predict(self, encoding: RoFormerEncoding, labels, **kwargs) -> ModelOutput:
+        """The head's output (and loss, with `labels`) from the encoder's result."""
+        raise NotImplementedError
 
     def _dropout_probability(self) -> float:
         dropout = self.config.classifier_dropout
@@ -399,15 +403,15 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
     `config.sparse_prediction=True`, a training forward with labels runs the head only on the labelled tokens
     and returns their logits, `(num_labelled, vocab_size)` (as ModernBERT does); evaluation is unaffected.
 
-    Example:
+    Example (only the labelled token counts in the loss):
 
     ```python
     >>> import torch
     >>> from roformer_hf import RoFormerConfig, RoFormerForMaskedLM
-    >>> model = RoFormerForMaskedLM(RoFormerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-    ...                                            num_attention_heads=4, intermediate_size=64))
-    >>> ids = torch.tensor([[2, 5, 4, 3]])
-    >>> out = model(ids, labels=torch.tensor([[-100, -100, 7, -100]]))
+    >>> config = RoFormerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                         intermediate_size=64)
+    >>> labels = torch.tensor([[-100, -100, 7, -100]])  # only the masked token is scored
+    >>> out = RoFormerForMaskedLM(config)(torch.tensor([[2, 5, 4, 3]]), labels=labels)
     >>> out.logits.shape, out.loss.ndim
     (torch.Size([1, 4, 100]), 0)
     ```
@@ -431,12 +435,7 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
         self.cls.predictions.decoder = new_embeddings
         self.cls.predictions.bias = new_embeddings.bias
 
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs) -> MaskedLMOutput:
-        encoding = self.roformer.encode(input_ids=input_ids, attention_mask=attention_mask,
-                                        token_type_ids=token_type_ids, position_ids=position_ids,
-                                        inputs_embeds=inputs_embeds, **kwargs)
+    def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, **kwargs) -> MaskedLMOutput:
         hidden_states, layout = encoding.last_hidden_state, encoding.layout  # (*T, H)
         if labels is not None:
             check_token_labels(labels, (layout.batch_size, layout.seq_len), self.config.vocab_size)
@@ -452,8 +451,7 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
             logits = self.cls.predictions(hidden_states)  # (*T, V) or (M, V)
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
             logits = logits if sparse else layout.unpack(logits)
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=encoding.hidden_states,
-                              attentions=encoding.attentions)
+        return MaskedLMOutput(loss=loss, logits=logits)
 
 
 class RoFormerClassificationHead(nn.Module):
@@ -479,7 +477,7 @@ class RoFormerForSequenceClassification(RoFormerHeadModel):
     single-label cross-entropy; float labels of shape `(B, num_labels)` multi-label BCE (or set
     `config.problem_type`).
 
-    Example:
+    Example, with three classes:
 
     ```python
     >>> import torch
@@ -499,12 +497,7 @@ class RoFormerForSequenceClassification(RoFormerHeadModel):
         self.classifier = RoFormerClassificationHead(config, self._dropout_probability())
         self.post_init()
 
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs) -> SequenceClassifierOutput:
-        encoding = self.roformer.encode(input_ids=input_ids, attention_mask=attention_mask,
-                                        token_type_ids=token_type_ids, position_ids=position_ids,
-                                        inputs_embeds=inputs_embeds, **kwargs)
+    def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, **kwargs) -> SequenceClassifierOutput:
         logits = self.classifier(encoding.layout.edge_tokens(encoding.last_hidden_state))
         loss = None
         if labels is not None:
@@ -512,22 +505,21 @@ class RoFormerForSequenceClassification(RoFormerHeadModel):
             single_label = sequence_problem_type(self.config, labels) == "single_label_classification"
             labels = labels.long() if single_label else labels.to(logits.dtype)  # int32 classes, 0/1 multi-hot
             loss = self.loss_function(labels, logits, self.config)
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=encoding.hidden_states,
-                                        attentions=encoding.attentions)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
 class RoFormerForTokenClassification(RoFormerHeadModel):
     """RoFormer with a per-token classifier (NER, POS tagging); labels of -100 are ignored.
 
-    Example:
+    Example (no tags on [CLS] and [SEP]):
 
     ```python
     >>> import torch
     >>> from roformer_hf import RoFormerConfig, RoFormerForTokenClassification
-    >>> model = RoFormerForTokenClassification(RoFormerConfig(
-    ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-    ...     num_labels=5))
-    >>> model(torch.tensor([[2, 5, 7, 3]])).logits.shape
+    >>> config = RoFormerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                         intermediate_size=64, num_labels=5)
+    >>> tags = torch.tensor([[-100, 1, 4, -100]])  # no tag for [CLS] and [SEP]
+    >>> RoFormerForTokenClassification(config)(torch.tensor([[2, 5, 7, 3]]), labels=tags).logits.shape
     torch.Size([1, 4, 5])
     ```
     """
@@ -539,35 +531,31 @@ class RoFormerForTokenClassification(RoFormerHeadModel):
         self.classifier = linear(config, config.hidden_size, config.num_labels)
         self.post_init()
 
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs) -> TokenClassifierOutput:
-        encoding = self.roformer.encode(input_ids=input_ids, attention_mask=attention_mask,
-                                        token_type_ids=token_type_ids, position_ids=position_ids,
-                                        inputs_embeds=inputs_embeds, **kwargs)
+    def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, **kwargs) -> TokenClassifierOutput:
         layout = encoding.layout
         logits = self.classifier(self.dropout(encoding.last_hidden_state))  # (*T, num_labels)
         loss = None
         if labels is not None:
             check_token_labels(labels, (layout.batch_size, layout.seq_len), self.num_labels)
             loss = self.loss_function(logits, layout.pack(labels).long(), self.config)
-        return TokenClassifierOutput(loss=loss, logits=layout.unpack(logits), hidden_states=encoding.hidden_states,
-                                     attentions=encoding.attentions)
+        return TokenClassifierOutput(loss=loss, logits=layout.unpack(logits))
 
 
 class RoFormerForQuestionAnswering(RoFormerHeadModel):
-    """RoFormer with an extractive-QA head: start and end logits for every token (padding masked out).
+    """RoFormer with an extractive-QA head: start and end logits for every token. The logits at padding are masked
+    out of the softmax, so a predicted span never starts or ends on padding.
 
-    Example:
+    Example: a predicted span never starts or ends on padding.
 
     ```python
     >>> import torch
     >>> from roformer_hf import RoFormerConfig, RoFormerForQuestionAnswering
-    >>> model = RoFormerForQuestionAnswering(RoFormerConfig(
-    ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64))
-    >>> out = model(torch.tensor([[2, 5, 7, 3]]))
-    >>> out.start_logits.shape, out.end_logits.shape
-    (torch.Size([1, 4]), torch.Size([1, 4]))
+    >>> qa = RoFormerForQuestionAnswering(RoFormerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+    ...                                                  num_attention_heads=4, intermediate_size=64))
+    >>> mask = torch.tensor([[1, 1, 1, 1, 0]])
+    >>> out = qa(torch.tensor([[2, 5, 7, 3, 0]]), attention_mask=mask)
+    >>> int(out.start_logits.argmax()) < 4 and int(out.end_logits.argmax()) < 4  # never on the padding
+    True
     ```
     """
 
@@ -576,25 +564,25 @@ class RoFormerForQuestionAnswering(RoFormerHeadModel):
         self.qa_outputs = linear(config, config.hidden_size, 2)
         self.post_init()
 
-    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, start_positions=None, end_positions=None,
+                inputs_embeds=None, start_positions=None, end_positions=None, **kwargs) -> QuestionAnsweringModelOutput:
+        spans = None if start_positions is None or end_positions is None else (start_positions, end_positions)
+        return super().forward(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, spans, **kwargs)
+
+    def predict(self, encoding: RoFormerEncoding, spans: tuple[torch.Tensor, torch.Tensor] | None,
                 **kwargs) -> QuestionAnsweringModelOutput:
-        encoding = self.roformer.encode(input_ids=input_ids, attention_mask=attention_mask,
-                                        token_type_ids=token_type_ids, position_ids=position_ids,
-                                        inputs_embeds=inputs_embeds, **kwargs)
-        logits = encoding.layout.unpack(self.qa_outputs(encoding.last_hidden_state))  # (B, L, 2)
+        layout = encoding.layout
+        logits = layout.unpack(self.qa_outputs(encoding.last_hidden_state))  # (B, L, 2)
         # Padding must never win the argmax of a span.
-        if attention_mask is not None:
-            logits = logits.masked_fill(~attention_mask.bool().unsqueeze(-1), torch.finfo(logits.dtype).min)
+        if layout.token_mask is not None:
+            logits = logits.masked_fill(~layout.token_mask.unsqueeze(-1), torch.finfo(logits.dtype).min)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
-        if start_positions is not None and end_positions is not None:
-            for name, positions in (("start_positions", start_positions), ("end_positions", end_positions)):
-                check_span_positions(name, positions, attention_mask, tuple(start_logits.shape))
-            loss = self.loss_function(start_logits, end_logits, start_positions.long(), end_positions.long())
-        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
-                                            hidden_states=encoding.hidden_states, attentions=encoding.attentions)
+        if spans is not None:
+            for name, positions in zip(("start_positions", "end_positions"), spans):
+                check_span_positions(name, positions, layout.token_mask, tuple(start_logits.shape))
+            loss = self.loss_function(start_logits, end_logits, *(positions.long() for positions in spans))
+        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
 
 
 class RoFormerForMultipleChoice(RoFormerHeadModel):
@@ -602,7 +590,7 @@ class RoFormerForMultipleChoice(RoFormerHeadModel):
     `(B, num_choices)`, one score per choice from the state of its last real token (as transformers' RoFormer,
     whose sequence summary takes the last position: the same token unless the choice is right-padded).
 
-    Example:
+    Example, two choices for one question:
 
     ```python
     >>> import torch
@@ -620,29 +608,28 @@ class RoFormerForMultipleChoice(RoFormerHeadModel):
         self.classifier = linear(config, config.hidden_size, 1)
         self.post_init()
 
-    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs) -> MultipleChoiceModelOutput:
         source = input_ids if input_ids is not None else inputs_embeds
         if source is None or source.dim() < 3:
             raise ValueError("RoFormerForMultipleChoice expects input_ids of shape (batch, num_choices, seq_len) "
                              "or inputs_embeds of shape (batch, num_choices, seq_len, embedding_size)")
-        num_choices = source.shape[1]
 
         def flat(t: torch.Tensor | None) -> torch.Tensor | None:  # (B, num_choices, ...) -> (B * num_choices, ...)
             return None if t is None else t.flatten(0, 1)
 
-        encoding = self.roformer.encode(input_ids=flat(input_ids), attention_mask=flat(attention_mask),
-                                        token_type_ids=flat(token_type_ids), position_ids=flat(position_ids),
-                                        inputs_embeds=flat(inputs_embeds), **kwargs)
+        inputs = (flat(t) for t in (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds))
+        return super().forward(*inputs, labels, num_choices=source.shape[1], **kwargs)
+
+    def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, num_choices: int,
+                **kwargs) -> MultipleChoiceModelOutput:
         last_tokens = encoding.layout.edge_tokens(encoding.last_hidden_state, last=True)  # (B * num_choices, H)
         logits = self.classifier(self.dropout(last_tokens)).view(-1, num_choices)
         loss = None
         if labels is not None:
             check_choice_labels(labels, logits.shape[0], num_choices)
             loss = nn.functional.cross_entropy(logits, labels.long())
-        return MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=encoding.hidden_states,
-                                         attentions=encoding.attentions)
+        return MultipleChoiceModelOutput(loss=loss, logits=logits)
 
 
 class Head(NamedTuple):

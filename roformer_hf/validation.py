@@ -8,10 +8,7 @@ they are skipped while tracing or compiling, where data-dependent Python branche
 from __future__ import annotations
 
 import torch
-
-
-def _tracing() -> bool:
-    return torch.jit.is_tracing() or torch.compiler.is_compiling()  # export counts as compiling
+from transformers.utils.import_utils import is_tracing
 
 
 def _check_shape(name: str, tensor: torch.Tensor | None, expected: tuple[int, ...]) -> None:
@@ -26,7 +23,7 @@ def _check_integer(name: str, tensor: torch.Tensor | None) -> None:
 
 def check_range(name: str, tensor: torch.Tensor, high: int, allowed: int | None = None) -> None:
     """Raises unless every value is in [0, high) (or equals `allowed`, e.g. the -100 of ignored labels)."""
-    if _tracing() or tensor.numel() == 0:
+    if is_tracing() or tensor.numel() == 0:
         return
     values = tensor if allowed is None else tensor.masked_fill(tensor == allowed, 0)  # 0 is always in range
     low_value, high_value = torch.stack(torch.aminmax(values)).tolist()  # the one host sync
@@ -88,7 +85,7 @@ def check_span_positions(name: str, positions: torch.Tensor, attention_mask: tor
         raise ValueError(f"{name} has shape {tuple(positions.shape)}; expected ({batch_size},): one position per "
                          "sequence")
     _check_integer(name, positions)
-    if _tracing():
+    if is_tracing():
         return
     positions = positions.flatten()
     bad = positions < 0
@@ -134,5 +131,5 @@ def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, posi
         check_range("input_ids", input_ids, config.vocab_size)
     if token_type_ids is not None:
         check_range("token_type_ids", token_type_ids, config.type_vocab_size)
-    if position_ids is not None and not _tracing() and position_ids.numel() and position_ids.min() < 0:
+    if position_ids is not None and not is_tracing() and position_ids.numel() and position_ids.min() < 0:
         raise ValueError(f"position_ids contains {position_ids.min().item()}; expected positions >= 0")
