@@ -7,9 +7,11 @@ convention: ``B = 1``, ``L = N`` real tokens, sequence boundaries in ``cu_seq_le
 
 `attend` picks the way for a layout and a kernel:
 
-- varlen mode, flash-attn: its varlen kernel reads the packed tokens directly;
-- varlen mode, SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its own slice (no padding, no mask);
-- otherwise the padded layout ``(B, nh, L, L)`` with the key mask (`attend_padded`).
+- sequence offsets known (real tokens side by side, or packed rows), flash-attn: its varlen kernel reads the
+  tokens directly;
+- the same with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its own slice (no padding, no mask);
+- otherwise the padded layout ``(B, nh, L, d)`` with the key mask (`attend_padded`): padding masked, and packed
+  rows masked block-diagonally.
 """
 
 from __future__ import annotations
@@ -85,17 +87,19 @@ AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention_forward)
 
 def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: BatchLayout,
                   implementation: str, scaling: float, dropout: float = 0.0) -> tuple[Tensor, None]:
-    """Attention on packed tokens ``(N, nh, d)`` through a varlen kernel (flash-attn's, or `SDPA_VARLEN`)."""
+    """Attention on the layout's tokens ``(*T, nh, d)`` through a varlen kernel (flash-attn's, or `SDPA_VARLEN`),
+    sequence by sequence as `layout.cu_seqlens` delimits them."""
     if not layout.max_seqlen:  # not a single real token: nothing to attend, no kernel to call
         return torch.zeros_like(query), None
     attention = ALL_ATTENTION_FUNCTIONS[implementation]
-    query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # (1, nh, N, d)
+    tokens = query.shape[:-2]
+    query, key, value = (t.flatten(0, -3).transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # (1, nh, N, d)
     output, _ = attention(
         module, query, key, value, None, dropout=dropout, scaling=scaling,
         cu_seq_lens_q=layout.cu_seqlens, cu_seq_lens_k=layout.cu_seqlens,
         max_length_q=layout.max_seqlen, max_length_k=layout.max_seqlen,
     )
-    return output.squeeze(0), None
+    return output.squeeze(0).unflatten(0, tokens), None
 
 
 def attend_padded(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: BatchLayout,
@@ -106,6 +110,9 @@ def attend_padded(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     query, key, value = (layout.unpack(t).transpose(1, 2) for t in (query, key, value))  # (B, nh, L, d)
     mask = layout.key_mask
     if mask is not None and is_flash_attention_requested(requested_attention_implementation=implementation):
+        if layout.is_packed:
+            raise ValueError("flash-attn on the padded layout cannot keep packed sequences apart; let the model "
+                             "skip padding (config.unpad_inputs=True) and do not trace it")
         mask = layout.token_mask  # flash-attn unpads by itself from a (B, L) mask
     output, weights = attention(module, query, key, value, mask, dropout=dropout, scaling=scaling)
     return layout.pack(output), weights
@@ -123,7 +130,7 @@ def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout:
     Returns:
         The context ``(*T, nh, d)``, and the weights ``(B, nh, L, L)`` from the eager kernel (else ``None``).
     """
-    if layout.mode == "varlen":
+    if layout.cu_seqlens is not None:
         if is_flash_attention_requested(requested_attention_implementation=implementation):
             return attend_varlen(module, query, key, value, layout, implementation, scaling, dropout)
         if implementation == "sdpa" and query.device.type == "cpu":

@@ -39,6 +39,7 @@ from .rotary import inverse_frequencies, rotary_phases, rotate
 from .validation import (
     check_choice_labels,
     check_encoder_inputs,
+    check_packed_offsets,
     check_sequence_labels,
     check_span_positions,
     check_token_labels,
@@ -283,19 +284,21 @@ class RoFormerModel(RoFormerPreTrainedModel):
                inputs_embeds: torch.Tensor | None = None, **kwargs) -> RoFormerEncoding:
         """Runs the encoder and leaves the last hidden state in the batch's layout, for the heads to consume.
 
-        Requested hidden states are those the model computed with: they keep the padded layout.
+        Rows may hold several sequences back to back (`DataCollatorWithFlattening`): their offsets come from
+        `cu_seq_lens_q`/`cu_seq_lens_k` in `kwargs`, or, without an attention mask, from `position_ids` that
+        restart. Requested hidden states are those the model computed with: they keep the padded layout.
         """
         check_encoder_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         batch_size, seq_len = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=device)
-        position_ids = position_ids.expand(batch_size, seq_len)
+        if position_ids is not None:
+            position_ids = position_ids.expand(batch_size, seq_len)
         output_hidden_states = kwargs.get("output_hidden_states", self.config.output_hidden_states)
-        layout = BatchLayout.from_attention_mask(attention_mask, batch_size, seq_len,
-                                                 unpad=self.config.unpad_inputs and not output_hidden_states)
+        offsets = check_packed_offsets(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+        layout = BatchLayout.from_inputs(batch_size, seq_len, attention_mask, position_ids, offsets,
+                                         unpad=self.config.unpad_inputs and not output_hidden_states)
 
         # Token-wise from here on: pack first so nothing is computed for padding.
         hidden_states = self.embeddings(
@@ -306,6 +309,8 @@ class RoFormerModel(RoFormerPreTrainedModel):
         if hasattr(self, "embeddings_project"):
             hidden_states = self.embeddings_project(hidden_states)
         inv_freq = inverse_frequencies(self.config.head_dim, self.config.rope_theta, device)
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
         phases = rotary_phases(layout.pack(position_ids), inv_freq).unsqueeze(-3)  # (*T, 1, d/2, 2)
         output_attentions = kwargs.get("output_attentions", self.config.output_attentions)
         hidden_states = self.encoder(hidden_states, phases, layout, bool(output_attentions))
@@ -498,6 +503,7 @@ class RoFormerForSequenceClassification(RoFormerHeadModel):
         self.post_init()
 
     def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, **kwargs) -> SequenceClassifierOutput:
+        encoding.layout.require_one_sequence_per_row(type(self).__name__)
         logits = self.classifier(encoding.layout.edge_tokens(encoding.last_hidden_state))
         loss = None
         if labels is not None:
@@ -579,6 +585,7 @@ class RoFormerForQuestionAnswering(RoFormerHeadModel):
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
         if spans is not None:
+            layout.require_one_sequence_per_row(f"{type(self).__name__} with start_positions/end_positions")
             for name, positions in zip(("start_positions", "end_positions"), spans):
                 check_span_positions(name, positions, layout.token_mask, tuple(start_logits.shape))
             loss = self.loss_function(start_logits, end_logits, *(positions.long() for positions in spans))
@@ -623,6 +630,7 @@ class RoFormerForMultipleChoice(RoFormerHeadModel):
 
     def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, num_choices: int,
                 **kwargs) -> MultipleChoiceModelOutput:
+        encoding.layout.require_one_sequence_per_row(type(self).__name__)
         last_tokens = encoding.layout.edge_tokens(encoding.last_hidden_state, last=True)  # (B * num_choices, H)
         logits = self.classifier(self.dropout(last_tokens)).view(-1, num_choices)
         loss = None

@@ -1,8 +1,12 @@
-"""Skipping padding: where the real tokens of a batch sit, and how tensors move between layouts.
+"""Skipping padding: where the sequences of a batch sit, and how tensors move between layouts.
 
 A padded batch ``(B, L, ...)`` with an attention mask becomes ``(N, ...)``, the ``N`` real tokens side by side.
 Projections, the feed-forward, norms and the MLM head are token-wise, so they run on the packed tokens unchanged
 and spend nothing on padding. Only attention needs the sequences apart (see `attention.py`).
+
+Rows may also hold several sequences back to back, without padding (transformers' `DataCollatorWithFlattening`):
+their boundaries come from `cu_seq_lens_q`/`cu_seq_lens_k`, or from `position_ids` that restart, and attention
+stays inside each sequence.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from functools import cached_property
 from typing import Literal
 
 import torch
+from transformers.masking_utils import find_packed_sequence_indices
 from transformers.utils.import_utils import is_torchdynamo_exporting
 
-LayoutMode = Literal["dense", "padded", "varlen"]
+LayoutMode = Literal["dense", "padded", "varlen", "packed"]
 
 
 def graph_must_fit_any_mask() -> bool:
@@ -28,29 +33,75 @@ class BatchLayout:
     """How the tokens of a ``(B, L)`` batch are laid out while the encoder runs.
 
     Modes:
-        ``"dense"``: ``(B, L, ...)``, every token is real; attention needs no mask.
-        ``"padded"``: ``(B, L, ...)``; attention masks the padding with `key_mask`.
+        ``"dense"``: ``(B, L, ...)``, one sequence per row, every token real; attention needs no mask.
+        ``"padded"``: ``(B, L, ...)``; attention masks with `key_mask` (the padding, or other sequences).
         ``"varlen"``: ``(N, ...)``, the real tokens only; sequence ``k`` holds rows
             ``cu_seqlens[k]:cu_seqlens[k + 1]``.
+        ``"packed"``: ``(B, L, ...)``, every token real, several sequences per row; sequence ``k`` holds the
+            flat tokens ``cu_seqlens[k]:cu_seqlens[k + 1]`` of ``B * L``.
 
     Attributes:
-        token_mask: ``(B, L)`` boolean, True at the real tokens; ``None`` in dense mode.
-        key_mask: ``(B, 1, 1, L)`` boolean, True where a key may be attended to in the padded layout; ``None`` in
-            dense mode.
+        token_mask: ``(B, L)`` boolean, True at the real tokens; ``None`` when every token is real.
+        segment_ids: ``(B, L)``, which sequence of its row each token belongs to; ``None`` for one sequence per row.
         indices, padding_indices: flat positions (in ``B * L``) of the real tokens and of the padding (varlen mode).
-        cu_seqlens: ``(B + 1,)`` int32 offsets of the sequences among the real tokens (varlen mode).
-        max_seqlen: the longest sequence, on the host (varlen mode).
+        cu_seqlens: int32 offsets of the sequences among the layout's tokens (varlen and packed modes).
+        max_seqlen: the longest sequence, on the host (varlen and packed modes).
     """
 
     mode: LayoutMode
     batch_size: int
     seq_len: int
     token_mask: torch.Tensor | None = None
-    key_mask: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
     indices: torch.Tensor | None = None
     padding_indices: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+
+    @classmethod
+    def from_inputs(cls, batch_size: int, seq_len: int, attention_mask: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                    unpad: bool = True) -> BatchLayout:
+        """The layout of a batch: packed rows when `cu_seqlens` is given or, without an attention mask, when
+        `position_ids` restart inside a row (a new sequence wherever a position does not follow its predecessor by
+        exactly 1, as transformers detects packed rows); else one sequence per row, padded by `attention_mask`."""
+        if cu_seqlens is not None:
+            if attention_mask is not None:
+                raise ValueError("Pass attention_mask or cu_seq_lens_q/cu_seq_lens_k, not both: packed sequences "
+                                 "(cu_seq_lens) have no padding to mask")
+            return cls._packed(batch_size, seq_len, cu_seqlens)
+        if attention_mask is None and position_ids is not None:
+            segment_ids = find_packed_sequence_indices(position_ids)  # None: one sequence per row
+            if segment_ids is not None:
+                if graph_must_fit_any_mask():
+                    return cls("padded", batch_size, seq_len, segment_ids=segment_ids)
+                starts = torch.ones_like(segment_ids, dtype=torch.bool)
+                starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+                flat_starts = starts.flatten().nonzero().squeeze(-1)
+                total = torch.tensor([batch_size * seq_len], device=flat_starts.device)
+                return cls._packed(batch_size, seq_len, torch.cat([flat_starts, total]))
+        return cls.from_attention_mask(attention_mask, batch_size, seq_len, unpad)
+
+    @classmethod
+    def _packed(cls, batch_size: int, seq_len: int, cu_seqlens: torch.Tensor) -> BatchLayout:
+        offsets = cu_seqlens.tolist()  # the one host sync: checks, and the longest sequence
+        total = batch_size * seq_len
+        if cu_seqlens.dim() != 1 or len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
+            raise ValueError(f"cu_seq_lens_q = {offsets}: expected sequence offsets from 0 to the number of tokens, "
+                             f"{total} ({batch_size} row(s) of {seq_len})")
+        lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
+        if min(lengths) <= 0:
+            raise ValueError(f"cu_seq_lens_q = {offsets}: expected strictly increasing offsets (no empty sequence)")
+        if not {row * seq_len for row in range(batch_size)} <= set(offsets):
+            raise ValueError(f"cu_seq_lens_q = {offsets}: a sequence crosses from one row to the next; expected a "
+                             f"boundary at every multiple of the row length {seq_len}")
+        cu_seqlens = cu_seqlens.to(torch.int32)
+        # Which sequence of its row each token belongs to, for attention on the padded layout (a block mask).
+        flat_ids = torch.zeros(total, dtype=torch.int64, device=cu_seqlens.device)
+        flat_ids[cu_seqlens[1:-1].long()] = 1
+        segment_ids = flat_ids.view(batch_size, seq_len).cumsum(-1)
+        return cls("packed", batch_size, seq_len, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
+                   max_seqlen=max(lengths))
 
     @classmethod
     def from_attention_mask(
@@ -74,15 +125,40 @@ class BatchLayout:
         if not unpad:
             return cls._padded(mask)
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-        return cls("varlen", batch_size, seq_len, token_mask=mask, key_mask=_key_mask(mask),
+        return cls("varlen", batch_size, seq_len, token_mask=mask,
                    indices=mask.flatten().nonzero().squeeze(-1),
                    padding_indices=(~mask).flatten().nonzero().squeeze(-1),
                    cu_seqlens=cu_seqlens, max_seqlen=max(host_lengths))
 
     @classmethod
     def _padded(cls, mask: torch.Tensor) -> BatchLayout:
-        return cls("padded", *mask.shape, token_mask=mask, key_mask=_key_mask(mask))
+        return cls("padded", *mask.shape, token_mask=mask)
 
+    @cached_property
+    def key_mask(self) -> torch.Tensor | None:
+        """Which keys each query may attend to in the padded layout: ``(B, 1, 1, L)`` for padding, ``(B, 1, L, L)``
+        for packed rows (block-diagonal), ``None`` when all may. A fully padded row would leave softmax nothing to
+        normalise (NaN): it sees its first (zero) key."""
+        if self.segment_ids is not None:
+            return (self.segment_ids[:, :, None] == self.segment_ids[:, None, :])[:, None]
+        if self.token_mask is None:
+            return None
+        key_mask = self.token_mask.clone()
+        key_mask[:, 0] |= ~self.token_mask.any(dim=-1)
+        return key_mask[:, None, None, :]
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether rows hold several sequences."""
+        return self.segment_ids is not None
+
+    def require_one_sequence_per_row(self, user: str) -> None:
+        """Sequence-level outputs (one per row) have no meaning for packed rows: refuse them."""
+        if self.is_packed:
+            raise ValueError(f"{user} gives one output per row, but the rows hold several sequences (packed with "
+                             "cu_seq_lens_q/k, or position_ids that restart). Pass one sequence per row, padded "
+                             "with an attention_mask, e.g. with DataCollatorWithPadding instead of "
+                             "DataCollatorWithFlattening")
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, L, ...)`` -> the layout's token shape: ``(N, ...)`` in varlen mode, else unchanged."""
         if self.mode != "varlen":
@@ -127,10 +203,3 @@ class BatchLayout:
         has_tokens = self.token_mask.any(dim=-1).view(-1, *[1] * (tokens.dim() - 1))
         return torch.where(has_tokens, tokens, 0)
 
-
-def _key_mask(token_mask: torch.Tensor) -> torch.Tensor:
-    """``(B, L)`` real tokens -> ``(B, 1, 1, L)`` keys to attend to. A fully padded row would leave softmax nothing
-    to normalise (NaN); it sees its first (zero) key instead."""
-    key_mask = token_mask.clone()
-    key_mask[:, 0] |= ~token_mask.any(dim=-1)
-    return key_mask[:, None, None, :]

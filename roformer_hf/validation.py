@@ -133,3 +133,20 @@ def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, posi
         check_range("token_type_ids", token_type_ids, config.type_vocab_size)
     if position_ids is not None and not is_tracing() and position_ids.numel() and position_ids.min() < 0:
         raise ValueError(f"position_ids contains {position_ids.min().item()}; expected positions >= 0")
+
+
+def check_packed_offsets(cu_seq_lens_q: torch.Tensor | None, cu_seq_lens_k: torch.Tensor | None) -> torch.Tensor | None:
+    """The sequence offsets of packed rows (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`): the two
+    arguments must agree, since a token attends to its own sequence."""
+    offsets = cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k
+    if offsets is None:
+        return None
+    for name, tensor in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k)):
+        if tensor is not None and (tensor.dim() != 1 or tensor.is_floating_point()):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; expected a 1-D integer "
+                             "tensor of sequence offsets")
+    if cu_seq_lens_q is not None and cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_q.cpu(),
+                                                                                    cu_seq_lens_k.cpu()):
+        raise ValueError(f"cu_seq_lens_q = {cu_seq_lens_q.tolist()} and cu_seq_lens_k = {cu_seq_lens_k.tolist()} "
+                         "differ; expected the same sequence offsets (self-attention)")
+    return offsets
