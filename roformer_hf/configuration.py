@@ -11,7 +11,18 @@ from transformers.activations import ACT2FN
 from .rotary import ROTARY_LAYOUTS, check_head_dim
 
 NORM_POSITIONS = ("post", "pre")
+DECODER_SWITCHES = ("is_decoder", "add_cross_attention")  # transformers' RoFormer has them; this encoder does not
 TRANSFORMERS_MODEL_TYPE = "roformer"  # transformers' own RoFormer, whose checkpoints we load
+
+
+def refuse_decoder_switches(values) -> None:
+    """transformers' RoFormer configs carry decoder switches (`is_decoder`, `add_cross_attention`) that this
+    bidirectional encoder does not implement: refuse them wherever they are set (a mapping, or a config)."""
+    get = values.get if hasattr(values, "get") else lambda name: getattr(values, name, None)
+    for switch in DECODER_SWITCHES:
+        if get(switch):
+            raise ValueError(f"{switch}=True is not supported: roformer_hf builds bidirectional encoders (no causal "
+                             "mask, no cross-attention, no cache)")
 
 
 class RoFormerConfig(PreTrainedConfig):
@@ -76,10 +87,9 @@ class RoFormerConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.embedding_size is None:
             self.embedding_size = self.hidden_size
-        # transformers' RoFormer configs carry decoder-only switches this encoder does not implement.
-        for unsupported in ("is_decoder", "add_cross_attention"):
-            if kwargs.pop(unsupported, False):
-                raise ValueError(f"{unsupported}=True is not supported: roformer_hf builds bidirectional encoders")
+        refuse_decoder_switches(kwargs)
+        for switch in DECODER_SWITCHES:
+            kwargs.pop(switch, None)
         kwargs.pop("use_cache", None)
         super().__post_init__(**kwargs)
         self._check()

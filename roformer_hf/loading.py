@@ -14,6 +14,7 @@ import os
 
 from safetensors import SafetensorError
 
+from .configuration import refuse_decoder_switches
 from .hub import push_to_hub_with_card, write_model_card
 
 
@@ -27,6 +28,7 @@ class CheckpointPolicy:
                         **kwargs):
         """transformers' `from_pretrained` with the guarantees of this module."""
         name = os.fspath(pretrained_model_name_or_path)
+        refuse_decoder_switches(kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         if kwargs.setdefault("use_safetensors", True) is not True:
             raise ValueError("use_safetensors must be True: roformer_hf never unpickles weights (pickle can run code)")

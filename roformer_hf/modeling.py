@@ -32,7 +32,7 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
 from .attention import attend
-from .configuration import RoFormerConfig
+from .configuration import RoFormerConfig, refuse_decoder_switches
 from .loading import CheckpointPolicy
 from .padding import BatchLayout
 from .rotary import inverse_frequencies, rotary_phases, rotate
@@ -43,6 +43,7 @@ from .validation import (
     check_sequence_labels,
     check_span_positions,
     check_token_labels,
+    refuse_decoder_inputs,
     sequence_problem_type,
 )
 
@@ -236,6 +237,10 @@ class RoFormerPreTrainedModel(CheckpointPolicy, PreTrainedModel):
     # transformers' output capture: every layer's output, and the weights the eager attention returns.
     _can_record_outputs = {"hidden_states": RoFormerLayer, "attentions": RoFormerSelfAttention}
 
+    def __init__(self, config: RoFormerConfig, *inputs, **kwargs):
+        refuse_decoder_switches(config)
+        super().__init__(config, *inputs, **kwargs)
+
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
         # transformers looks for its attention interface in this file's source; the dispatch lives in attention.py.
@@ -289,6 +294,8 @@ class RoFormerModel(RoFormerPreTrainedModel):
         restart. Requested hidden states are those the model computed with: they keep the padded layout.
         """
         check_encoder_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        refuse_decoder_inputs(kwargs)
+        refuse_decoder_switches(self.config)  # also when set on the config after the model was built
         batch_size, seq_len = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if token_type_ids is None:
@@ -432,6 +439,18 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
         super().__init__(config)
         self.cls = nn.ModuleDict({"predictions": RoFormerLMPredictions(config)})  # checkpoint name: cls.predictions
         self.post_init()
+
+    def tie_weights(self, missing_keys: set[str] | None = None, recompute_mapping: bool = True):
+        # A fresh head (loaded onto a bare encoder's checkpoint) lacks both tied biases, and transformers would call
+        # the checkpoint corrupted. The head's bias is initialised (`_init_weights`): tie the decoder's to it as in a
+        # new model, and keep both listed as new weights in the load report.
+        fresh_bias = {"cls.predictions.bias", "cls.predictions.decoder.bias"}
+        fresh_head = missing_keys is not None and fresh_bias <= missing_keys
+        if fresh_head:
+            missing_keys.discard("cls.predictions.bias")
+        super().tie_weights(missing_keys=missing_keys, recompute_mapping=recompute_mapping)
+        if fresh_head:
+            missing_keys.update(fresh_bias)
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.cls.predictions.decoder

@@ -150,3 +150,14 @@ def check_packed_offsets(cu_seq_lens_q: torch.Tensor | None, cu_seq_lens_k: torc
         raise ValueError(f"cu_seq_lens_q = {cu_seq_lens_q.tolist()} and cu_seq_lens_k = {cu_seq_lens_k.tolist()} "
                          "differ; expected the same sequence offsets (self-attention)")
     return offsets
+
+
+def refuse_decoder_inputs(kwargs: dict) -> None:
+    """Inputs of transformers' decoders (cross-attention, a cache) have no meaning here: refuse them rather than let
+    them vanish into `**kwargs`."""
+    for name in ("encoder_hidden_states", "encoder_attention_mask", "past_key_values"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name} is not supported: roformer_hf is a bidirectional encoder without "
+                             "cross-attention or a cache; leave it out")
+    if kwargs.get("use_cache"):
+        raise ValueError("use_cache=True is not supported: roformer_hf is an encoder and keeps no cache; leave it out")

@@ -5,7 +5,10 @@ import shutil
 import pytest
 import safetensors.torch
 import torch
+import transformers
 from helpers import padded_batch, tiny_config
+
+import roformer_hf
 
 from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification
 
@@ -89,3 +92,67 @@ def test_training_steps_are_deterministic_on_cpu():
     (losses_a, weight_a), (losses_b, weight_b) = run(), run()
     assert losses_a == losses_b and torch.equal(weight_a, weight_b)
     assert losses_a[0] != losses_a[-1]  # it really trained
+
+
+@pytest.mark.parametrize("head", [roformer_hf.RoFormerForMaskedLM, roformer_hf.RoFormerForSequenceClassification,
+                                  roformer_hf.RoFormerForTokenClassification,
+                                  roformer_hf.RoFormerForQuestionAnswering, roformer_hf.RoFormerForMultipleChoice])
+def test_a_head_missing_from_the_checkpoint_starts_fresh(tmp_path, head, caplog):
+    """Every parameter of a head loaded onto a bare encoder's checkpoint is initialised as in a new model (no
+    uninitialised memory), and the load raises no "corrupted checkpoint" alarm."""
+    torch.manual_seed(0)
+    config = tiny_config(num_labels=3, initializer_range=0.05)
+    roformer_hf.RoFormerModel(config).save_pretrained(tmp_path)
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            model = head.from_pretrained(tmp_path, num_labels=3)
+    finally:
+        transformers.logging.disable_propagation()
+    assert "corrupted" not in caplog.text
+    for name, parameter in model.named_parameters():
+        if name.startswith("roformer."):
+            continue
+        value = parameter.detach()
+        if name.endswith("LayerNorm.weight"):
+            assert torch.equal(value, torch.ones_like(value)), name
+        elif name.endswith("bias"):
+            assert torch.equal(value, torch.zeros_like(value)), name
+        elif name != "cls.predictions.decoder.weight":  # tied to the (loaded) word embeddings
+            assert 0.5 * 0.05 < value.std() < 1.5 * 0.05, name
+    if head is roformer_hf.RoFormerForMaskedLM:
+        predictions = model.cls.predictions
+        assert predictions.decoder.bias is predictions.bias
+        assert predictions.decoder.weight is model.roformer.embeddings.word_embeddings.weight
+    ids, mask = padded_batch([5, 3])
+    logits = model(ids[:, None] if head is roformer_hf.RoFormerForMultipleChoice else ids,
+                   attention_mask=mask[:, None] if head is roformer_hf.RoFormerForMultipleChoice else mask)[0]
+    assert torch.isfinite(logits).all()
+
+
+def test_decoder_switches_are_refused_however_they_are_set(tmp_path):
+    config = tiny_config()
+    roformer_hf.RoFormerModel(config).save_pretrained(tmp_path)
+    for switch in ("is_decoder", "add_cross_attention"):
+        with pytest.raises(ValueError, match=f"{switch}=True is not supported"):
+            tiny_config(**{switch: True})
+        with pytest.raises(ValueError, match=f"{switch}=True is not supported"):
+            roformer_hf.RoFormerModel.from_pretrained(tmp_path, **{switch: True})
+        late = tiny_config()
+        setattr(late, switch, True)
+        with pytest.raises(ValueError, match=f"{switch}=True is not supported"):
+            roformer_hf.RoFormerForMaskedLM(late)
+        model = roformer_hf.RoFormerModel(tiny_config())
+        setattr(model.config, switch, True)  # after the model was built
+        with pytest.raises(ValueError, match=f"{switch}=True is not supported"):
+            model(torch.tensor([[2, 3]]))
+
+
+@pytest.mark.parametrize("name, value", [("encoder_hidden_states", torch.zeros(1, 2, 32)),
+                                         ("encoder_attention_mask", torch.ones(1, 2)),
+                                         ("past_key_values", ()), ("use_cache", True)])
+def test_decoder_inputs_are_refused(name, value):
+    model = roformer_hf.RoFormerForMaskedLM(tiny_config())
+    with pytest.raises(ValueError, match=f"{name}.* not supported"):
+        model(torch.tensor([[2, 3]]), **{name: value})
+    model(torch.tensor([[2, 3]]), use_cache=False)  # asking for no cache is fine
