@@ -463,3 +463,18 @@ def test_our_checkpoints_load_in_transformers_roformer(tmp_path):
     with torch.no_grad():
         expected, actual = theirs.eval()(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
     assert max_diff_on_real_tokens(actual, expected, mask) < 1e-5
+
+
+@pytest.mark.parametrize("head", ["RoFormerModel", "RoFormerForMaskedLM", "RoFormerForTokenClassification"])
+def test_returned_states_are_the_ones_the_outputs_came_from(head):
+    """Attribution and saliency methods differentiate the outputs with respect to the returned hidden states and
+    attentions: on a padded batch too, they must be the tensors the model computed with."""
+    torch.manual_seed(0)
+    model = getattr(roformer_hf, head)(tiny_config(num_labels=3)).eval()
+    ids, mask = padded_batch([6, 3])
+    out = model(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+    target = out[0][mask.bool()].sum()  # real tokens only
+    grads = torch.autograd.grad(target, [*out.hidden_states, *out.attentions], allow_unused=True)
+    assert all(grad is not None for grad in grads)
+    for state, grad in zip(out.hidden_states, grads):
+        assert state.shape == (2, 6, 32) and grad[mask.bool()].abs().sum() > 0
