@@ -326,9 +326,11 @@ class RoFormerModel(RoFormerPreTrainedModel):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 **kwargs) -> BaseModelOutput:
-        """`encode` with the last hidden state in the padded layout `(B, L, H)`, zeros at the padding."""
-        encoding = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        return BaseModelOutput(last_hidden_state=encoding.layout.unpack(encoding.last_hidden_state),
+        """`encode` with the last hidden state in the padded layout `(B, L, H)`, zeros at the padding (the
+        `hidden_states`, when requested, are the tensors the model computed with, padding included)."""
+        encoding = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               return_dict=True, **kwargs)
+        return BaseModelOutput(last_hidden_state=encoding.layout.to_padded(encoding.last_hidden_state),
                                hidden_states=encoding.hidden_states, attentions=encoding.attentions)
 
 
@@ -349,7 +351,7 @@ class RoFormerHeadModel(RoFormerPreTrainedModel):
                 labels=None, **kwargs) -> ModelOutput:
         encoding = self.roformer.encode(input_ids=input_ids, attention_mask=attention_mask,
                                         token_type_ids=token_type_ids, position_ids=position_ids,
-                                        inputs_embeds=inputs_embeds, **kwargs)
+                                        inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
         output = self.predict(encoding, labels, **kwargs)
         for name in ("hidden_states", "attentions"):
             if encoding.get(name) is not None:
@@ -386,16 +388,16 @@ class RoFormerLMPredictions(nn.Module):
 
 def logits_in_padded_layout(head: nn.Module, hidden_states: torch.Tensor, layout: BatchLayout,
                             min_rows: int = 64) -> torch.Tensor:
-    """``layout.unpack(head(hidden_states))`` for the MLM head, whose output is wide: ``(B, L, vocab_size)``.
+    """``layout.to_padded(head(hidden_states))`` for the MLM head, whose output is wide: ``(B, L, vocab_size)``.
 
     On CPU, with contiguous sequences of ``min_rows`` tokens on average or more, the head runs one sequence at a
     time and each result goes straight into the padded output: no packed ``(N, vocab)`` intermediate and no copy
     of it. Shorter sequences would make each GEMM too small (re-reading the whole decoder weight), so they, other
-    devices and masks with holes take ``unpack(head(x))``.
+    devices and masks with holes take ``to_padded(head(x))``.
     """
     blocks = layout.blocks if hidden_states.device.type == "cpu" else None
     if not blocks or hidden_states.shape[0] < min_rows * len(blocks):
-        return layout.unpack(head(hidden_states))
+        return layout.to_padded(head(hidden_states))
     padded, end = None, 0
     for packed_start, padded_start, length in blocks:
         rows = head(hidden_states[packed_start:packed_start + length])
@@ -474,7 +476,7 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
         else:
             logits = self.cls.predictions(hidden_states)  # (*T, V) or (M, V)
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-            logits = logits if sparse else layout.unpack(logits)
+            logits = logits if sparse else layout.to_padded(logits)
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
@@ -563,7 +565,7 @@ class RoFormerForTokenClassification(RoFormerHeadModel):
         if labels is not None:
             check_token_labels(labels, (layout.batch_size, layout.seq_len), self.num_labels)
             loss = self.loss_function(logits, layout.pack(labels).long(), self.config)
-        return TokenClassifierOutput(loss=loss, logits=layout.unpack(logits))
+        return TokenClassifierOutput(loss=loss, logits=layout.to_padded(logits))
 
 
 class RoFormerForQuestionAnswering(RoFormerHeadModel):

@@ -143,9 +143,9 @@ class BatchLayout:
             return (self.segment_ids[:, :, None] == self.segment_ids[:, None, :])[:, None]
         if self.token_mask is None:
             return None
-        key_mask = self.token_mask.clone()
-        key_mask[:, 0] |= ~self.token_mask.any(dim=-1)
-        return key_mask[:, None, None, :]
+        empty_rows = ~self.token_mask.any(dim=-1, keepdim=True)  # (B, 1)
+        first_key = torch.arange(self.seq_len, device=self.token_mask.device) == 0  # (L,)
+        return (self.token_mask | (empty_rows & first_key))[:, None, None, :]
 
     @property
     def is_packed(self) -> bool:
@@ -174,6 +174,13 @@ class BatchLayout:
         padded = x.new_empty(self.batch_size * self.seq_len, *x.shape[1:])
         padded = padded.index_copy_(0, self.indices, x).index_fill_(0, self.padding_indices, 0)
         return padded.view(self.batch_size, self.seq_len, *x.shape[1:])
+
+    def to_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """An output in the layout's token shape -> ``(B, L, ...)`` with zeros at the padding, in every mode (so that
+        eager, traced and exported models return the same tensors)."""
+        if self.mode == "padded" and self.token_mask is not None:
+            return x.masked_fill(~self.token_mask.view(*self.token_mask.shape, *[1] * (x.dim() - 2)), 0)
+        return self.unpack(x)
 
     @cached_property
     def blocks(self) -> list[tuple[int, int, int]] | None:
