@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import transformers
@@ -60,3 +61,6 @@ BLOCK_ROFORMER_HF = block_imports("roformer_hf")
 """Prepend to a subprocess script to simulate a machine where roformer_hf is not installed."""
 
 PYTHON = sys.executable
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+"""The example scripts and their support modules; conftest.py puts this folder on sys.path."""
