@@ -26,56 +26,24 @@ import argparse
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from typing import Callable
 from statistics import median
 
 import torch
 
-from workload import (add_size_arguments, allocator_line, forward_flops, keep_freed_memory, padded_batch, parse_args,
-                      size_of, sparse_head_forward_flops, transformers_config)
+from common import machine_lines, progress, spread, time_interleaved, time_once, verdict
+from workload import (add_size_arguments, allocator_line, forward_flops, infer, keep_freed_memory, load_model,
+                      padded_batch, parse_args, size_of, sparse_head_forward_flops, train_step, transformers_config)
 
 TARGETS = {"infer speed-up": 2.0, "train speed-up": 2.2, "gemm fraction": 0.85, "memory ratio": 1 / 3}
 SIDES = ("transformers", "roformer_hf")
 
 
 # ---------------------------------------------------------------------------------------------------- models
-
-def load_model(side: str, folder: str, attn: str = "sdpa", sparse_prediction: bool = True, **load_kwargs):
-    """One of the two models from the same checkpoint folder (written by transformers' RoFormer); `load_kwargs`
-    go to `from_pretrained` (e.g. `dtype`).
-
-    roformer_hf runs its MLM head only on the labelled tokens during training (`sparse_prediction`, as
-    ModernBERT does) unless told otherwise; the loss and gradients are the same (checked in `check_parity`)."""
-    if side == "transformers":
-        from transformers import RoFormerForMaskedLM
-        return RoFormerForMaskedLM.from_pretrained(folder, attn_implementation="eager", **load_kwargs)
-    import roformer_hf
-    model, info = roformer_hf.RoFormerForMaskedLM.from_pretrained(folder, attn_implementation=attn,
-                                                                  sparse_prediction=sparse_prediction,
-                                                                  output_loading_info=True, **load_kwargs)
-    if info["missing_keys"] or info["mismatched_keys"]:
-        raise RuntimeError(f"roformer_hf did not load every weight of the checkpoint: {info}")
-    return model
-
-
-def infer(model, batch) -> torch.Tensor:
-    input_ids, attention_mask, _ = batch
-    with torch.inference_mode():
-        return model(input_ids, attention_mask=attention_mask).logits
-
-
-def train_step(model, batch) -> torch.Tensor:
-    input_ids, attention_mask, labels = batch
-    loss = model(input_ids, attention_mask=attention_mask, labels=labels).loss
-    loss.backward()
-    return loss.detach()
-
 
 def check_parity(models: dict, batch, tolerance: float) -> dict[str, float]:
     """Logits at real tokens must agree within `tolerance`; also reports the loss and gradient differences."""
@@ -104,12 +72,6 @@ def check_parity(models: dict, batch, tolerance: float) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------------------------- timing
 
-def time_once(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 class Gemm:
     """`torch.mm` of fp32 (M x K) @ (K x N), repeated enough times per sample (~0.05 s) to time reliably."""
 
@@ -129,20 +91,6 @@ class Gemm:
 
     def gflops(self, samples: list[float]) -> float:
         return self.flops / median(samples) / 1e9
-
-
-def time_interleaved(runners: dict[str, Callable[[], float]], warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Calls each runner (it returns its own timing) once per repeat, rotating which goes first, so drifting load
-    from other processes hits every runner alike. Returns the seconds of the repeats after `warmup`."""
-    names = list(runners)
-    times = {name: [] for name in names}
-    for repeat in range(warmup + repeats):
-        shift = repeat % len(names)
-        for name in names[shift:] + names[:shift]:
-            seconds = runners[name]()
-            if repeat >= warmup:
-                times[name].append(seconds)
-    return times
 
 
 def timed_step(model, step, batch) -> float:
@@ -227,33 +175,6 @@ def measure_memory(side: str, mode: str, folder: str, args: argparse.Namespace) 
 
 
 # ---------------------------------------------------------------------------------------------------- report
-
-def machine_lines() -> list[str]:
-    import transformers
-
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    return [
-        f"- CPU: {cpu}, {cores} cores available, ISA {torch.backends.cpu.get_cpu_capability()}",
-        f"- torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
-        f"Python {platform.python_version()}",
-        f"- load average (1/5/15 min) at the end: {load}",
-    ]
-
-
-def spread(samples: list[float]) -> str:
-    return f"{median(samples):.3f} ({min(samples):.3f}–{max(samples):.3f})"
-
-
-def verdict(ok: bool) -> str:
-    return "yes" if ok else "**no**"
-
 
 def batch_labels(args) -> torch.Tensor:
     return padded_batch(args.lengths, args.vocab, args.seed)[2]
@@ -354,10 +275,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", choices=("infer", "train"), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     return parser
-
-
-def progress(message: str, _start=time.perf_counter()) -> None:
-    print(f"[{time.perf_counter() - _start:6.1f} s] {message}", flush=True)
 
 
 def main() -> None:

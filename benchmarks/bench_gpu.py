@@ -16,7 +16,7 @@ What it does:
    MLM loss computed from them. bf16 cannot match to 1e-5, so each side's error is reported; in fp32 roformer_hf
    must be within `--tolerance`.
 5. Times the inference forward (`torch.inference_mode`) and the training step (forward + backward; gradients zeroed
-   outside the timed region; no optimizer) of every model, interleaved (`bench_cpu.time_interleaved`), the device
+   outside the timed region; no optimizer) of every model, interleaved (`common.time_interleaved`), the device
    synchronised before and after each call; reports medians.
 6. Peak GPU memory of one call per model and mode: `torch.cuda.max_memory_allocated` above what was allocated just
    before (so the weights, and the other models, are excluded; a training step's gradients are included).
@@ -36,10 +36,9 @@ from statistics import median
 
 import torch
 
-from bench_cpu import (infer, load_model, machine_lines, progress, spread, time_interleaved, time_once, train_step,
-                       verdict)
-from workload import (Size, add_size_arguments, forward_flops, padded_batch, parse_args, size_of,
-                      sparse_head_forward_flops, transformers_config)
+from common import machine_lines, progress, spread, time_interleaved, time_once, verdict
+from workload import (Size, add_size_arguments, forward_flops, infer, load_model, padded_batch, parse_args, size_of,
+                      sparse_head_forward_flops, train_step, transformers_config)
 
 TARGETS = {"infer speed-up": 3.0, "train speed-up": 3.0, "train MFU": 0.45}
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, matched against the device name; the first match wins.

@@ -1,5 +1,5 @@
 """The benchmark workload shared by `bench_cpu.py`, `bench_gpu.py` and `profile_cpu.py`: model size, the padded batch,
-and the analytic FLOP count on real tokens.
+the two RoFormers loaded from one checkpoint and the two steps timed, and the analytic FLOP count on real tokens.
 
 Defaults are the CPU targets: base width (hidden 768, 12 heads, intermediate 3072), 4 layers, a vocabulary of
 12000 (roformer_chinese_char_small's size), and 8 sequences of 512/480/400/350/300/256/200/128 tokens right-padded
@@ -90,6 +90,37 @@ def padded_batch(lengths: tuple[int, ...], vocab: int, seed: int, mlm_fraction: 
     labelled = (torch.rand(batch, seq_len, generator=generator) < mlm_fraction) & attention_mask.bool()
     labels = torch.where(labelled, input_ids, torch.full_like(input_ids, -100))
     return input_ids, attention_mask, labels
+
+
+def load_model(side: str, folder: str, attn: str = "sdpa", sparse_prediction: bool = True, **load_kwargs):
+    """One of the two models from the same checkpoint folder (written by transformers' RoFormer); `load_kwargs`
+    go to `from_pretrained` (e.g. `dtype`).
+
+    roformer_hf runs its MLM head only on the labelled tokens during training (`sparse_prediction`, as
+    ModernBERT does) unless told otherwise; the loss and gradients are the same (bench_cpu.py checks it)."""
+    if side == "transformers":
+        from transformers import RoFormerForMaskedLM
+        return RoFormerForMaskedLM.from_pretrained(folder, attn_implementation="eager", **load_kwargs)
+    import roformer_hf
+    model, info = roformer_hf.RoFormerForMaskedLM.from_pretrained(folder, attn_implementation=attn,
+                                                                  sparse_prediction=sparse_prediction,
+                                                                  output_loading_info=True, **load_kwargs)
+    if info["missing_keys"] or info["mismatched_keys"]:
+        raise RuntimeError(f"roformer_hf did not load every weight of the checkpoint: {info}")
+    return model
+
+
+def infer(model, batch) -> torch.Tensor:
+    input_ids, attention_mask, _ = batch
+    with torch.inference_mode():
+        return model(input_ids, attention_mask=attention_mask).logits
+
+
+def train_step(model, batch) -> torch.Tensor:
+    input_ids, attention_mask, labels = batch
+    loss = model(input_ids, attention_mask=attention_mask, labels=labels).loss
+    loss.backward()
+    return loss.detach()
 
 
 def forward_flops(size: Size, lengths: tuple[int, ...]) -> dict[str, float]:

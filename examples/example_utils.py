@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import datasets
 import transformers
+from config_overrides import parse_overrides
 
 import roformer_hf
 
@@ -43,26 +44,6 @@ class DataArguments:
     validation_split_percentage: int = field(
         default=5, metadata={"help": "Share of train held out for validation when no validation split exists."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
-
-
-def parse_overrides(overrides: str | None) -> dict:
-    """'hidden_size=256,rotary_layout=half,rope_theta=1e6' -> typed dict (ints, floats, bools, strings)."""
-    result = {}
-    for item in filter(None, (overrides or "").split(",")):
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--config_overrides item {item!r}: expected key=value")
-        value: object = raw.strip()
-        for cast in (int, float):
-            try:
-                value = cast(raw)
-                break
-            except ValueError:
-                pass
-        if raw.strip().lower() in ("true", "false"):
-            value = raw.strip().lower() == "true"
-        result[key.strip()] = value
-    return result
 
 
 def parse_arguments(script_arguments, argv: list[str] | None):

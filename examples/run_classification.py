@@ -3,8 +3,8 @@
 
 From a pretrained folder (`--model_name_or_path`, e.g. the output of run_mlm.py) or from scratch
 (`--config_overrides`). With no data arguments it fine-tunes on the built-in task: the genre of a Shakespeare
-speech, with train/validation/test split by play. Accuracy and macro-F1 come from `evaluate` (offline metric
-modules shipped in roformer_hf, or Hub metrics named with --metric_names), printed beside the majority-class
+speech, with train/validation/test split by play. Accuracy and macro-F1 come from `evaluate` (the offline metric
+module classification_metric.py, or Hub metrics named with --metric_names), printed beside the majority-class
 baseline.
 
     python examples/run_classification.py --model_name_or_path runs/mlm --output_dir runs/cls --num_train_epochs 3
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import datasets
 import numpy as np
 import transformers
+from classification_metric import load_classification_metrics
 from example_utils import (
     load_file,
     load_or_train_tokenizer,
@@ -28,10 +29,9 @@ from example_utils import (
     parse_arguments,
     text_column,
 )
+from shakespeare import genre_classification_splits
 
 import roformer_hf
-from roformer_hf.data import genre_classification_splits
-from roformer_hf.metrics import load_classification_metrics
 
 logger = logging.getLogger("run_classification")
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import transformers
+from collator import ResumableMLMCollator
 from example_utils import (
     DataArguments,
     load_or_train_tokenizer,
@@ -27,10 +28,9 @@ from example_utils import (
     perplexity,
     text_column,
 )
+from shakespeare import genre_classification_splits, mlm_corpus_splits
 
 import roformer_hf
-from roformer_hf.collator import ResumableMLMCollator
-from roformer_hf.data import genre_classification_splits, mlm_corpus_splits
 
 logger = logging.getLogger("run_mlm")
 

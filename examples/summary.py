@@ -10,32 +10,12 @@ with the overrides applied.
 from __future__ import annotations
 
 import argparse
-import json
 
 import transformers
+from config_overrides import parse_overrides
 
 import roformer_hf
 from roformer_hf import RoFormerConfig, summary
-
-
-def parse_overrides(text: str) -> dict[str, object]:
-    """`"hidden_size=256,rotary_value=true,hidden_act=gelu"` -> {"hidden_size": 256, "rotary_value": True, ...}."""
-    overrides = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--config_overrides item {item!r}: expected key=value")
-        overrides[key.strip()] = _parse_value(value.strip())
-    return overrides
-
-
-def _parse_value(value: str) -> object:
-    if value in ("True", "False", "None"):
-        return {"True": True, "False": False, "None": None}[value]
-    try:
-        return json.loads(value)  # ints, floats, true/false/null
-    except json.JSONDecodeError:
-        return value
 
 
 def build_model(model_name_or_path: str | None, overrides: dict[str, object]) -> transformers.PreTrainedModel:

@@ -3,19 +3,25 @@
 torchinfo 1.8.0 counts a weight shared by two layers once per layer, so a masked-LM model, whose decoder is
 tied to the word embeddings, gets `vocab_size * embedding_size` too many parameters in its total. `summary`
 corrects the totals to the number of distinct parameters (`model.num_parameters()`) and says by how much.
+
+torchinfo is optional (`pip install roformer_hf[summary]`): it is imported when a summary is made, not with the
+package.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torchinfo import ModelStatistics
-from torchinfo import summary as torchinfo_summary
 
 from .configuration import RoFormerConfig
 from .modeling import RoFormerForMaskedLM, RoFormerForMultipleChoice, RoFormerPreTrainedModel
+
+if TYPE_CHECKING:
+    from torchinfo import ModelStatistics
 
 logger = logging.getLogger(__name__)
 
@@ -28,33 +34,56 @@ DEFAULT_TORCHINFO_KWARGS = {
 }
 
 
-class DistinctParameterStatistics(ModelStatistics):
-    """torchinfo's `ModelStatistics` with each parameter counted once in the totals.
+def _import_torchinfo():
+    try:
+        import torchinfo
+    except ImportError as error:
+        raise ImportError("roformer_hf.summary needs torchinfo: pip install roformer_hf[summary]") from error
+    return torchinfo
 
-    The layer rows are torchinfo's own: a tied weight still appears in every layer that uses it. The totals
-    (`total_params`, `trainable_params`, `total_param_bytes`, and so what `repr` prints) count each distinct
-    parameter once, and `double_counted_params` keeps torchinfo's surplus.
-    """
 
-    def __init__(self, statistics: ModelStatistics, model: nn.Module):
-        # Adopt the computed statistics rather than re-running torchinfo's accumulation over the layers.
-        self.__dict__.update(vars(statistics))
-        parameters = list(model.parameters())  # distinct tensors: shared ones are yielded once
-        self.total_params = sum(p.numel() for p in parameters)
-        self.trainable_params = sum(p.numel() for p in parameters if p.requires_grad)
-        self.total_param_bytes = sum(p.numel() * p.element_size() for p in parameters)
-        self.double_counted_params = statistics.total_params - self.total_params
+@functools.cache
+def _distinct_parameter_statistics_class() -> type:
+    """`DistinctParameterStatistics`, defined on first use: it subclasses torchinfo's class, so it needs torchinfo."""
+    torchinfo = _import_torchinfo()
 
-    def __repr__(self) -> str:
-        text = super().__repr__()
-        if not self.double_counted_params:
-            return text
-        note = (f"Shared (tied) params, counted once in the totals but in each layer row using them: "
-                f"{self.double_counted_params:,}\n")
-        marker = "Non-trainable params"
-        start = text.index(marker)
-        end = text.index("\n", start) + 1
-        return text[:end] + note + text[end:]
+    class DistinctParameterStatistics(torchinfo.ModelStatistics):
+        """torchinfo's `ModelStatistics` with each parameter counted once in the totals.
+
+        The layer rows are torchinfo's own: a tied weight still appears in every layer that uses it. The totals
+        (`total_params`, `trainable_params`, `total_param_bytes`, and so what `repr` prints) count each distinct
+        parameter once, and `double_counted_params` keeps torchinfo's surplus.
+        """
+
+        def __init__(self, statistics: torchinfo.ModelStatistics, model: nn.Module):
+            # Adopt the computed statistics rather than re-running torchinfo's accumulation over the layers.
+            self.__dict__.update(vars(statistics))
+            parameters = list(model.parameters())  # distinct tensors: shared ones are yielded once
+            self.total_params = sum(p.numel() for p in parameters)
+            self.trainable_params = sum(p.numel() for p in parameters if p.requires_grad)
+            self.total_param_bytes = sum(p.numel() * p.element_size() for p in parameters)
+            self.double_counted_params = statistics.total_params - self.total_params
+
+        def __repr__(self) -> str:
+            text = super().__repr__()
+            if not self.double_counted_params:
+                return text
+            note = (f"Shared (tied) params, counted once in the totals but in each layer row using them: "
+                    f"{self.double_counted_params:,}\n")
+            marker = "Non-trainable params"
+            start = text.index(marker)
+            end = text.index("\n", start) + 1
+            return text[:end] + note + text[end:]
+
+    DistinctParameterStatistics.__qualname__ = "DistinctParameterStatistics"  # found by pickle via __getattr__
+    return DistinctParameterStatistics
+
+
+def __getattr__(name: str):
+    # `roformer_hf.summary.DistinctParameterStatistics` stays importable, with torchinfo imported only then.
+    if name == "DistinctParameterStatistics":
+        return _distinct_parameter_statistics_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def example_inputs(model: RoFormerPreTrainedModel, batch_size: int = 1, seq_len: int = 128,
@@ -102,14 +131,15 @@ def summary(model_or_config: RoFormerPreTrainedModel | RoFormerConfig, batch_siz
     21636
     ```
     """
+    torchinfo = _import_torchinfo()
     model = _as_model(model_or_config)
     kwargs = {**DEFAULT_TORCHINFO_KWARGS, **torchinfo_kwargs}
     for name in ("input_data", "input_size"):
         if name in kwargs:
             raise ValueError(f"{name} is built from batch_size and seq_len: pass those instead")
     inputs = example_inputs(model, batch_size, seq_len)
-    statistics = torchinfo_summary(model, input_data=inputs, **kwargs)
-    corrected = DistinctParameterStatistics(statistics, model)
+    statistics = torchinfo.summary(model, input_data=inputs, **kwargs)
+    corrected = _distinct_parameter_statistics_class()(statistics, model)
     if corrected.double_counted_params:
         logger.debug("torchinfo counted %d shared parameters twice; totals corrected",
                      corrected.double_counted_params)

@@ -1,7 +1,13 @@
-"""Shared fixtures: a local Hugging Face Hub server for push/load tests without a network."""
+"""Shared set-up: the examples' modules importable (`import shakespeare`, `import run_mlm`, ...), as they are for the
+scripts themselves, and a local Hugging Face Hub server for push/load tests without a network."""
+
+import sys
 
 import pytest
+from helpers import EXAMPLES
 from hub_server import HubServer
+
+sys.path.insert(0, str(EXAMPLES))
 
 
 @pytest.fixture

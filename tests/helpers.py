@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-import textwrap
+from pathlib import Path
 
 import torch
 import transformers
@@ -50,16 +50,17 @@ def reference_and_ours(head: str, folder, **overrides):
     return reference, ours
 
 
-BLOCK_ROFORMER_HF = textwrap.dedent(
-    """
-    import sys
-    class _BlockRoformerHF:
-        def find_spec(self, name, path=None, target=None):
-            if name == "roformer_hf" or name.startswith("roformer_hf."):
-                raise ImportError("roformer_hf is blocked in this process")
-    sys.meta_path.insert(0, _BlockRoformerHF())
-    """
-)
+def block_imports(*names: str) -> str:
+    """Python source to put at the top of a subprocess script: there, the packages `names` behave as if they were not
+    installed. `import name` (or of a submodule) raises ModuleNotFoundError and `importlib.util.find_spec(name)`
+    returns None, which is what transformers' availability checks ask; a `None` entry in `sys.modules` does both."""
+    return f"import sys\nsys.modules.update(dict.fromkeys({sorted(names)!r}))\n"
+
+
+BLOCK_ROFORMER_HF = block_imports("roformer_hf")
 """Prepend to a subprocess script to simulate a machine where roformer_hf is not installed."""
 
 PYTHON = sys.executable
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+"""The example scripts and their support modules; conftest.py puts this folder on sys.path."""

@@ -1,10 +1,11 @@
-"""ResumableMLMCollator: masks are a pure function of (seed, batch), and still vary across batches."""
+"""examples/collator.py's ResumableMLMCollator: masks are a pure function of (seed, batch), and still vary across
+batches."""
 
 import torch
+from collator import ResumableMLMCollator
 from test_pipelines import WORDS
 
 from roformer_hf import RoFormerTokenizerFast
-from roformer_hf.collator import ResumableMLMCollator
 
 
 def _tokenizer(tmp_path):

@@ -9,22 +9,16 @@ import random
 import shutil
 import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import run_classification
+import run_mlm
 import torch
 import transformers
-from helpers import BLOCK_ROFORMER_HF as BLOCK
-from helpers import PYTHON
+from config_overrides import parse_overrides
+from helpers import BLOCK_ROFORMER_HF, EXAMPLES, PYTHON
 
 import roformer_hf
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-import run_classification  # noqa: E402
-import run_mlm  # noqa: E402
 
 TINY_MODEL = "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64"
 WORDS = {
@@ -176,6 +170,15 @@ def test_summary_example_prints_layers(tmp_path):
     assert f"Total params: {model.num_parameters():,}" in result.stdout
 
 
+def test_config_overrides_are_typed():
+    overrides = parse_overrides("hidden_size=256, rotary_layout=half,rope_theta=1e6,sparse_prediction=True,")
+    assert overrides == {"hidden_size": 256, "rotary_layout": "half", "rope_theta": 1e6, "sparse_prediction": True}
+    assert [type(value) for value in overrides.values()] == [int, str, float, bool]
+    assert parse_overrides(None) == parse_overrides("") == {}
+    with pytest.raises(ValueError, match="'num_hidden_layers'"):
+        parse_overrides("hidden_size=32,num_hidden_layers")
+
+
 def test_run_mlm_push_to_hub_and_load_elsewhere(text_files, pretrained, hub_server, tmp_path):
     """--push_to_hub over real HTTP to a local Hub server; a process without roformer_hf loads the repo."""
     mlm_dir, _ = pretrained
@@ -187,7 +190,7 @@ def test_run_mlm_push_to_hub_and_load_elsewhere(text_files, pretrained, hub_serv
                                       save_strategy="no", push_to_hub="true", hub_model_id="user/roformer-mlm")],
                           capture_output=True, text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
     assert push.returncode == 0, push.stderr[-4000:]
-    load = BLOCK + """
+    load = BLOCK_ROFORMER_HF + """
 import json, torch, transformers
 model = transformers.AutoModelForMaskedLM.from_pretrained("user/roformer-mlm", trust_remote_code=True).eval()
 tokenizer = transformers.AutoTokenizer.from_pretrained("user/roformer-mlm", trust_remote_code=True)

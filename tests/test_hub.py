@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers import BLOCK_ROFORMER_HF
 from huggingface_hub import ModelCard
 
 from roformer_hf import (
@@ -47,17 +48,10 @@ with torch.no_grad():
 print("RESULT", json.dumps({"input_ids": inputs["input_ids"].tolist(), "logits": logits.tolist()}))
 """
 
-LOAD = """
+# The model must come from the code stored in the repo, not from an installed roformer_hf.
+LOAD = BLOCK_ROFORMER_HF + """
 import json, sys
 
-class BlockRoFormerHf:
-    # The model must come from the code stored in the repo, not from an installed roformer_hf.
-    def find_spec(self, name, path=None, target=None):
-        if name.startswith("roformer_hf"):
-            raise ImportError(f"importing {name} is blocked in this test")
-        return None
-
-sys.meta_path.insert(0, BlockRoFormerHf())
 try:
     import roformer_hf
     blocked = False
@@ -82,7 +76,8 @@ with torch.no_grad():
 print("RESULT", json.dumps({
     "input_ids": inputs["input_ids"].tolist(), "logits": logits.tolist(), "blocked": blocked,
     "snapshot": digests, "config_in_snapshot": os.path.dirname(config_path) == snapshot,
-    "model_module": type(model).__module__, "imported": sorted(m for m in sys.modules if m.startswith("roformer_hf")),
+    "model_module": type(model).__module__, "imported": sorted(m for m, module in sys.modules.items()
+                     if m.split(".")[0] == "roformer_hf" and module is not None),
 }))
 """
 

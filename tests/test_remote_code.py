@@ -49,5 +49,6 @@ def test_remote_code_loading_without_the_package(tmp_path, cls, auto):
 
 
 def test_block_really_hides_the_package():
-    result = subprocess.run([PYTHON, "-c", BLOCK_ROFORMER_HF + "import roformer_hf"], capture_output=True, text=True)
-    assert result.returncode != 0 and "roformer_hf is blocked" in result.stderr
+    script = BLOCK_ROFORMER_HF + "import importlib.util\nassert importlib.util.find_spec('roformer_hf') is None\n"
+    result = subprocess.run([PYTHON, "-c", script + "import roformer_hf.modeling"], capture_output=True, text=True)
+    assert result.returncode != 0 and "ModuleNotFoundError" in result.stderr and "'roformer_hf'" in result.stderr

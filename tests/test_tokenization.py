@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import transformers
+from helpers import BLOCK_ROFORMER_HF
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -252,15 +253,8 @@ def test_auto_tokenizer_in_process(jieba_tokenizer, tmp_path):
     assert _ids(loaded) == _ids(jieba_tokenizer)
 
 
-REMOTE_SCRIPT = textwrap.dedent("""
+REMOTE_SCRIPT = BLOCK_ROFORMER_HF + textwrap.dedent("""
     import json, sys
-
-    class BlockRoformerHf:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "roformer_hf":
-                raise ImportError("roformer_hf is blocked in this process")
-
-    sys.meta_path.insert(0, BlockRoformerHf())
     from transformers import AutoTokenizer
 
     folders, texts = json.loads(sys.argv[1])
@@ -269,7 +263,7 @@ REMOTE_SCRIPT = textwrap.dedent("""
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
         result.append({"module": type(tokenizer).__module__, "use_jieba": tokenizer.use_jieba,
                        "ids": tokenizer(texts)["input_ids"], "pair": dict(tokenizer(texts[0], texts[1]))})
-    assert not any(name.split(".")[0] == "roformer_hf" for name in sys.modules)
+    assert not [name for name, module in sys.modules.items() if name.split(".")[0] == "roformer_hf" and module]
     print(json.dumps(result))
 """)
 

