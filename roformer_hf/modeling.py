@@ -395,7 +395,7 @@ def logits_in_padded_layout(head: nn.Module, hidden_states: torch.Tensor, layout
     of it. Shorter sequences would make each GEMM too small (re-reading the whole decoder weight), so they, other
     devices and masks with holes take ``to_padded(head(x))``.
     """
-    blocks = layout.blocks if hidden_states.device.type == "cpu" else None
+    blocks = layout.blocks() if hidden_states.device.type == "cpu" else None
     if not blocks or hidden_states.shape[0] < min_rows * len(blocks):
         return layout.to_padded(head(hidden_states))
     padded, end = None, 0

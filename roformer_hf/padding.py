@@ -12,7 +12,6 @@ stays inside each sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Literal
 
 import torch
@@ -109,21 +108,19 @@ class BatchLayout:
     ) -> BatchLayout:
         """The layout of a ``(B, L)`` mask (1 = real token, 0 = padding); ``None`` means no padding.
 
-        Padding is skipped (varlen mode) when there is some and `unpad`; ``unpad=False`` and graphs recorded for
-        every mask (`graph_must_fit_any_mask`) keep the padded layout.
+        Padding is skipped (varlen mode) when there is some and `unpad`. ``unpad=False`` and graphs recorded for
+        every mask (`graph_must_fit_any_mask`) keep the padded layout without reading the mask's values, so that
+        nothing depends on them (`torch.compile(fullgraph=True)` works there).
         """
         if attention_mask is None:
             return cls("dense", batch_size, seq_len)
         mask = attention_mask.bool()
-        if graph_must_fit_any_mask():
+        if not unpad or graph_must_fit_any_mask():  # no look at the mask's values: torch.compile(fullgraph=True)
             return cls._padded(mask)
         lengths = mask.sum(dim=-1)
         host_lengths = lengths.tolist()  # the one host sync: picks the mode and gives the longest sequence
-        real_tokens = sum(host_lengths)
-        if real_tokens == batch_size * seq_len:
+        if sum(host_lengths) == batch_size * seq_len:
             return cls("dense", batch_size, seq_len)
-        if not unpad:
-            return cls._padded(mask)
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         return cls("varlen", batch_size, seq_len, token_mask=mask,
                    indices=mask.flatten().nonzero().squeeze(-1),
@@ -134,11 +131,12 @@ class BatchLayout:
     def _padded(cls, mask: torch.Tensor) -> BatchLayout:
         return cls("padded", *mask.shape, token_mask=mask)
 
-    @cached_property
+    @property
     def key_mask(self) -> torch.Tensor | None:
         """Which keys each query may attend to in the padded layout: ``(B, 1, 1, L)`` for padding, ``(B, 1, L, L)``
         for packed rows (block-diagonal), ``None`` when all may. A fully padded row would leave softmax nothing to
-        normalise (NaN): it sees its first (zero) key."""
+        normalise (NaN): it sees its first (zero) key. Computed when asked for (a cheap comparison), so that the
+        layout holds no lock or cache that torch.compile would have to trace."""
         if self.segment_ids is not None:
             return (self.segment_ids[:, :, None] == self.segment_ids[:, None, :])[:, None]
         if self.token_mask is None:
@@ -182,11 +180,10 @@ class BatchLayout:
             return x.masked_fill(~self.token_mask.view(*self.token_mask.shape, *[1] * (x.dim() - 2)), 0)
         return self.unpack(x)
 
-    @cached_property
     def blocks(self) -> list[tuple[int, int, int]] | None:
         """Varlen mode, every sequence's real tokens contiguous (right or left padding): each sequence as one run of
         rows, ``(packed start, flat padded start, length)``. ``None`` for other modes and masks with holes. One
-        device-to-host copy, made only when asked for."""
+        device-to-host copy."""
         if self.mode != "varlen":
             return None
         offsets = self.cu_seqlens.tolist()

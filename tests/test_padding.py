@@ -47,11 +47,11 @@ def test_key_mask_never_leaves_a_row_empty():
 
 def test_blocks_locate_each_sequence_in_the_padded_batch():
     # MASK has right, no, and both-side padding and an empty row: every sequence is still one run of rows.
-    assert BatchLayout.from_attention_mask(MASK, 4, 4).blocks == [(0, 0, 3), (3, 8, 4), (7, 13, 2)]
+    assert BatchLayout.from_attention_mask(MASK, 4, 4).blocks() == [(0, 0, 3), (3, 8, 4), (7, 13, 2)]
     left = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    assert BatchLayout.from_attention_mask(left, 2, 4).blocks == [(0, 2, 2), (2, 4, 4)]
+    assert BatchLayout.from_attention_mask(left, 2, 4).blocks() == [(0, 2, 2), (2, 4, 4)]
     holes = torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]])
-    assert BatchLayout.from_attention_mask(holes, 2, 4).blocks is None
+    assert BatchLayout.from_attention_mask(holes, 2, 4).blocks() is None
 
 
 @pytest.mark.parametrize("unpad", [True, False])
@@ -112,6 +112,6 @@ def test_logits_in_padded_layout_runs_fn_per_sequence_only_for_long_enough_seque
 
 def test_a_batch_without_real_tokens_packs_to_nothing():
     batch = BatchLayout.from_attention_mask(torch.zeros(2, 3, dtype=torch.long), 2, 3)
-    assert batch.mode == "varlen" and batch.max_seqlen == 0 and batch.blocks == []
+    assert batch.mode == "varlen" and batch.max_seqlen == 0 and batch.blocks() == []
     assert batch.pack(torch.randn(2, 3, 4)).shape == (0, 4)
     assert torch.equal(batch.unpack(torch.randn(0, 4)), torch.zeros(2, 3, 4))
