@@ -10,6 +10,7 @@ convention: ``B = 1``, ``L = N`` real tokens, sequence boundaries in ``cu_seq_le
 - sequence offsets known (real tokens side by side, or packed rows), flash-attn: its varlen kernel reads the
   tokens directly;
 - the same with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its own slice (no padding, no mask);
+  with attention dropout in training, `blocked_dropout_attention_forward` keeps its memory linear in length;
 - otherwise the padded layout ``(B, nh, L, d)`` with the key mask (`attend_padded`): padding masked, and packed
   rows masked block-diagonally.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 try:
@@ -30,6 +32,8 @@ except ImportError:  # transformers releases before it: the same test
 from .padding import BatchLayout
 
 SDPA_VARLEN = "roformer_sdpa_varlen"
+SDPA_DROPOUT = "roformer_sdpa_dropout"
+DROPOUT_BLOCK_ROWS = 256  # queries per block of `blocked_dropout_attention_forward`
 
 
 def eager_attention_forward(
@@ -76,13 +80,49 @@ def sdpa_varlen_attention_forward(
                                                                                               cu_seq_lens_k):
         raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q: self-attention needs the same boundaries")
     lengths = [n for n in cu_seq_lens_q.diff().tolist() if n]  # sequences without tokens hold no rows
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    sdpa = ALL_ATTENTION_FUNCTIONS[SDPA_DROPOUT if dropout and module.training else "sdpa"]
     sequences = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))  # (1, nh, n, d) each
     outputs = [sdpa(module, q, k, v, None, dropout=dropout, scaling=scaling)[0] for q, k, v in sequences]
     return torch.cat(outputs, dim=1), None  # (1, N, nh, d)
 
 
+def blocked_dropout_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,  # (B, nh, L, d)
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,  # (B, 1, 1, L) bool, True = may attend
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """SDPA with attention dropout in training, in blocks of `DROPOUT_BLOCK_ROWS` queries, for the CPU.
+
+    PyTorch's fused CPU kernel has no dropout, so SDPA with dropout falls back to its math kernel, which keeps the
+    ``(B, nh, L, L)`` weights, their dropout mask and the dropped weights for the backward pass: at 4096 tokens,
+    several times the memory and time of the fused kernel. Here each block of queries attends to every key and
+    is recomputed in the backward pass (`torch.utils.checkpoint`, which replays the random state, so the same
+    dropout mask), so only one ``(B, nh, block, L)`` block of weights lives at a time. Dropout is the same: each
+    weight is kept with probability ``1 - dropout`` and scaled by ``1 / (1 - dropout)``.
+    """
+    if not (dropout and module.training) or query.shape[2] <= DROPOUT_BLOCK_ROWS:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
+                                               scaling=scaling)
+    blocks = [checkpoint(_attend_block, q, key, value, attention_mask, scaling, dropout, use_reentrant=False)
+              for q in query.split(DROPOUT_BLOCK_ROWS, dim=2)]
+    return torch.cat(blocks, dim=2).transpose(1, 2), None  # (B, L, nh, d)
+
+
+def _attend_block(query, key, value, attention_mask, scaling, dropout):
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling  # (B, nh, block, L)
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
+    weights = nn.functional.dropout(scores.softmax(dim=-1), p=dropout, training=True).to(value.dtype)
+    return torch.matmul(weights, value)  # (B, nh, block, d)
+
+
 AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention_forward)
+AttentionInterface.register(SDPA_DROPOUT, blocked_dropout_attention_forward)
 
 
 def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: BatchLayout,
@@ -106,6 +146,8 @@ def attend_padded(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
                   implementation: str, scaling: float, dropout: float = 0.0) -> tuple[Tensor, Tensor | None]:
     """Attention on the padded layout ``(B, nh, L, d)`` with the key mask. Takes and returns the layout's tokens,
     ``(*T, nh, d)``; returns the weights too when the kernel gives them (eager)."""
+    if implementation == "sdpa" and dropout and module.training and query.device.type == "cpu":
+        implementation = SDPA_DROPOUT
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     query, key, value = (layout.unpack(t).transpose(1, 2) for t in (query, key, value))  # (B, nh, L, d)
     mask = layout.key_mask

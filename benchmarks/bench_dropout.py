@@ -1,0 +1,90 @@
+"""Attention dropout at length on CPU: a training step on one long sequence with dropout 0 and 0.1, in one run.
+
+    python benchmarks/bench_dropout.py            # 4096 tokens, base width, 4 layers (a few minutes on 2 cores)
+    python benchmarks/bench_dropout.py --quick    # tiny smoke configuration (seconds)
+
+Three settings of roformer_hf's RoFormerForMaskedLM (MLM training step: forward + backward, fp32, labels on ~15%
+of the tokens, sparse prediction), each in a fresh process so that its peak memory (`ru_maxrss`) is its own:
+
+- dropout 0 (hidden and attention): SDPA's fused CPU kernel;
+- dropout 0.1: attention in blocks of queries, recomputed in the backward pass (`blocked_dropout_attention_forward`);
+- dropout 0.1 through SDPA's math kernel, which keeps the (heads, L, L) weights: what roformer_hf did before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from statistics import median
+
+import torch
+
+from workload import add_size_arguments, parse_args, size_of
+
+SETTINGS = {"dropout 0": (0.0, True), "dropout 0.1, blocked": (0.1, True), "dropout 0.1, math kernel": (0.1, False)}
+
+
+def worker(args) -> None:
+    """Runs one setting and prints its timings and peak memory as JSON."""
+    import roformer_hf
+    from roformer_hf import attention
+
+    dropout, blocked = SETTINGS[args.setting]
+    if not blocked:
+        attention.DROPOUT_BLOCK_ROWS = 1 << 30  # never in blocks: SDPA with dropout, i.e. its math kernel
+    size = size_of(args)
+    config = roformer_hf.RoFormerConfig(
+        vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=size.layers,
+        num_attention_heads=size.heads, intermediate_size=size.intermediate, hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout, sparse_prediction=True)
+    torch.manual_seed(args.seed)
+    model = roformer_hf.RoFormerForMaskedLM(config).train()
+    generator = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(5, size.vocab, (1, args.length), generator=generator)
+    labels = torch.where(torch.rand(ids.shape, generator=generator) < 0.15, ids, -100)
+    times = []
+    for step in range(args.warmup + args.repeats):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model(ids, labels=labels).loss.backward()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"seconds": median(times), "min": min(times), "max": max(times), "peak_mib": peak_mib}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_arguments(parser)
+    parser.add_argument("--length", type=int, default=4096, help="tokens in the one sequence")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--setting", choices=SETTINGS, help=argparse.SUPPRESS)
+    args = parse_args(parser, argv, length=512, repeats=1)
+    if args.setting:
+        return worker(args)
+    results = {}
+    for setting in SETTINGS:
+        command = [sys.executable, __file__, "--setting", setting, *(argv if argv is not None else sys.argv[1:])]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        results[setting] = json.loads(done.stdout.strip().splitlines()[-1])
+    size = size_of(args)
+    base = results["dropout 0"]
+    print(f"\nroformer_hf MLM training step on one sequence of {args.length} tokens; {size.layers} layers, hidden "
+          f"{size.hidden}, {size.heads} heads, intermediate {size.intermediate}, vocabulary {size.vocab}; fp32, "
+          f"CPU, {torch.get_num_threads()} threads; median of {args.repeats} after {args.warmup} warm-up; peak "
+          "memory = the process's maximum resident set\n")
+    print("| dropout (hidden and attention) | step | peak memory | time / dropout 0 | memory / dropout 0 |")
+    print("| --- | --- | --- | --- | --- |")
+    for setting, result in results.items():
+        print(f"| {setting} | {result['seconds']:.2f} s ({result['min']:.2f}-{result['max']:.2f}) "
+              f"| {result['peak_mib']:,.0f} MiB | {result['seconds'] / base['seconds']:.2f}x "
+              f"| {result['peak_mib'] / base['peak_mib']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
