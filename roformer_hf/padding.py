@@ -157,6 +157,7 @@ class BatchLayout:
                              "cu_seq_lens_q/k, or position_ids that restart). Pass one sequence per row, padded "
                              "with an attention_mask, e.g. with DataCollatorWithPadding instead of "
                              "DataCollatorWithFlattening")
+
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, L, ...)`` -> the layout's token shape: ``(N, ...)`` in varlen mode, else unchanged."""
         if self.mode != "varlen":
