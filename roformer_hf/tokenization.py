@@ -82,13 +82,13 @@ class JiebaPreTokenizer:
             yield begin, cursor
 
 
-class RoFormerHFTokenizerFast(PreTrainedTokenizerFast):
+class RoFormerHFTokenizer(PreTrainedTokenizerFast):
     r"""RoFormer tokenizer (🤗 tokenizers backend): BERT's WordPiece, optionally after jieba word segmentation.
 
-    Exported as `RoFormerTokenizerFast`; its class name is `RoFormerHFTokenizerFast`, which saved folders record as
-    `tokenizer_class` ("RoFormerHFTokenizer", transformers drops "Fast"). transformers resolves "RoFormerTokenizer"
-    to its own RoFormer tokenizer: only a name of its own lets `AutoTokenizer` find this class (registered by
-    `import roformer_hf`) for a tokenizer saved without a config.json.
+    Exported as `RoFormerTokenizerFast`. Its class name, `RoFormerHFTokenizer`, is what saved folders record as
+    `tokenizer_class`: transformers resolves "RoFormerTokenizer(Fast)" to its own RoFormer tokenizer, so only a name
+    of its own lets `AutoTokenizer` find this class (registered by `import roformer_hf`) whatever config.json lies
+    beside the tokenizer, or none.
 
     The pipeline is BERT's: a normalizer (control characters removed, optional lowercasing and accent stripping,
     spaces around Chinese characters), a whitespace-and-punctuation pre-tokenizer, WordPiece with `##`
@@ -225,7 +225,7 @@ class RoFormerHFTokenizerFast(PreTrainedTokenizerFast):
             self._attach_jieba()
 
 
-RoFormerTokenizerFast = RoFormerHFTokenizerFast  # the public name
+RoFormerTokenizerFast = RoFormerHFTokenizer  # the public name
 
 
 def _normalizer(lowercase: bool, strip_accents: bool | None, tokenize_chinese_chars: bool,

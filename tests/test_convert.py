@@ -69,6 +69,7 @@ def test_auto_classes_load_roformer_hf_with_transformers_outputs(source, convert
     folder, reference = source
     # On the source folder transformers builds its own class, roformer_hf imported or not: that is intended.
     assert type(transformers.AutoModelForMaskedLM.from_pretrained(folder)).__module__.startswith("transformers.")
+    assert type(transformers.AutoTokenizer.from_pretrained(folder)) is transformers.RoFormerTokenizer
 
     config = json.loads((converted / "config.json").read_text(encoding="utf-8"))
     assert config["model_type"] == "roformer_hf" and config["auto_map"] == RoFormerPreTrainedModel.auto_map

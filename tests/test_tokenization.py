@@ -231,11 +231,9 @@ def test_saved_config_carries_jieba_and_the_remote_code_entry(jieba_tokenizer, t
     jieba_tokenizer.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
     assert config["use_jieba"] is True
-    assert config["auto_map"] == {"AutoTokenizer": [None, "tokenization.RoFormerHFTokenizerFast"]}
-    # Our class's own name (transformers drops "Fast" when saving, and adds it back when resolving): the name
-    # "RoFormerTokenizer" would resolve to transformers' tokenizer.
-    assert RoFormerTokenizerFast.__name__ == "RoFormerHFTokenizerFast"
-    assert config["tokenizer_class"] == "RoFormerHFTokenizer"
+    assert config["auto_map"] == {"AutoTokenizer": ["tokenization.RoFormerHFTokenizer", None]}
+    # Our class's own name: "RoFormerTokenizer" would resolve to transformers' tokenizer.
+    assert config["tokenizer_class"] == RoFormerTokenizerFast.__name__ == "RoFormerHFTokenizer"
     assert (tmp_path / "tokenization.py").is_file()
     # tokenizer.json cannot hold a Python pre-tokenizer: BERT's stands in for jieba.
     saved_backend = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
@@ -347,12 +345,16 @@ def test_transformers_roformer_folder_without_rjieba_names_the_extra(vocab, tmp_
         RoFormerTokenizerFast.from_pretrained(folder)
 
 
+@pytest.mark.parametrize("beside", [None, "transformers' config"])
 @pytest.mark.parametrize("use_jieba", [False, True])
-def test_auto_tokenizer_on_a_tokenizer_alone_in_process(vocab_dir, tmp_path, use_jieba):
-    """No config.json: the saved tokenizer_config.json names our class, which AutoTokenizer finds registered by
-    `import roformer_hf`, without remote code."""
+def test_auto_tokenizer_in_process_by_the_saved_class_name(vocab_dir, tmp_path, use_jieba, beside):
+    """No config.json (or transformers' RoFormer config): the saved tokenizer_config.json names our class, which
+    AutoTokenizer finds registered by `import roformer_hf`, without remote code."""
     tokenizer = RoFormerTokenizerFast.from_pretrained(vocab_dir, use_jieba=use_jieba)
     tokenizer.save_pretrained(tmp_path)
+    if beside:
+        transformers.RoFormerConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert type(loaded) is RoFormerTokenizerFast and loaded.use_jieba == use_jieba
     assert _ids(loaded) == _ids(tokenizer)
