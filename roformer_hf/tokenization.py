@@ -24,7 +24,7 @@ logger = logging.get_logger(__name__)
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4 in a trained vocabulary
 VOCAB_FILES_NAMES = {"vocab_file": "vocab.txt", "tokenizer_file": "tokenizer.json"}
 CHINESE_EXTRA = "roformer_hf[chinese]"
-# transformers' RoFormer tokenizer (it always segments with jieba): the class names its folders carry, and its model type.
+# transformers' RoFormer tokenizer, which always segments with jieba: the class names its folders carry, its model type.
 TRANSFORMERS_CLASSES = ("RoFormerTokenizer", "RoFormerTokenizerFast")
 TRANSFORMERS_MODEL_TYPE = "roformer"
 DOWNLOAD_ARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
