@@ -1,6 +1,7 @@
 """What loading and saving a RoFormer checkpoint guarantees, on top of transformers' `from_pretrained`.
 
-- Weights load only from safetensors files, never from pickles (unpickling can run code).
+- Weights load only from safetensors files, never from pickles (unpickling can run code); a checkpoint holding only
+  pickled weights gets an error that says so and how to convert them.
 - A truncated or corrupted safetensors file raises an `OSError` naming the checkpoint.
 - Task heads missing from a checkpoint start fresh (fine-tuning starts that way); missing encoder weights (those
   under the model's `base_model_prefix`) raise, unless `allow_missing_encoder_weights=True`.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 
 from safetensors import SafetensorError
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, has_file
 
 from .configuration import refuse_decoder_switches
 from .hub import push_to_hub_with_card, write_model_card
@@ -38,6 +40,16 @@ class CheckpointPolicy:
         except SafetensorError as error:
             raise OSError(f"The safetensors weights of {name!r} are truncated or corrupted and cannot be read "
                           f"({error}); re-download or re-save them") from error
+        except OSError as error:
+            pickled = _pickled_weights_only(name, kwargs)
+            if pickled is None:
+                raise
+            raise OSError(
+                f"{name!r} holds its weights only as a pickle ({pickled}), which roformer_hf refuses to load: "
+                "unpickling can run arbitrary code. Convert them to safetensors once, in an environment where you "
+                f"trust the file: `transformers.{cls.__name__}.from_pretrained({name!r}, use_safetensors=False)"
+                ".save_pretrained(new_folder, safe_serialization=True)`, then load new_folder, or make it a "
+                "roformer_hf folder with `python -m roformer_hf.convert new_folder DST`") from error
         missing = sorted(key for key in info["missing_keys"] if model.is_encoder_weight(key))
         if missing and not allow_missing_encoder_weights:
             raise ValueError(
@@ -62,3 +74,20 @@ class CheckpointPolicy:
         """transformers' `push_to_hub`, uploading this model's card unless the repository has one (see
         `hub.push_to_hub_with_card`)."""
         return push_to_hub_with_card(self, repo_id, **kwargs)
+
+
+def _pickled_weights_only(name: str, kwargs: dict) -> str | None:
+    """The pickled weight file of checkpoint `name` (a folder or a Hub repository) when it has no safetensors."""
+    subfolder = kwargs.get("subfolder") or ""
+    download = {key: kwargs[key] for key in ("revision", "proxies", "token", "cache_dir", "local_files_only")
+                if kwargs.get(key) is not None}
+
+    def present(filename: str) -> bool:
+        try:
+            return has_file(name, f"{subfolder}/{filename}" if subfolder else filename, **download)
+        except Exception:  # an invalid repository or revision: the original error says more
+            return False
+
+    if any(present(filename) for filename in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)):
+        return None
+    return next((filename for filename in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME) if present(filename)), None)

@@ -16,14 +16,18 @@ from tokenizers.models import WordPiece
 from tokenizers.pre_tokenizers import BertPreTokenizer, PreTokenizer
 from tokenizers.trainers import WordPieceTrainer
 from transformers import PreTrainedTokenizerFast
-from transformers.utils import logging
+from transformers.models.auto.tokenization_auto import get_tokenizer_config
+from transformers.utils import CONFIG_NAME, cached_file, logging
 
 logger = logging.get_logger(__name__)
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4 in a trained vocabulary
 VOCAB_FILES_NAMES = {"vocab_file": "vocab.txt", "tokenizer_file": "tokenizer.json"}
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHINESE_EXTRA = "roformer_hf[chinese]"
+# transformers' RoFormer tokenizer, which always segments with jieba: the class names its folders carry, its model type.
+TRANSFORMERS_CLASSES = ("RoFormerTokenizer", "RoFormerTokenizerFast")
+TRANSFORMERS_MODEL_TYPE = "roformer"
+DOWNLOAD_ARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
 
 def _import_rjieba():
@@ -78,8 +82,13 @@ class JiebaPreTokenizer:
             yield begin, cursor
 
 
-class RoFormerTokenizerFast(PreTrainedTokenizerFast):
+class RoFormerHFTokenizer(PreTrainedTokenizerFast):
     r"""RoFormer tokenizer (🤗 tokenizers backend): BERT's WordPiece, optionally after jieba word segmentation.
+
+    Exported as `RoFormerTokenizerFast`. Its class name, `RoFormerHFTokenizer`, is what saved folders record as
+    `tokenizer_class`: transformers resolves "RoFormerTokenizer(Fast)" to its own RoFormer tokenizer, so only a name
+    of its own lets `AutoTokenizer` find this class (registered by `import roformer_hf`) whatever config.json lies
+    beside the tokenizer, or none.
 
     The pipeline is BERT's: a normalizer (control characters removed, optional lowercasing and accent stripping,
     spaces around Chinese characters), a whitespace-and-punctuation pre-tokenizer, WordPiece with `##`
@@ -88,7 +97,8 @@ class RoFormerTokenizerFast(PreTrainedTokenizerFast):
     With `use_jieba=True` (the published Chinese RoFormer checkpoints; needs `pip install roformer_hf[chinese]`)
     the text is first cut into words by jieba: words in the vocabulary become single tokens, the others fall back
     to characters. This gives the ids of transformers' `RoFormerTokenizer` on the same vocabulary, and, unlike it,
-    the setting survives `save_pretrained` / `from_pretrained`.
+    the setting survives `save_pretrained` / `from_pretrained`. A folder saved by transformers' RoFormer tokenizer
+    (the published `junnyu/roformer_chinese_*` checkpoints) loads with jieba on, as that tokenizer always segments.
 
     Args:
         vocab: The WordPiece vocabulary, as a `{token: id}` dict or the path of a BERT-style `vocab.txt` (one token
@@ -160,6 +170,13 @@ class RoFormerTokenizerFast(PreTrainedTokenizerFast):
         if use_jieba:
             self._attach_jieba()
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *init_inputs, **kwargs):
+        """transformers' `from_pretrained`; a tokenizer saved by transformers' RoFormer gets `use_jieba=True`."""
+        if "use_jieba" not in kwargs and _saved_by_transformers_roformer(pretrained_model_name_or_path, kwargs):
+            kwargs["use_jieba"] = True
+        return super().from_pretrained(pretrained_model_name_or_path, *init_inputs, **kwargs)
+
     def _templates(self) -> processors.TemplateProcessing:
         cls, sep = str(self.cls_token), str(self.sep_token)
         return processors.TemplateProcessing(
@@ -192,18 +209,6 @@ class RoFormerTokenizerFast(PreTrainedTokenizerFast):
         # vocab.txt too: the layout of the published checkpoints, readable by any BERT-style tokenizer.
         return file_names + self.save_vocabulary(save_directory, filename_prefix)
 
-    def save_pretrained(self, save_directory, legacy_format=None, filename_prefix=None, push_to_hub=False,
-                        **kwargs) -> tuple[str, ...]:
-        if push_to_hub:
-            # push_to_hub saves through this method, so it uploads the tokenizer_config.json fixed below.
-            files = self.save_pretrained(save_directory, legacy_format, filename_prefix)
-            self.push_to_hub(kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory))), **kwargs)
-            return files
-        files = super().save_pretrained(save_directory, legacy_format, filename_prefix, **kwargs)
-        prefix = f"{filename_prefix}-" if filename_prefix else ""
-        _forget_tokenizer_class(os.path.join(save_directory, prefix + TOKENIZER_CONFIG_FILE))
-        return files
-
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
         return tuple(self._tokenizer.model.save(str(save_directory), name=filename_prefix))
 
@@ -218,6 +223,9 @@ class RoFormerTokenizerFast(PreTrainedTokenizerFast):
         self.__dict__.update(state)
         if self.use_jieba:
             self._attach_jieba()
+
+
+RoFormerTokenizerFast = RoFormerHFTokenizer  # the public name
 
 
 def _normalizer(lowercase: bool, strip_accents: bool | None, tokenize_chinese_chars: bool,
@@ -246,18 +254,27 @@ def _resolve_vocab(vocab: str | dict[str, int] | None, tokenizer_file: str | Non
     return {str(token): index for index, token in enumerate(special_tokens)}
 
 
-def _forget_tokenizer_class(tokenizer_config_file: str) -> None:
-    """Drop `tokenizer_class` from a saved tokenizer_config.json.
+def _saved_by_transformers_roformer(name, kwargs: dict) -> bool:
+    """Whether `name` (a folder or a Hub repository) holds a tokenizer saved by transformers' RoFormer tokenizer.
 
-    transformers writes "RoFormerTokenizer" there, which AutoTokenizer resolves to transformers' own RoFormer
-    tokenizer. Without it AutoTokenizer goes by the `auto_map` (trust_remote_code=True) or by the model type
-    registered in-process (roformer_hf), both of which give this class.
+    That tokenizer always segments with jieba but records no `use_jieba`. Its tokenizer_config.json names its class,
+    or, in older folders, names none beside the config.json of transformers' RoFormer, whose model type
+    AutoTokenizer maps to it. A tokenizer saved by this class records `use_jieba` itself; a bare vocab.txt is BERT's.
     """
-    with open(tokenizer_config_file, encoding="utf-8") as handle:
-        config = json.load(handle)
-    config.pop("tokenizer_class", None)
-    with open(tokenizer_config_file, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    if os.path.isfile(name):  # a vocab.txt given directly
+        return False
+    download = {key: kwargs[key] for key in DOWNLOAD_ARGS if kwargs.get(key) is not None}
+    saved = get_tokenizer_config(name, **download)
+    if "use_jieba" in saved:
+        return False
+    if "tokenizer_class" in saved:
+        return saved["tokenizer_class"] in TRANSFORMERS_CLASSES
+    config_file = cached_file(name, CONFIG_NAME, **download, _raise_exceptions_for_missing_entries=False,
+                              _raise_exceptions_for_connection_errors=False)
+    if config_file is None:
+        return False
+    with open(config_file, encoding="utf-8") as handle:
+        return json.load(handle).get("model_type") == TRANSFORMERS_MODEL_TYPE
 
 
 def train_tokenizer(

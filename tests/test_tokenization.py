@@ -231,9 +231,9 @@ def test_saved_config_carries_jieba_and_the_remote_code_entry(jieba_tokenizer, t
     jieba_tokenizer.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
     assert config["use_jieba"] is True
-    assert config["auto_map"] == {"AutoTokenizer": [None, "tokenization.RoFormerTokenizerFast"]}
-    # transformers would write "RoFormerTokenizer", which AutoTokenizer resolves to its own class.
-    assert "tokenizer_class" not in config
+    assert config["auto_map"] == {"AutoTokenizer": ["tokenization.RoFormerHFTokenizer", None]}
+    # Our class's own name: "RoFormerTokenizer" would resolve to transformers' tokenizer.
+    assert config["tokenizer_class"] == RoFormerTokenizerFast.__name__ == "RoFormerHFTokenizer"
     assert (tmp_path / "tokenization.py").is_file()
     # tokenizer.json cannot hold a Python pre-tokenizer: BERT's stands in for jieba.
     saved_backend = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
@@ -285,6 +285,79 @@ def test_auto_tokenizer_remote_code_without_roformer_hf(tokenizer, jieba_tokeniz
         assert remote["use_jieba"] == local.use_jieba
         assert remote["ids"] == _ids(local)
         assert remote["pair"] == dict(local(SENTENCES[0], SENTENCES[1]))
+
+
+# --- tokenizers of transformers' RoFormer (the published junnyu/roformer_chinese_* checkpoints) ----------------------
+
+def _written_by_transformers(vocab, folder, layout: str):
+    """A tokenizer folder of transformers' RoFormer, which always segments with jieba, in one of its layouts:
+    "tokenizer.json" as transformers 5 saves it; "vocab.txt" as transformers 4 saved the published checkpoints (a
+    tokenizer_config.json naming RoFormerTokenizer); "unnamed": no tokenizer class named, but the config.json of
+    transformers' RoFormer beside it (AutoTokenizer maps its model type to RoFormerTokenizer)."""
+    transformers.RoFormerTokenizer(vocab=vocab).save_pretrained(folder)
+    if layout == "tokenizer.json":
+        return folder
+    (folder / "tokenizer.json").unlink()
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")  # dicts keep the id order
+    if layout == "unnamed":
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        del config["tokenizer_class"]
+        config_file.write_text(json.dumps(config), encoding="utf-8")
+        transformers.RoFormerConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=64).save_pretrained(folder)
+    return folder
+
+
+TRANSFORMERS_LAYOUTS = ["tokenizer.json", "vocab.txt", "unnamed"]
+
+
+@pytest.mark.parametrize("layout", TRANSFORMERS_LAYOUTS)
+def test_transformers_roformer_folder_loads_with_jieba(vocab, reference_jieba_tokenizer, tmp_path, layout):
+    folder = _written_by_transformers(vocab, tmp_path, layout)
+    ours = RoFormerTokenizerFast.from_pretrained(folder)
+    assert ours.use_jieba
+    assert ours.tokenize("我们喜欢北京") == ["我们", "喜欢", "北京"]
+    for first, second in zip(SENTENCES, SENTENCES[1:] + SENTENCES[:1]):
+        got = ours(first, second, return_offsets_mapping=True)
+        expected = reference_jieba_tokenizer(first, second, return_offsets_mapping=True, return_token_type_ids=True)
+        for key in ("input_ids", "token_type_ids", "offset_mapping"):
+            assert got[key] == expected[key], (key, first, second)
+    # An explicit choice still wins.
+    assert RoFormerTokenizerFast.from_pretrained(folder, use_jieba=False).tokenize("我们") == ["我", "们"]
+
+
+def test_transformers_roformer_folder_through_our_save_and_auto_tokenizer(vocab, reference_jieba_tokenizer, tmp_path):
+    """Load transformers' folder with our class, save it beside our model's config: AutoTokenizer gives our class,
+    jieba on, the ids of transformers' tokenizer."""
+    folder = _written_by_transformers(vocab, tmp_path / "transformers", "vocab.txt")
+    RoFormerTokenizerFast.from_pretrained(folder).save_pretrained(tmp_path / "ours")
+    _tiny_config(len(vocab)).save_pretrained(tmp_path / "ours")
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "ours")
+    assert type(loaded) is RoFormerTokenizerFast and loaded.use_jieba
+    assert _ids(loaded) == _ids(reference_jieba_tokenizer)
+
+
+def test_transformers_roformer_folder_without_rjieba_names_the_extra(vocab, tmp_path, monkeypatch):
+    folder = _written_by_transformers(vocab, tmp_path, "tokenizer.json")
+    monkeypatch.setitem(sys.modules, "rjieba", None)
+    with pytest.raises(ImportError, match=r"pip install roformer_hf\[chinese\]"):
+        RoFormerTokenizerFast.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("beside", [None, "transformers' config"])
+@pytest.mark.parametrize("use_jieba", [False, True])
+def test_auto_tokenizer_in_process_by_the_saved_class_name(vocab_dir, tmp_path, use_jieba, beside):
+    """No config.json (or transformers' RoFormer config): the saved tokenizer_config.json names our class, which
+    AutoTokenizer finds registered by `import roformer_hf`, without remote code."""
+    tokenizer = RoFormerTokenizerFast.from_pretrained(vocab_dir, use_jieba=use_jieba)
+    tokenizer.save_pretrained(tmp_path)
+    if beside:
+        transformers.RoFormerConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert type(loaded) is RoFormerTokenizerFast and loaded.use_jieba == use_jieba
+    assert _ids(loaded) == _ids(tokenizer)
 
 
 # --- training ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,291 @@
+"""roformer_hf.convert: a folder of transformers' RoFormer becomes a folder that every loader reads as roformer_hf,
+with transformers' outputs and tokenizer ids; pickled weights and non-empty destinations are refused."""
+
+import doctest
+import json
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+import transformers
+from helpers import BLOCK_ROFORMER_HF, PYTHON, TINY
+
+import roformer_hf
+from roformer_hf.convert import convert_checkpoint
+from roformer_hf.modeling import RoFormerPreTrainedModel
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = ["我们", "喜欢", "北京", "天气", "非常", "学习", "模型", "hello", "world", "rotary"]
+TEXTS = ["我们喜欢北京的天气。", "hello rotary world", "今天天气非常好，我们学习模型！"]
+
+
+def _vocab() -> dict[str, int]:
+    chars = dict.fromkeys(ch for text in TEXTS + WORDS for ch in text if "\u4e00" <= ch <= "\u9fff")
+    tokens = SPECIALS + list(chars) + list("，。！abcdefghijklmnopqrstuvwxyz") + WORDS
+    return {token: index for index, token in enumerate(dict.fromkeys(tokens))}
+
+
+VOCAB = _vocab()
+CONFIG = {**TINY, "vocab_size": len(VOCAB)}
+
+
+def _write_source(folder, head: str = "RoFormerForMaskedLM", **overrides):
+    """A checkpoint folder as transformers' RoFormer writes it: model and (jieba) tokenizer."""
+    torch.manual_seed(0)
+    model = getattr(transformers, head)(transformers.RoFormerConfig(**{**CONFIG, **overrides})).eval()
+    model.save_pretrained(folder)
+    transformers.RoFormerTokenizer(vocab=VOCAB).save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("transformers")
+    return folder, _write_source(folder)
+
+
+@pytest.fixture(scope="module")
+def converted(source, tmp_path_factory):
+    return convert_checkpoint(source[0], tmp_path_factory.mktemp("converted") / "roformer_hf")
+
+
+@pytest.fixture(scope="module")
+def reference_tokenizer():
+    # From a dict: transformers 5.23's RoFormerTokenizer(vocab_file=...) ignores the file.
+    return transformers.RoFormerTokenizer(vocab=VOCAB)
+
+
+def _batch(tokenizer, texts=TEXTS):
+    return tokenizer(texts, padding=True, return_tensors="pt")
+
+
+def _max_diff_on_real_tokens(a, b, mask) -> float:
+    return (a - b).abs()[mask.bool()].max().item()
+
+
+def test_auto_classes_load_roformer_hf_with_transformers_outputs(source, converted, reference_tokenizer):
+    folder, reference = source
+    # On the source folder transformers builds its own class, roformer_hf imported or not: that is intended.
+    assert type(transformers.AutoModelForMaskedLM.from_pretrained(folder)).__module__.startswith("transformers.")
+    assert type(transformers.AutoTokenizer.from_pretrained(folder)) is transformers.RoFormerTokenizer
+
+    config = json.loads((converted / "config.json").read_text(encoding="utf-8"))
+    assert config["model_type"] == "roformer_hf" and config["auto_map"] == RoFormerPreTrainedModel.auto_map
+    assert config["architectures"] == ["RoFormerForMaskedLM"]
+    model = transformers.AutoModelForMaskedLM.from_pretrained(converted).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(converted)
+    assert type(model) is roformer_hf.RoFormerForMaskedLM
+    assert type(tokenizer) is roformer_hf.RoFormerTokenizerFast and tokenizer.use_jieba
+
+    batch = _batch(tokenizer)
+    expected_batch = _batch(reference_tokenizer)
+    assert batch["input_ids"].tolist() == expected_batch["input_ids"].tolist()
+    assert tokenizer.tokenize(TEXTS[0])[:3] == ["我们", "喜欢", "北京"]  # jieba words, not characters
+    with torch.no_grad():
+        expected = reference(**expected_batch).logits
+        actual = model(**batch).logits
+    assert _max_diff_on_real_tokens(actual, expected, batch["attention_mask"]) < 1e-5
+
+
+def test_fill_mask_pipeline_on_the_converted_folder(source, converted, reference_tokenizer):
+    _, reference = source
+    fill = transformers.pipeline("fill-mask", model=str(converted), top_k=3)
+    assert type(fill.model) is roformer_hf.RoFormerForMaskedLM
+    assert type(fill.tokenizer) is roformer_hf.RoFormerTokenizerFast
+    text = "我们[MASK]北京的天气。"
+    predictions = fill(text)
+    encoded = reference_tokenizer(text, return_tensors="pt")
+    position = encoded["input_ids"][0].tolist().index(reference_tokenizer.mask_token_id)
+    with torch.no_grad():
+        probabilities = reference(**encoded).logits[0, position].softmax(-1)
+    top = probabilities.topk(3)
+    assert [p["token"] for p in predictions] == top.indices.tolist()
+    assert [p["score"] for p in predictions] == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+def test_sentence_transformers_style_loading(source, tmp_path):
+    """sentence-transformers loads AutoConfig, AutoModel and AutoTokenizer from the folder; its own files (modules.json,
+    the pooling folder) and the model card come along, weights in other formats do not."""
+    folder, _ = source
+    sentence_folder = tmp_path / "sentence"
+    _write_source(sentence_folder)
+    (sentence_folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (sentence_folder / "1_Pooling").mkdir()
+    (sentence_folder / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    (sentence_folder / "README.md").write_text("# A card someone wrote\n")
+    torch.save({}, sentence_folder / "pytorch_model.bin")
+    (sentence_folder / "tf_model.h5").write_bytes(b"stale")
+
+    converted = convert_checkpoint(sentence_folder, tmp_path / "converted")
+    assert (converted / "modules.json").read_text() == (sentence_folder / "modules.json").read_text()
+    assert (converted / "1_Pooling" / "config.json").read_text() == '{"pooling_mode_mean_tokens": true}'
+    assert (converted / "README.md").read_text() == "# A card someone wrote\n"
+    assert not (converted / "pytorch_model.bin").exists() and not (converted / "tf_model.h5").exists()
+
+    config = transformers.AutoConfig.from_pretrained(converted)
+    model = transformers.AutoModel.from_pretrained(converted, config=config).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(converted)
+    assert type(config) is roformer_hf.RoFormerConfig and type(model) is roformer_hf.RoFormerModel
+    reference = transformers.RoFormerModel.from_pretrained(folder).eval()
+    batch = _batch(tokenizer)
+    with torch.no_grad():
+        actual, expected = model(**batch).last_hidden_state, reference(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1)
+    torch.testing.assert_close((actual * mask).sum(1) / mask.sum(1), (expected * mask).sum(1) / mask.sum(1),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("head, auto, overrides", [
+    ("RoFormerForSequenceClassification", "AutoModelForSequenceClassification", {"num_labels": 3}),
+    ("RoFormerModel", "AutoModel", {"rotary_value": True, "embedding_size": 24}),
+])
+def test_the_head_follows_the_source_architectures(tmp_path, head, auto, overrides):
+    reference = _write_source(tmp_path / "src", head, **overrides)
+    converted = convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+    model = getattr(transformers, auto).from_pretrained(converted).eval()
+    assert type(model) is getattr(roformer_hf, head)
+    batch = _batch(transformers.AutoTokenizer.from_pretrained(converted))
+    with torch.no_grad():
+        actual, expected = model(**batch)[0], reference(**batch)[0]
+    assert actual.shape == expected.shape
+    real = batch["attention_mask"].bool() if actual.dim() == 3 else slice(None)  # hidden states: real tokens
+    torch.testing.assert_close(actual[real], expected[real], atol=1e-5, rtol=0)
+
+
+REMOTE_SCRIPT = BLOCK_ROFORMER_HF + """
+import json, sys, torch, transformers
+folder, texts = sys.argv[1], json.loads(sys.argv[2])
+model = transformers.AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True).eval()
+tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+batch = tokenizer(texts, padding=True, return_tensors="pt")
+with torch.no_grad():
+    logits = model(**batch).logits
+assert not [name for name, module in sys.modules.items() if name.split(".")[0] == "roformer_hf" and module]
+print(json.dumps({"modules": [type(model).__module__, type(tokenizer).__module__], "use_jieba": tokenizer.use_jieba,
+                  "input_ids": batch["input_ids"].tolist(), "logits": logits.tolist()}))
+"""
+
+
+def test_trust_remote_code_without_roformer_hf(source, converted, reference_tokenizer, tmp_path):
+    _, reference = source
+    completed = subprocess.run([PYTHON, "-c", REMOTE_SCRIPT, str(converted), json.dumps(TEXTS)], capture_output=True,
+                               text=True, timeout=300, cwd=tmp_path,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": "",
+                                    "HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    remote = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert all(module.startswith("transformers_modules.") for module in remote["modules"])
+    assert remote["use_jieba"]
+    batch = _batch(reference_tokenizer)
+    assert remote["input_ids"] == batch["input_ids"].tolist()
+    with torch.no_grad():
+        expected = reference(**batch).logits
+    assert _max_diff_on_real_tokens(torch.tensor(remote["logits"]), expected, batch["attention_mask"]) < 1e-5
+
+
+def _pickled_only(folder):
+    """A folder of transformers' RoFormer whose weights are only in pytorch_model.bin (the published checkpoints)."""
+    model = _write_source(folder)
+    (folder / "model.safetensors").unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    return model
+
+
+def test_pickled_weights_are_refused_with_the_way_out(tmp_path):
+    _pickled_only(tmp_path / "pickled")
+    advice = r"pickle \(pytorch_model\.bin\), which roformer_hf refuses to load.*use_safetensors=False.*" \
+             r"safe_serialization=True"
+    with pytest.raises(OSError, match=advice) as loading:
+        roformer_hf.RoFormerForMaskedLM.from_pretrained(tmp_path / "pickled")
+    assert "no file named" not in str(loading.value)
+    with pytest.raises(OSError, match=advice):
+        convert_checkpoint(tmp_path / "pickled", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+    assert [path.name for path in tmp_path.iterdir()] == ["pickled"]  # no staging folder left behind
+
+    # The advice works: transformers' own class converts the pickle (trusted here), then the converter runs.
+    match = re.search(r"`(transformers\.\w+)\.from_pretrained", str(loading.value))
+    assert match and match.group(1) == "transformers.RoFormerForMaskedLM"
+    transformers.RoFormerForMaskedLM.from_pretrained(tmp_path / "pickled", use_safetensors=False).save_pretrained(
+        tmp_path / "safe", safe_serialization=True)
+    transformers.RoFormerTokenizer.from_pretrained(tmp_path / "pickled").save_pretrained(tmp_path / "safe")
+    converted = convert_checkpoint(tmp_path / "safe", tmp_path / "dst")
+    assert type(transformers.AutoModelForMaskedLM.from_pretrained(converted)) is roformer_hf.RoFormerForMaskedLM
+
+
+def test_a_non_empty_destination_is_replaced_only_with_overwrite(source, tmp_path):
+    folder, _ = source
+    destination = tmp_path / "dst"
+    destination.mkdir()
+    (destination / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"is not empty: pass --overwrite"):
+        convert_checkpoint(folder, destination)
+    assert [path.name for path in destination.iterdir()] == ["keep.txt"]
+
+    convert_checkpoint(folder, destination, overwrite=True)
+    assert not (destination / "keep.txt").exists() and (destination / "model.safetensors").is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["dst"]  # no staging folder left behind
+
+
+def test_command_line(source, tmp_path):
+    folder, _ = source
+    destination = tmp_path / "dst"
+    destination.mkdir()
+    (destination / "keep.txt").write_text("mine")
+    command = [PYTHON, "-m", "roformer_hf.convert", str(folder), str(destination)]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "is not empty: pass --overwrite" in refused.stderr
+    assert (destination / "keep.txt").exists()
+    done = subprocess.run([*command, "--overwrite"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert type(transformers.AutoModelForMaskedLM.from_pretrained(destination)) is roformer_hf.RoFormerForMaskedLM
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "bert"}, r"model_type='bert': expected 'roformer'"),
+    ({"architectures": ["RoFormerForCausalLM"]}, r"architectures=\['RoFormerForCausalLM'\]: expected one of"),
+    ({"architectures": None}, r"architectures=None: expected one of"),
+])
+def test_unsupported_sources_are_refused(tmp_path, change, message):
+    folder = tmp_path / "src"
+    _write_source(folder)
+    _edit_config(folder, **change)
+    with pytest.raises(ValueError, match=message):
+        convert_checkpoint(folder, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_destination_inside_the_source_is_refused(tmp_path):
+    folder = tmp_path / "src"
+    _write_source(folder)
+    with pytest.raises(ValueError, match="expected a folder outside src"):
+        convert_checkpoint(folder, folder / "converted")
+    with pytest.raises(ValueError, match="expected a folder outside src"):
+        convert_checkpoint(folder, folder, overwrite=True)
+    assert (folder / "model.safetensors").is_file()
+
+
+def test_a_tokenizer_roformer_hf_cannot_read_is_refused(tmp_path):
+    folder = tmp_path / "src"
+    _write_source(folder)
+    config_file = folder / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "tokenizer_class": "XLNetTokenizer"}))
+    with pytest.raises(ValueError, match="tokenizer_class='XLNetTokenizer': expected one of"):
+        convert_checkpoint(folder, tmp_path / "dst")
+
+
+def test_docstring_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", convert_checkpoint.__doc__, flags=re.DOTALL)
+    test = doctest.DocTestParser().get_doctest("".join(blocks), {}, "convert_checkpoint", None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
