@@ -76,6 +76,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, overwr
     _check_destination(src, dst, overwrite)
     model = head.from_pretrained(src)
     tokenizer = _tokenizer(src)
+    if tokenizer is not None and tokenizer.model_max_length > model.config.max_position_embeddings:
+        # Pipelines truncate at the tokenizer's limit: the length the model was trained at, not "no limit".
+        tokenizer.model_max_length = model.config.max_position_embeddings
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))  # same file system: renamed at the end
