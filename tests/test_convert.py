@@ -78,6 +78,7 @@ def test_auto_classes_load_roformer_hf_with_transformers_outputs(source, convert
     tokenizer = transformers.AutoTokenizer.from_pretrained(converted)
     assert type(model) is roformer_hf.RoFormerForMaskedLM
     assert type(tokenizer) is roformer_hf.RoFormerTokenizerFast and tokenizer.use_jieba
+    assert tokenizer.model_max_length == model.config.max_position_embeddings  # pipelines truncate there
 
     batch = _batch(tokenizer)
     expected_batch = _batch(reference_tokenizer)
