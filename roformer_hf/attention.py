@@ -33,7 +33,7 @@ from .padding import BatchLayout
 
 SDPA_VARLEN = "roformer_sdpa_varlen"
 SDPA_DROPOUT = "roformer_sdpa_dropout"
-DROPOUT_BLOCK_ROWS = 256  # queries per block of `blocked_dropout_attention_forward`
+DROPOUT_BLOCK_ROWS = 512  # queries per block of `blocked_dropout_attention_forward`, used beyond two blocks
 
 
 def eager_attention_forward(
@@ -103,9 +103,10 @@ def blocked_dropout_attention_forward(
     several times the memory and time of the fused kernel. Here each block of queries attends to every key and
     is recomputed in the backward pass (`torch.utils.checkpoint`, which replays the random state, so the same
     dropout mask), so only one ``(B, nh, block, L)`` block of weights lives at a time. Dropout is the same: each
-    weight is kept with probability ``1 - dropout`` and scaled by ``1 / (1 - dropout)``.
+    weight is kept with probability ``1 - dropout`` and scaled by ``1 / (1 - dropout)``. The recomputation costs
+    time, so sequences of up to two blocks (whose weights are small) take SDPA's math kernel as they are.
     """
-    if not (dropout and module.training) or query.shape[2] <= DROPOUT_BLOCK_ROWS:
+    if not (dropout and module.training) or query.shape[2] <= 2 * DROPOUT_BLOCK_ROWS:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling)
     blocks = [checkpoint(_attend_block, q, key, value, attention_mask, scaling, dropout, use_reentrant=False)
