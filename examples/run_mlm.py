@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import transformers
-from collator import ResumableMLMCollator
+from collator import PackedMLMCollator, ResumableMLMCollator
 from example_utils import (
     DataArguments,
     load_or_train_tokenizer,
@@ -40,6 +40,8 @@ class MLMArguments:
     line_by_line: bool = field(default=True, metadata={"help": "One sequence per line (else pack lines into "
                                                                "blocks of max_seq_length)."})
     mlm_probability: float = field(default=0.15, metadata={"help": "Share of tokens to mask."})
+    packing: bool = field(default=False, metadata={"help": "Padding-free batches: the examples of a batch back to "
+                                                           "back in one row (DataCollatorWithFlattening)."})
 
 
 def builtin_corpus():
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info("Model: %s with %.2fM parameters", type(model).__name__, model.num_parameters() / 1e6)
 
     tokenized = tokenize(raw, tokenizer, column, data, mlm, training_args)
-    collator = ResumableMLMCollator(tokenizer, mlm_probability=mlm.mlm_probability, seed=training_args.seed)
+    collator = (PackedMLMCollator if mlm.packing else ResumableMLMCollator)(
+        tokenizer, mlm_probability=mlm.mlm_probability, seed=training_args.seed)
     trainer = transformers.Trainer(model=model, args=training_args, train_dataset=tokenized["train"],
                                    eval_dataset=tokenized["validation"], processing_class=tokenizer,
                                    data_collator=collator, compute_metrics=masked_token_accuracy,

@@ -98,6 +98,21 @@ def test_resume_from_checkpoint_reaches_the_uninterrupted_result(pretrained, tex
     assert resumed["metrics"]["eval_loss"] == pytest.approx(uninterrupted["metrics"]["eval_loss"], abs=1e-5)
 
 
+def test_run_mlm_packing_gives_the_padded_evaluation(pretrained, text_files, tmp_path):
+    """--packing (one padding-free row per batch): the same masked tokens and the same evaluation loss as padded
+    batches, and training runs."""
+    mlm_dir, _ = pretrained
+    padded, packed = (run_mlm.main(_mlm_args(text_files, tmp_path / name, model_name_or_path=mlm_dir,
+                                             tokenizer_name=mlm_dir, max_steps=2, packing=name))
+                      for name in ("false", "true"))
+    for key in ("eval_loss", "eval_accuracy"):
+        assert packed["metrics"][key] == pytest.approx(padded["metrics"][key], abs=1e-5)
+    batch = next(iter(packed["trainer"].get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    assert (batch["position_ids"] == 0).sum() == 8  # eight examples, positions restarting at each
+    assert torch.isfinite(torch.tensor(packed["metrics"]["train_loss"]))
+
+
 def test_run_classification_from_pretrained_folder(pretrained, text_files, tmp_path):
     mlm_dir, _ = pretrained
     result = run_classification.main(_common(
