@@ -4,25 +4,16 @@ CUDA (flash-attn tests also without flash-attn), so the file collects on CPU mac
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
-from helpers import padded_batch, reference_and_ours
-from transformers.utils import is_flash_attn_2_available
+from helpers import EXAMPLES, padded_batch, reference_and_ours
 
 import roformer_hf
 
-
-
-def flash_attn_importable() -> bool:
-    """transformers' check reads flash-attn's metadata only; a wheel built for another torch fails on import."""
-    if not is_flash_attn_2_available():
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return True
-
+sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
+from bench_gpu import flash_attn_importable  # noqa: E402  (the benchmark's check: one definition)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_flash = pytest.mark.skipif(not (torch.cuda.is_available() and flash_attn_importable()),
