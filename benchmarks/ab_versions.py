@@ -1,0 +1,85 @@
+"""A/B of two versions of roformer_hf on the CPU benchmark's workload, interleaved in one process.
+
+    python benchmarks/ab_versions.py --old 9b1fbda            # this checkout against an earlier commit
+    python benchmarks/ab_versions.py --old 9b1fbda --quick    # tiny smoke configuration
+
+For a change that must not cost speed (a refactor): both versions load the same transformers checkpoint and run
+the same padded batch (the inference forward and the MLM training step of `bench_cpu.py`), alternating which goes
+first, so machine load hits both alike. The earlier version is extracted with `git archive` and imported under
+another package name (its imports inside the package are relative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+from statistics import median
+
+import torch
+
+from workload import (REPO_ROOT, add_size_arguments, infer, padded_batch, parse_args, size_of, train_step,
+                      transformers_config)
+
+
+def import_old_version(revision: str, folder: Path):
+    """roformer_hf as it was at `revision`, imported as the package `roformer_hf_old`."""
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", revision, "roformer_hf"], check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    (folder / "roformer_hf").rename(folder / "roformer_hf_old")
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("roformer_hf_old")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_arguments(parser)
+    parser.add_argument("--old", required=True, help="the git revision to compare with")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parse_args(parser, argv, repeats=3)
+    torch.manual_seed(args.seed)
+    size = size_of(args)
+    import transformers
+
+    import roformer_hf
+
+    with tempfile.TemporaryDirectory() as folder:
+        old_package = import_old_version(args.old, Path(folder) / "code")
+        transformers.RoFormerForMaskedLM(transformers_config(size, max(args.lengths))).save_pretrained(folder)
+        models = {name: package.RoFormerForMaskedLM.from_pretrained(folder, sparse_prediction=True)
+                  for name, package in (("old", old_package), ("new", roformer_hf))}
+    batch = padded_batch(args.lengths, size.vocab, args.seed)
+    old_logits, new_logits = (infer(model.eval(), batch) for model in models.values())
+    mask = batch[1].bool()
+    difference = (old_logits[mask] - new_logits[mask]).abs().max().item()
+    times = {(name, mode): [] for name in models for mode in ("infer", "train")}
+    for repeat in range(args.repeats + 1):
+        for name in (list(models) if repeat % 2 else list(reversed(models))):
+            for mode, step in (("infer", infer), ("train", train_step)):  # infer runs in inference_mode
+                model = models[name].train(mode == "train")
+                model.zero_grad(set_to_none=True)
+                start = time.perf_counter()
+                step(model, batch)
+                if repeat:  # the first round warms up
+                    times[(name, mode)].append(time.perf_counter() - start)
+    print(f"\nold = {args.old}, new = this checkout; {size.layers} layers, hidden {size.hidden}, lengths "
+          f"{args.lengths}; fp32, dropout 0, {torch.get_num_threads()} threads; median (min-max) of {args.repeats}; "
+          f"max logit difference at real tokens {difference:.1e}\n")
+    print("| | old | new | new / old |")
+    print("| --- | --- | --- | --- |")
+    for mode in ("infer", "train"):
+        old, new = times[("old", mode)], times[("new", mode)]
+        print(f"| {mode} | {median(old):.3f} s ({min(old):.3f}-{max(old):.3f}) | {median(new):.3f} s "
+              f"({min(new):.3f}-{max(new):.3f}) | {median(new) / median(old):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
