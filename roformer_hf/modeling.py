@@ -285,7 +285,6 @@ class RoFormerPreTrainedModel(CheckpointPolicy, PreTrainedModel):
         """Refuses a checkpoint of the other member of the family: norm weights or dense-layer biases that this
         model's config has no place for (a RoFormer checkpoint read with a RoFormer-V2 config), or encoder norm
         weights and biases it lacks (the reverse). `missing_keys`: the encoder weights the checkpoint lacks."""
-
         modules = dict(self.named_modules())
 
         def kind(key: str) -> str | None:
@@ -296,26 +295,20 @@ class RoFormerPreTrainedModel(CheckpointPolicy, PreTrainedModel):
                 return "norm"
             return "bias" if isinstance(module, nn.Linear) and parameter == "bias" else None
 
-        config, problems = self.config, []
-        for keys, direction in ((unexpected_keys, "holds"), (missing_keys, "lacks")):
-            for what in ("norm", "bias"):
-                found = sorted(key for key in keys if kind(key) == what)
-                if not found:
-                    continue
-                if what == "norm":
-                    setting = f"norm_type={config.norm_type!r}"
-                    weights = "LayerNorm weights"
-                else:
-                    setting = f"use_bias={config.use_bias}"
-                    weights = "biases of the encoder's dense layers"
-                problems.append(f"it {direction} {len(found)} {weights} (e.g. {found[:2]}), but its config says "
-                                f"{setting}")
+        described = {"norm": ("LayerNorm weights", f"norm_type={self.config.norm_type!r}"),
+                     "bias": ("biases of the encoder's dense layers", f"use_bias={self.config.use_bias}")}
+        problems = []
+        for keys, verb in ((unexpected_keys, "holds"), (missing_keys, "lacks")):
+            for what, (weights, setting) in described.items():
+                if found := sorted(key for key in keys if kind(key) == what):
+                    problems.append(f"it {verb} {len(found)} {weights} (e.g. {found[:2]}), but its config says "
+                                    f"{setting}")
         if problems:
             raise ValueError(
                 f"{name!r} does not match its config: {'; '.join(problems)}. RoFormer-V2 checkpoints have no "
                 "LayerNorm weights and no encoder biases, and their config.json says use_bias: false, norm_type: "
-                "\"rms_norm\"; RoFormer (V1) checkpoints have both, with use_bias: true, norm_type: \"layer_norm\" (the "
-                "defaults). Fix config.json to describe the weights")
+                "\"rms_norm\"; RoFormer (V1) checkpoints have both, with use_bias: true, norm_type: \"layer_norm\" "
+                "(the defaults). Fix config.json to describe the weights")
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
