@@ -88,6 +88,15 @@ class RoFormerConfig(PreTrainedConfig):
     >>> model = RoFormerModel(config)
     >>> config.head_dim
     16
+    >>> # RoFormer-V2, with two key/value heads and YaRN scaling for inputs up to 4x the training length:
+    >>> v2 = RoFormerConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    ...                     intermediate_size=128, use_bias=False, norm_type="rms_norm", hidden_act="relu",
+    ...                     num_key_value_heads=2, max_position_embeddings=512,
+    ...                     rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    >>> v2.rope_parameters["original_max_position_embeddings"], v2.rope_theta
+    (512, 10000.0)
+    >>> RoFormerModel(v2).encoder.layer[0].attention.self.key.weight.shape  # 2 heads of 16
+    torch.Size([32, 64])
     ```
     """
 
