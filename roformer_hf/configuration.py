@@ -40,6 +40,20 @@ def refuse_decoder_switches(values) -> None:
                              "mask, no cross-attention, no cache)")
 
 
+def _copied_rope_parameters(given, name: str) -> dict | None:
+    """A copy of rope parameters as given (transformers fills them in place), which must be a dict; the legacy
+    spelling `type` becomes `rope_type`."""
+    if given is None:
+        return None
+    if not isinstance(given, dict):
+        raise ValueError(f"RoFormerConfig.{name}={given!r}: expected a dict such as {{'rope_type': 'linear', "
+                         "'factor': 2.0}")
+    params = dict(given)
+    if "type" in params:
+        params.setdefault("rope_type", params.pop("type"))
+    return params
+
+
 class RoFormerConfig(PreTrainedConfig):
     r"""Configuration of a RoFormer encoder: a BERT-style encoder whose attention rotates queries and keys by
     their position (rotary position embeddings, RoPE) instead of adding absolute position embeddings.
@@ -195,22 +209,32 @@ class RoFormerConfig(PreTrainedConfig):
                 fail(name, "a probability in [0, 1]" + (" or None" if name == "classifier_dropout" else ""))
 
     def _take_rope_parameters(self, kwargs: dict) -> None:
-        """Before transformers standardises them (`convert_rope_params_to_dict`): a private copy of the rope
-        parameters given (`rope_parameters`, or the legacy `rope_scaling`, which wins as in transformers), which must
-        be a dict, and no second value of `rope_theta` beside the one inside them."""
-        given = kwargs.get("rope_scaling") or self.rope_parameters
-        if given is not None and not isinstance(given, dict):
-            name = "rope_scaling" if kwargs.get("rope_scaling") else "rope_parameters"
-            raise ValueError(f"RoFormerConfig.{name}={given!r}: expected a dict such as {{'rope_type': 'linear', "
-                             "'factor': 2.0}")
-        self.rope_parameters = dict(given) if given else None  # transformers fills it in place
-        if self.rope_parameters and "type" in self.rope_parameters:  # the legacy spelling of rope_type
-            self.rope_parameters.setdefault("rope_type", self.rope_parameters.pop("type"))
-        kwargs.pop("rope_scaling", None)
+        """Before transformers standardises them (`convert_rope_params_to_dict`): the rope parameters given
+        (`rope_parameters`, or the legacy `rope_scaling`, which wins as in transformers), and no second value of
+        `rope_theta` beside the one inside them."""
+        name = "rope_scaling" if kwargs.get("rope_scaling") else "rope_parameters"
+        self.__dict__["rope_parameters"] = _copied_rope_parameters(kwargs.pop("rope_scaling", None)
+                                                                   or self.rope_parameters, name)
         inner, outer = (self.rope_parameters or {}).get("rope_theta"), kwargs.get("rope_theta")
         if inner is not None and outer is not None and inner != outer:
             raise ValueError(f"RoFormerConfig.rope_theta={outer!r} disagrees with rope_parameters['rope_theta']="
                              f"{inner!r}: give the base once (rope_parameters['rope_theta'] is where it lives)")
+
+    def __setattr__(self, name, value):
+        # Rope parameters set on a built config (`from_pretrained(folder, rope_parameters={...})` sets them on the
+        # loaded one) keep its rope_theta unless they name one, and are completed and checked as at construction.
+        if name != "rope_parameters" or not self.__dict__.get("_post_init_done") or value is self.__dict__.get(name):
+            return super().__setattr__(name, value)  # (transformers' standardisation sets the same dict back)
+        previous = self.__dict__.get("rope_parameters") or {}
+        value = _copied_rope_parameters(value, name) or {}
+        value.setdefault("rope_theta", previous.get("rope_theta", self.default_theta))
+        super().__setattr__(name, value)
+        try:
+            self.standardize_rope_params()
+            self._check_rope_parameters()
+        except ValueError:
+            super().__setattr__(name, previous)
+            raise
 
     def _check_rope_parameters(self) -> None:
         """Refuses rope parameters that transformers' rope functions would misread, naming the key."""

@@ -158,6 +158,23 @@ def test_rope_theta_is_a_view_of_rope_parameters():
     assert config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
 
 
+def test_scaling_a_trained_model_at_load_time_keeps_its_rope_theta(tmp_path):
+    """`from_pretrained(folder, rope_parameters=...)` sets them on the loaded config: they are completed (the
+    checkpoint's rope_theta, the training length) and checked as at construction."""
+    (model,) = models({"rope_type": "default", "rope_theta": 1e5})
+    model.save_pretrained(tmp_path)
+    scaled = roformer_hf.RoFormerForMaskedLM.from_pretrained(tmp_path, rope_parameters={"rope_type": "yarn",
+                                                                                         "factor": 4.0})
+    assert scaled.config.rope_parameters == {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e5,
+                                             "original_max_position_embeddings": 16}
+    with pytest.raises(ValueError, match="factor"):
+        roformer_hf.RoFormerForMaskedLM.from_pretrained(tmp_path, rope_parameters={"rope_type": "linear"})
+    config = scaled.config
+    with pytest.raises(ValueError, match="rope_theta"):
+        config.rope_theta = -1.0
+    assert config.rope_theta == 1e5  # a refused assignment changes nothing
+
+
 @pytest.mark.parametrize("case", ["dynamic", "yarn", "longrope", "llama3"])
 def test_scaled_model_round_trip(tmp_path, case):
     (model,) = models(ROPE_CASES[case])
