@@ -213,8 +213,7 @@ class RoFormerConfig(PreTrainedConfig):
         (`rope_parameters`, or the legacy `rope_scaling`, which wins as in transformers), and no second value of
         `rope_theta` beside the one inside them."""
         name = "rope_scaling" if kwargs.get("rope_scaling") else "rope_parameters"
-        self.__dict__["rope_parameters"] = _copied_rope_parameters(kwargs.pop("rope_scaling", None)
-                                                                   or self.rope_parameters, name)
+        self.rope_parameters = _copied_rope_parameters(kwargs.pop("rope_scaling", None) or self.rope_parameters, name)
         inner, outer = (self.rope_parameters or {}).get("rope_theta"), kwargs.get("rope_theta")
         if inner is not None and outer is not None and inner != outer:
             raise ValueError(f"RoFormerConfig.rope_theta={outer!r} disagrees with rope_parameters['rope_theta']="
@@ -243,47 +242,46 @@ class RoFormerConfig(PreTrainedConfig):
         def fail(key: str, expected: str) -> None:
             raise ValueError(f"RoFormerConfig.rope_parameters[{key!r}]={params.get(key)!r}: expected {expected}")
 
-        def number(value, low: float = 0.0, inclusive: bool = False) -> bool:
-            return isinstance(value, numbers.Real) and not isinstance(value, bool) and (
-                value >= low if inclusive else value > low)
+        def positive(value, low: float = 0.0) -> bool:  # numpy scalars too
+            return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > low
+
+        def count(value) -> bool:
+            return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
         rope_type = params.get("rope_type")
-        if rope_type not in ROPE_KEYS:
+        if not isinstance(rope_type, str) or rope_type not in ROPE_KEYS:
             fail("rope_type", f"one of {tuple(ROPE_KEYS)}")
         known = {"rope_type", "rope_theta", "partial_rotary_factor", *ROPE_KEYS[rope_type]}
         for key in params:
             if key not in known:
                 raise ValueError(f"RoFormerConfig.rope_parameters has {key!r}, which rope_type={rope_type!r} does not "
                                  f"read; expected keys among {sorted(known)}")
-        for key in REQUIRED_ROPE_KEYS.get(rope_type, ()):
+        for key in (*REQUIRED_ROPE_KEYS.get(rope_type, ()), "rope_theta"):
             if params.get(key) is None:
                 fail(key, f"a value: rope_type={rope_type!r} needs it")
         half = self.head_dim // 2
+        factors = (lambda v: isinstance(v, list) and len(v) == half and all(positive(x) for x in v),
+                   f"a list of {half} numbers > 0 (head_dim / 2)")
         checks = {
-            "rope_theta": (lambda v: number(v), "a number > 0"),
-            "factor": (lambda v: number(v, 1.0, inclusive=True), "a number >= 1"),
-            "original_max_position_embeddings": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                                                 "a positive integer (the training length)"),
-            "attention_factor": (lambda v: number(v), "a number > 0"),
-            "beta_fast": (lambda v: number(v), "a number > 0"),
-            "beta_slow": (lambda v: number(v), "a number > 0"),
-            "mscale": (lambda v: number(v), "a number > 0"),
-            "mscale_all_dim": (lambda v: number(v), "a number > 0"),
+            "rope_theta": (positive, "a number > 0"),
+            "factor": (lambda v: positive(v) and v >= 1, "a number >= 1"),
+            "original_max_position_embeddings": (count, "a positive integer (the training length)"),
+            "attention_factor": (positive, "a number > 0"),
+            "beta_fast": (positive, "a number > 0"),
+            "beta_slow": (positive, "a number > 0"),
+            "mscale": (positive, "a number > 0"),
+            "mscale_all_dim": (positive, "a number > 0"),
             "truncate": (lambda v: isinstance(v, bool), "True or False"),
-            "low_freq_factor": (lambda v: number(v), "a number > 0"),
-            "high_freq_factor": (lambda v: number(v, params.get("low_freq_factor") or 0.0),
+            "low_freq_factor": (positive, "a number > 0"),
+            "high_freq_factor": (lambda v: positive(v, params.get("low_freq_factor") or 0.0),
                                  "a number > low_freq_factor"),
-            "short_factor": (lambda v: isinstance(v, list) and len(v) == half and all(number(x) for x in v),
-                             f"a list of {half} numbers > 0 (head_dim / 2)"),
-            "long_factor": (lambda v: isinstance(v, list) and len(v) == half and all(number(x) for x in v),
-                            f"a list of {half} numbers > 0 (head_dim / 2)"),
+            "short_factor": factors,
+            "long_factor": factors,
             "partial_rotary_factor": (lambda v: v == 1, "1.0: roformer_hf rotates whole heads"),
         }
         for key, (valid, expected) in checks.items():
             if params.get(key) is not None and not valid(params[key]):
                 fail(key, expected)
-        if params.get("rope_theta") is None:
-            fail("rope_theta", "a number > 0")
 
     @property
     def rope_theta(self) -> float:
