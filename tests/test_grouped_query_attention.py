@@ -98,7 +98,10 @@ def test_packed_sequences_equal_repeated_heads():
                                    full(ids, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets).logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("length", [40, 300])  # SDPA's own dropout, and blocks of 256 queries beyond that
+BLOCKED = 2 * attention.DROPOUT_BLOCK_ROWS + 8  # long enough for attention dropout in blocks of queries
+
+
+@pytest.mark.parametrize("length", [40, BLOCKED])  # SDPA's own dropout, and blocked_dropout_attention_forward's
 def test_attention_dropout_in_training_equals_repeated_heads(length):
     """Same seed, same dropout masks: the masks are drawn per query head in both models."""
     grouped, full = grouped_and_repeated(2, attention_probs_dropout_prob=0.3, unpad_inputs=False)
@@ -113,8 +116,11 @@ def test_attention_dropout_in_training_equals_repeated_heads(length):
     assert not torch.allclose(grouped(ids, attention_mask=mask).logits, results[0], atol=1e-3)  # dropout is on
 
 
-def test_kernels_on_tensors_equal_repeated_heads():
+def test_kernels_on_tensors_equal_repeated_heads(monkeypatch):
     """The kernels of attention.py, called directly: (B, nh, L, d) queries with (B, nkv, L, d) keys and values."""
+    blocks = []
+    attend_block = attention._attend_block
+    monkeypatch.setattr(attention, "_attend_block", lambda *args: blocks.append(1) or attend_block(*args))
 
     class Module(torch.nn.Module):
         def __init__(self, groups: int):
@@ -122,10 +128,10 @@ def test_kernels_on_tensors_equal_repeated_heads():
             self.num_key_value_groups = groups
 
     gen = torch.Generator().manual_seed(0)
-    query, key, value = (torch.randn(2, h, 300, 8, generator=gen) for h in (HEADS, 1, 1))
-    key_mask = torch.ones(2, 1, 1, 300, dtype=torch.bool)
+    query, key, value = (torch.randn(2, h, BLOCKED, 8, generator=gen) for h in (HEADS, 1, 1))
+    key_mask = torch.ones(2, 1, 1, BLOCKED, dtype=torch.bool)
     key_mask[1, ..., 200:] = False
-    repeated = [t.expand(2, HEADS, 300, 8) for t in (key, value)]
+    repeated = [t.expand(2, HEADS, BLOCKED, 8) for t in (key, value)]
     for kernel in (attention.eager_attention_forward, attention.blocked_dropout_attention_forward):
         grouped_module, full_module = Module(HEADS).train(), Module(1).train()
         torch.manual_seed(3)
@@ -133,6 +139,7 @@ def test_kernels_on_tensors_equal_repeated_heads():
         torch.manual_seed(3)
         expected = kernel(full_module, query, *repeated, key_mask, scaling=0.3, dropout=0.2)[0]
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    assert blocks  # the blocked kernel did run in blocks
 
 
 def flash_stand_in(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
