@@ -283,8 +283,9 @@ class RoFormerPreTrainedModel(CheckpointPolicy, PreTrainedModel):
 
     def check_checkpoint_weights(self, name: str, missing_keys: list[str], unexpected_keys: list[str]) -> None:
         """Refuses a checkpoint of the other member of the family: norm weights or dense-layer biases that this
-        model's config has no place for (a RoFormer checkpoint read with a RoFormer-V2 config), or encoder norm
-        weights and biases it lacks (the reverse). `missing_keys`: the encoder weights the checkpoint lacks."""
+        model's config has no place for (a RoFormer checkpoint read with a RoFormer-V2 config), or a checkpoint that
+        lacks exactly its encoder's norm weights and biases (the reverse). `missing_keys`: the encoder weights the
+        checkpoint lacks."""
         modules = dict(self.named_modules())
 
         def kind(key: str) -> str | None:
@@ -297,6 +298,8 @@ class RoFormerPreTrainedModel(CheckpointPolicy, PreTrainedModel):
 
         described = {"norm": ("LayerNorm weights", f"norm_type={self.config.norm_type!r}"),
                      "bias": ("biases of the encoder's dense layers", f"use_bias={self.config.use_bias}")}
+        if not all(kind(key) for key in missing_keys):  # more than norms and biases missing: not a matter of family
+            missing_keys = []
         problems = []
         for keys, verb in ((unexpected_keys, "holds"), (missing_keys, "lacks")):
             for what, (weights, setting) in described.items():
