@@ -1,8 +1,10 @@
 """Ways of attending: functions on tensors and a batch layout (`padding.BatchLayout`), no modules.
 
 Every function follows transformers' attention interface: ``fn(module, query, key, value, attention_mask,
-scaling, dropout, **kwargs) -> (output, weights)`` with ``query`` etc. of shape ``(B, nh, L, d)`` and ``output``
-of shape ``(B, L, nh, d)``; ``module`` only tells train from eval. Packed tokens use flash-attn's varlen
+scaling, dropout, **kwargs) -> (output, weights)`` with ``query`` of shape ``(B, nh, L, d)``, ``key`` and ``value``
+of shape ``(B, nkv, L, d)`` and ``output`` of shape ``(B, L, nh, d)``; ``module`` tells train from eval and, as
+``module.num_key_value_groups = nh / nkv``, how many query heads share each key/value head (grouped-query attention;
+transformers' kernels read it too). Packed tokens use flash-attn's varlen
 convention: ``B = 1``, ``L = N`` real tokens, sequence boundaries in ``cu_seq_lens_q``/``cu_seq_lens_k``.
 
 `attend` picks the way for a layout and a kernel:
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 try:
@@ -49,6 +52,7 @@ def eager_attention_forward(
     """Plain attention that also returns its weights ``(B, nh, L, L)``. The softmax runs in float32 whatever the
     input dtype, and padding is masked with `masked_fill` rather than by adding `finfo.min`, which overflows in
     float16."""
+    key, value = key_value_heads_for_every_query_head(module, key, value)
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling  # (B, nh, L, L)
     if attention_mask is not None:
         scores = scores.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
@@ -109,9 +113,17 @@ def blocked_dropout_attention_forward(
     if not (dropout and module.training) or query.shape[2] <= 2 * DROPOUT_BLOCK_ROWS:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling)
+    key, value = key_value_heads_for_every_query_head(module, key, value)
     blocks = [checkpoint(_attend_block, q, key, value, attention_mask, scaling, dropout, use_reentrant=False)
               for q in query.split(DROPOUT_BLOCK_ROWS, dim=2)]
     return torch.cat(blocks, dim=2).transpose(1, 2), None  # (B, L, nh, d)
+
+
+def key_value_heads_for_every_query_head(module: nn.Module, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Grouped-query attention for kernels that want as many key/value heads as query heads: each of the ``nkv``
+    heads repeated for its ``module.num_key_value_groups`` query heads, ``(B, nkv, L, d) -> (B, nh, L, d)``."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    return repeat_kv(key, groups), repeat_kv(value, groups)
 
 
 def _attend_block(query, key, value, attention_mask, scaling, dropout):

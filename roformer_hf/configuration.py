@@ -11,6 +11,21 @@ from transformers.activations import ACT2FN
 from .rotary import ROTARY_LAYOUTS, check_head_dim
 
 NORM_POSITIONS = ("post", "pre")
+LAYER_NORM = "layer_norm"  # `norm_type`: LayerNorm (RoFormer); any other value, the parameter-free RMS norm (V2)
+# `rope_parameters`: the keys each rope type reads besides `rope_type`, `rope_theta` and `partial_rotary_factor`, then
+# those it cannot do without. Frequencies come from transformers' `ROPE_INIT_FUNCTIONS`.
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+REQUIRED_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                      "longrope": ("short_factor", "long_factor"), "llama3": ("factor", "low_freq_factor",
+                                                                              "high_freq_factor")}
 DECODER_SWITCHES = ("is_decoder", "add_cross_attention")  # transformers' RoFormer has them; this encoder does not
 TRANSFORMERS_MODEL_TYPE = "roformer"  # transformers' own RoFormer, whose checkpoints we load
 
@@ -25,6 +40,20 @@ def refuse_decoder_switches(values) -> None:
                              "mask, no cross-attention, no cache)")
 
 
+def _copied_rope_parameters(given, name: str) -> dict | None:
+    """A copy of rope parameters as given (transformers fills them in place), which must be a dict; the legacy
+    spelling `type` becomes `rope_type`."""
+    if given is None:
+        return None
+    if not isinstance(given, dict):
+        raise ValueError(f"RoFormerConfig.{name}={given!r}: expected a dict such as {{'rope_type': 'linear', "
+                         "'factor': 2.0}")
+    params = dict(given)
+    if "type" in params:
+        params.setdefault("rope_type", params.pop("type"))
+    return params
+
+
 class RoFormerConfig(PreTrainedConfig):
     r"""Configuration of a RoFormer encoder: a BERT-style encoder whose attention rotates queries and keys by
     their position (rotary position embeddings, RoPE) instead of adding absolute position embeddings.
@@ -32,7 +61,24 @@ class RoFormerConfig(PreTrainedConfig):
     It accepts every field of transformers' `RoFormerConfig`, so the `config.json` of a published RoFormer
     checkpoint loads unchanged, and adds:
 
-    - `rope_theta`: the base of the rotary frequencies, theta_i = rope_theta ** (-2i / head_dim).
+    - `rope_parameters`: the rotary frequencies, in transformers 5's format (as Llama's): `{"rope_type": "default",
+      "rope_theta": 10000.0}` by default, theta_i = rope_theta ** (-2i / head_dim). Other `rope_type`s stretch them
+      for inputs longer than training (`factor`): `"linear"` (position interpolation), `"dynamic"` (NTK scaling that
+      grows with the longest sequence of each batch beyond `max_position_embeddings`), `"yarn"`, `"longrope"`
+      (`short_factor`, `long_factor`), `"llama3"` (`low_freq_factor`, `high_freq_factor`); `original_max_position_
+      embeddings` (yarn, longrope, llama3) defaults to `max_position_embeddings`. Frequencies and attention factor
+      are those of transformers' `ROPE_INIT_FUNCTIONS`. The legacy `rope_scaling` key is read into it.
+    - `rope_theta`: the frequency base, a view of `rope_parameters["rope_theta"]` (reading and setting it reads and
+      sets that entry; a `rope_theta` key in an older config.json is moved there).
+    - `num_key_value_heads`: grouped-query attention: key/value heads, each shared by `num_attention_heads /
+      num_key_value_heads` query heads (default: `num_attention_heads`, plain multi-head attention; 1: multi-query).
+    - `use_bias`: whether the encoder's dense layers (attention projections, feed-forward) have biases. The
+      embedding projection and the task heads always have them, as in RoFormer-V2.
+    - `norm_type`: `"layer_norm"` (RoFormer), or any other value, e.g. `"rms_norm"`, for RoFormer-V2's parameter-free
+      RMS norm `x / sqrt(mean(x^2) + layer_norm_eps)` (no gain, bias or centring) in the same places. With it, the MLM
+      head is the tied decoder alone (no transform, norm or bias), so `embedding_size` must equal `hidden_size`.
+      RoFormer-V2 is `use_bias=False, norm_type="rms_norm", hidden_act="relu"`, as its config.json says.
+    - `pooler_activation`: read and saved for RoFormer-V2 configs (its causal-LM pooler); no model here uses it.
     - `rotary_layout`: which dimensions rotate together. `"interleaved"` pairs (2i, 2i+1), the layout of
       RoFormer and of its published checkpoints; `"half"` pairs (i, i + head_dim/2), the "rotate-half" layout of
       GPT-NeoX, Llama-HF and ModernBERT.
@@ -56,6 +102,15 @@ class RoFormerConfig(PreTrainedConfig):
     >>> model = RoFormerModel(config)
     >>> config.head_dim
     16
+    >>> # RoFormer-V2, with two key/value heads and YaRN scaling for inputs up to 4x the training length:
+    >>> v2 = RoFormerConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    ...                     intermediate_size=128, use_bias=False, norm_type="rms_norm", hidden_act="relu",
+    ...                     num_key_value_heads=2, max_position_embeddings=512,
+    ...                     rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    >>> v2.rope_parameters["original_max_position_embeddings"], v2.rope_theta
+    (512, 10000.0)
+    >>> RoFormerModel(v2).encoder.layer[0].attention.self.key.weight.shape  # 2 heads of 16
+    torch.Size([32, 64])
     ```
     """
 
@@ -78,7 +133,11 @@ class RoFormerConfig(PreTrainedConfig):
     rotary_value: bool = False
     tie_word_embeddings: bool = True
     classifier_dropout: float | None = None
-    rope_theta: float = 10000.0
+    rope_parameters: dict | None = None
+    num_key_value_heads: int | None = None
+    use_bias: bool = True
+    norm_type: str = LAYER_NORM
+    pooler_activation: str = "tanh"
     rotary_layout: Literal["interleaved", "half"] = "interleaved"
     norm_position: Literal["post", "pre"] = "post"
     unpad_inputs: bool = True
@@ -87,6 +146,9 @@ class RoFormerConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.embedding_size is None:
             self.embedding_size = self.hidden_size
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self._take_rope_parameters(kwargs)
         refuse_decoder_switches(kwargs)
         for switch in DECODER_SWITCHES:
             kwargs.pop(switch, None)
@@ -105,13 +167,23 @@ class RoFormerConfig(PreTrainedConfig):
                 fail(name, "a positive integer")
         if self.hidden_size % self.num_attention_heads:
             fail("num_attention_heads", f"a divisor of hidden_size={self.hidden_size}")
+        kv_heads = self.num_key_value_heads
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0 or \
+                self.num_attention_heads % kv_heads:
+            fail("num_key_value_heads", f"a positive divisor of num_attention_heads={self.num_attention_heads}")
         try:
             check_head_dim(self.head_dim)
         except ValueError:
             fail("num_attention_heads",
                  f"a value giving an even head dimension (hidden_size / heads = {self.head_dim})")
-        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
-            fail("hidden_act", f"one of transformers' activations ({', '.join(sorted(ACT2FN))})")
+        for name in ("hidden_act", "pooler_activation"):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in ACT2FN:
+                fail(name, f"one of transformers' activations ({', '.join(sorted(ACT2FN))})")
+        for name in ("use_bias", "rotary_value"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "True or False")
+        if not isinstance(self.norm_type, str) or not self.norm_type:
+            fail("norm_type", f"{LAYER_NORM!r}, or another name (e.g. 'rms_norm') for the parameter-free RMS norm")
         if self.pad_token_id is not None and not (isinstance(self.pad_token_id, int)
                                                   and 0 <= self.pad_token_id < self.vocab_size):
             fail("pad_token_id", f"None or an id in [0, vocab_size={self.vocab_size})")
@@ -128,13 +200,102 @@ class RoFormerConfig(PreTrainedConfig):
         def number(value) -> bool:  # numpy scalars too
             return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
-        for name in ("rope_theta", "layer_norm_eps"):
-            if not (number(getattr(self, name)) and getattr(self, name) > 0):
-                fail(name, "a number > 0")
+        if not (number(self.layer_norm_eps) and self.layer_norm_eps > 0):
+            fail("layer_norm_eps", "a number > 0")
+        self._check_rope_parameters()
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
             value = getattr(self, name)
             if not (number(value) and 0.0 <= value <= 1.0) and not (name == "classifier_dropout" and value is None):
                 fail(name, "a probability in [0, 1]" + (" or None" if name == "classifier_dropout" else ""))
+
+    def _take_rope_parameters(self, kwargs: dict) -> None:
+        """Before transformers standardises them (`convert_rope_params_to_dict`): the rope parameters given
+        (`rope_parameters`, or the legacy `rope_scaling`, which wins as in transformers), and no second value of
+        `rope_theta` beside the one inside them."""
+        name = "rope_scaling" if kwargs.get("rope_scaling") else "rope_parameters"
+        self.rope_parameters = _copied_rope_parameters(kwargs.pop("rope_scaling", None) or self.rope_parameters, name)
+        inner, outer = (self.rope_parameters or {}).get("rope_theta"), kwargs.get("rope_theta")
+        if inner is not None and outer is not None and inner != outer:
+            raise ValueError(f"RoFormerConfig.rope_theta={outer!r} disagrees with rope_parameters['rope_theta']="
+                             f"{inner!r}: give the base once (rope_parameters['rope_theta'] is where it lives)")
+
+    def __setattr__(self, name, value):
+        # Rope parameters set on a built config (`from_pretrained(folder, rope_parameters={...})` sets them on the
+        # loaded one) keep its rope_theta unless they name one, and are completed and checked as at construction.
+        if name != "rope_parameters" or not self.__dict__.get("_post_init_done") or value is self.__dict__.get(name):
+            return super().__setattr__(name, value)  # (transformers' standardisation sets the same dict back)
+        previous = self.__dict__.get("rope_parameters") or {}
+        value = _copied_rope_parameters(value, name) or {}
+        value.setdefault("rope_theta", previous.get("rope_theta", self.default_theta))
+        super().__setattr__(name, value)
+        try:
+            self.standardize_rope_params()
+            self._check_rope_parameters()
+        except ValueError:
+            super().__setattr__(name, previous)
+            raise
+
+    def _check_rope_parameters(self) -> None:
+        """Refuses rope parameters that transformers' rope functions would misread, naming the key."""
+        params = self.rope_parameters
+
+        def fail(key: str, expected: str) -> None:
+            raise ValueError(f"RoFormerConfig.rope_parameters[{key!r}]={params.get(key)!r}: expected {expected}")
+
+        def positive(value, low: float = 0.0) -> bool:  # numpy scalars too
+            return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > low
+
+        def count(value) -> bool:
+            return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+
+        rope_type = params.get("rope_type")
+        if not isinstance(rope_type, str) or rope_type not in ROPE_KEYS:
+            fail("rope_type", f"one of {tuple(ROPE_KEYS)}")
+        known = {"rope_type", "rope_theta", "partial_rotary_factor", *ROPE_KEYS[rope_type]}
+        for key in params:
+            if key not in known:
+                raise ValueError(f"RoFormerConfig.rope_parameters has {key!r}, which rope_type={rope_type!r} does not "
+                                 f"read; expected keys among {sorted(known)}")
+        for key in (*REQUIRED_ROPE_KEYS.get(rope_type, ()), "rope_theta"):
+            if params.get(key) is None:
+                fail(key, f"a value: rope_type={rope_type!r} needs it")
+        half = self.head_dim // 2
+        factors = (lambda v: isinstance(v, list) and len(v) == half and all(positive(x) for x in v),
+                   f"a list of {half} numbers > 0 (head_dim / 2)")
+        checks = {
+            "rope_theta": (positive, "a number > 0"),
+            "factor": (lambda v: positive(v) and v >= 1, "a number >= 1"),
+            "original_max_position_embeddings": (count, "a positive integer (the training length)"),
+            "attention_factor": (positive, "a number > 0"),
+            "beta_fast": (positive, "a number > 0"),
+            "beta_slow": (positive, "a number > 0"),
+            "mscale": (positive, "a number > 0"),
+            "mscale_all_dim": (positive, "a number > 0"),
+            "truncate": (lambda v: isinstance(v, bool), "True or False"),
+            "low_freq_factor": (positive, "a number > 0"),
+            "high_freq_factor": (lambda v: positive(v, params.get("low_freq_factor") or 0.0),
+                                 "a number > low_freq_factor"),
+            "short_factor": factors,
+            "long_factor": factors,
+            "partial_rotary_factor": (lambda v: v == 1, "1.0: roformer_hf rotates whole heads"),
+        }
+        for key, (valid, expected) in checks.items():
+            if params.get(key) is not None and not valid(params[key]):
+                fail(key, expected)
+
+    @property
+    def rope_theta(self) -> float:
+        """The base of the rotary frequencies: `rope_parameters["rope_theta"]`, their one home."""
+        return (self.rope_parameters or {}).get("rope_theta", self.default_theta)
+
+    @rope_theta.setter
+    def rope_theta(self, value: float) -> None:
+        self.rope_parameters = {**(self.rope_parameters or {}), "rope_theta": value}
+
+    @property
+    def uses_layer_norm(self) -> bool:
+        """LayerNorm (RoFormer), or RoFormer-V2's parameter-free RMS norm (any other `norm_type`)."""
+        return self.norm_type == LAYER_NORM
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):

@@ -5,6 +5,8 @@
 - A truncated or corrupted safetensors file raises an `OSError` naming the checkpoint.
 - Task heads missing from a checkpoint start fresh (fine-tuning starts that way); missing encoder weights (those
   under the model's `base_model_prefix`) raise, unless `allow_missing_encoder_weights=True`.
+- Weights that disagree with the config (`check_checkpoint_weights`: RoFormer's norm weights and biases under a
+  RoFormer-V2 config, or their absence under a RoFormer config) raise, naming the mismatch.
 - A saved folder loads with every Auto class through `trust_remote_code=True` (`auto_map` in config.json) and
   carries a model card (`hub.py`), unless it has one.
 """
@@ -51,12 +53,17 @@ class CheckpointPolicy:
                 ".save_pretrained(new_folder, safe_serialization=True)`, then load new_folder, or make it a "
                 "roformer_hf folder with `python -m roformer_hf.convert new_folder DST`") from error
         missing = sorted(key for key in info["missing_keys"] if model.is_encoder_weight(key))
+        model.check_checkpoint_weights(name, [] if allow_missing_encoder_weights else missing, info["unexpected_keys"])
         if missing and not allow_missing_encoder_weights:
             raise ValueError(
                 f"{name!r} lacks {len(missing)} encoder weight(s), e.g. {missing[:3]}: the model would be half "
                 "random. Check the checkpoint, or pass allow_missing_encoder_weights=True to initialise them "
                 "randomly on purpose")
         return (model, info) if want_info else model
+
+    def check_checkpoint_weights(self, name: str, missing_keys: list[str], unexpected_keys: list[str]) -> None:
+        """Raises when checkpoint `name` disagrees with the model's config, beyond what transformers reports (the
+        model class decides; `missing_keys` are its missing encoder weights)."""
 
     def is_encoder_weight(self, name: str) -> bool:
         """Whether parameter `name` belongs to the encoder: all of the bare model's, a head model's under its

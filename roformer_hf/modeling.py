@@ -3,6 +3,8 @@
 Module and parameter names follow transformers' RoFormer (`roformer.encoder.layer.N.attention.self.query`, ...),
 so its checkpoints load unchanged and ours load in it; only its frozen sinusoidal table
 (`encoder.embed_positions.weight`) is dropped, since positions are rotated on the fly from `position_ids`.
+RoFormer-V2 (`use_bias=False`, `norm_type="rms_norm"`) is the same model with fewer parameters, laid out as in
+JunnYu's `roformer` package, which published its checkpoints.
 
 Shapes: B batch, L sequence length, N real (unpadded) tokens, H hidden size, nh heads, d head size, and
 T the token shape of the batch's layout: (N,) when padding is skipped, else (B, L).
@@ -27,6 +29,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
@@ -49,13 +52,39 @@ from .validation import (
 
 
 def linear(config: RoFormerConfig, in_features: int, out_features: int) -> nn.Linear:
-    """Every dense layer of the encoder and its heads: the one place that decides whether they carry a bias."""
-    return nn.Linear(in_features, out_features)
+    """Every dense layer of the encoder blocks (attention projections, feed-forward): the one place that decides
+    whether they carry a bias (`config.use_bias`; RoFormer-V2 has none). The embedding projection and the task heads
+    keep theirs in V2 too, as in its checkpoints: they are plain `nn.Linear`s."""
+    return nn.Linear(in_features, out_features, bias=config.use_bias)
 
 
 def norm(config: RoFormerConfig, size: int) -> nn.Module:
-    """Every normalisation layer of the encoder and its heads (LayerNorm, as in RoFormer and BERT)."""
-    return nn.LayerNorm(size, eps=config.layer_norm_eps)
+    """Every normalisation layer of the encoder and its heads: LayerNorm (RoFormer, BERT), or RoFormer-V2's
+    parameter-free RMS norm ``x / sqrt(mean(x^2) + eps)`` for any other `config.norm_type`."""
+    if config.uses_layer_norm:
+        return nn.LayerNorm(size, eps=config.layer_norm_eps)
+    return nn.RMSNorm(size, eps=config.layer_norm_eps, elementwise_affine=False)
+
+
+class Rotation(NamedTuple):
+    """The rotary embedding of a batch, computed once per forward (`RoFormerModel.rotation`) for every layer."""
+
+    phases: torch.Tensor  # rotary_phases: (*T, 1, d/2, 2)
+    attention_factor: float = 1.0  # YaRN, LongRoPE: scales the rotated queries and keys (transformers' cos and sin)
+
+
+def rope_frequencies(config: RoFormerConfig, device: torch.device,
+                     longest: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """The rotation speeds theta ``(d/2,)`` and the attention factor of `config.rope_parameters`: RoFormer's own
+    (`inverse_frequencies`, in float64) for ``"default"``, else those of transformers' ``ROPE_INIT_FUNCTIONS``.
+
+    ``"dynamic"`` and ``"longrope"`` adapt to `longest`, the length of the batch's longest sequence (0-d tensor).
+    """
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":
+        return inverse_frequencies(config.head_dim, config.rope_theta, device), 1.0
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, device, seq_len=longest)
+    return inv_freq, float(attention_factor)
 
 
 class RoFormerEmbeddings(nn.Module):
@@ -87,30 +116,36 @@ class RoFormerSelfAttention(nn.Module):
         super().__init__()
         self.config = config
         self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # query heads per key/value head
         self.head_dim = config.head_dim
         self.scaling = self.head_dim**-0.5
         self.is_causal = False
         self.query = linear(config, config.hidden_size, config.hidden_size)
-        self.key = linear(config, config.hidden_size, config.hidden_size)
-        self.value = linear(config, config.hidden_size, config.hidden_size)
+        self.key = linear(config, config.hidden_size, self.num_key_value_heads * self.head_dim)
+        self.value = linear(config, config.hidden_size, self.num_key_value_heads * self.head_dim)
 
     def forward(
         self,
         hidden_states: torch.Tensor,  # (*T, H)
-        phases: torch.Tensor,  # rotary_phases: (*T, 1, d/2, 2)
+        rotation: Rotation,
         layout: BatchLayout,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        heads = (self.num_heads, self.head_dim)
-        query, key, value = (proj(hidden_states).unflatten(-1, heads) for proj in (self.query, self.key, self.value))
-        rotary_layout = self.config.rotary_layout
+        query = self.query(hidden_states).unflatten(-1, (self.num_heads, self.head_dim))  # (*T, nh, d)
+        key, value = (proj(hidden_states).unflatten(-1, (self.num_key_value_heads, self.head_dim))
+                      for proj in (self.key, self.value))  # (*T, nkv, d)
+        rotary_layout, phases = self.config.rotary_layout, rotation.phases
         query, key = rotate(query, phases, rotary_layout), rotate(key, phases, rotary_layout)
         if self.config.rotary_value:
             value = rotate(value, phases, rotary_layout)
 
         implementation = "eager" if output_attentions else self.config._attn_implementation
         dropout = self.config.attention_probs_dropout_prob if self.training else 0.0
-        output, weights = attend(self, query, key, value, layout, implementation, self.scaling, dropout)
+        # The attention factor scales rotated queries and keys alike, hence the scores by its square; applied here,
+        # it leaves rotated values (`rotary_value`) unscaled.
+        scaling = self.scaling * rotation.attention_factor**2
+        output, weights = attend(self, query, key, value, layout, implementation, scaling, dropout)
         return output.flatten(-2), weights  # (*T, H)
 
 
@@ -144,8 +179,8 @@ class RoFormerAttention(nn.Module):
         self.self = RoFormerSelfAttention(config)
         self.output = RoFormerResidual(config, config.hidden_size)
 
-    def forward(self, hidden_states, phases, layout, output_attentions=False) -> torch.Tensor:
-        context, _ = self.self(self.output.normalize_input(hidden_states), phases, layout, output_attentions)
+    def forward(self, hidden_states, rotation, layout, output_attentions=False) -> torch.Tensor:
+        context, _ = self.self(self.output.normalize_input(hidden_states), rotation, layout, output_attentions)
         return self.output(context, hidden_states)
 
 
@@ -178,8 +213,8 @@ class RoFormerLayer(GradientCheckpointingLayer):
     def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # token-wise: (*T, H) -> (*T, H)
         return self.output(self.intermediate(self.output.normalize_input(hidden_states)), hidden_states)
 
-    def forward(self, hidden_states, phases, layout, output_attentions=False) -> torch.Tensor:
-        hidden_states = self.attention(hidden_states, phases, layout, output_attentions)
+    def forward(self, hidden_states, rotation, layout, output_attentions=False) -> torch.Tensor:
+        hidden_states = self.attention(hidden_states, rotation, layout, output_attentions)
         chunk = self.chunk_size_feed_forward
         if chunk and hidden_states.shape[-2] > chunk:  # tokens are dim -2: (N, H) or (B, L, H)
             return torch.cat([self.feed_forward(part) for part in hidden_states.split(chunk, dim=-2)], dim=-2)
@@ -196,9 +231,9 @@ class RoFormerEncoder(nn.Module):
             self.final_layer_norm = norm(config, config.hidden_size)
         self.gradient_checkpointing = False
 
-    def forward(self, hidden_states, phases, layout, output_attentions=False) -> torch.Tensor:
+    def forward(self, hidden_states, rotation, layout, output_attentions=False) -> torch.Tensor:
         for layer in self.layer:
-            hidden_states = layer(hidden_states, phases, layout, output_attentions)
+            hidden_states = layer(hidden_states, rotation, layout, output_attentions)
         if hasattr(self, "final_layer_norm"):
             hidden_states = self.final_layer_norm(hidden_states)
         return hidden_states
@@ -246,10 +281,42 @@ class RoFormerPreTrainedModel(CheckpointPolicy, PreTrainedModel):
         # transformers looks for its attention interface in this file's source; the dispatch lives in attention.py.
         return True
 
+    def check_checkpoint_weights(self, name: str, missing_keys: list[str], unexpected_keys: list[str]) -> None:
+        """Refuses a checkpoint of the other member of the family: norm weights or dense-layer biases that this
+        model's config has no place for (a RoFormer checkpoint read with a RoFormer-V2 config), or a checkpoint that
+        lacks exactly its encoder's norm weights and biases (the reverse). `missing_keys`: the encoder weights the
+        checkpoint lacks."""
+        modules = dict(self.named_modules())
+
+        def kind(key: str) -> str | None:
+            module_name, _, parameter = key.rpartition(".")
+            # A head's checkpoint read by the bare model names the encoder's weights with the head's prefix.
+            module = modules.get(module_name, modules.get(module_name.removeprefix(f"{self.base_model_prefix}.")))
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                return "norm"
+            return "bias" if isinstance(module, nn.Linear) and parameter == "bias" else None
+
+        described = {"norm": ("LayerNorm weights", f"norm_type={self.config.norm_type!r}"),
+                     "bias": ("biases of the encoder's dense layers", f"use_bias={self.config.use_bias}")}
+        if not all(kind(key) for key in missing_keys):  # more than norms and biases missing: not a matter of family
+            missing_keys = []
+        problems = []
+        for keys, verb in ((unexpected_keys, "holds"), (missing_keys, "lacks")):
+            for what, (weights, setting) in described.items():
+                if found := sorted(key for key in keys if kind(key) == what):
+                    problems.append(f"it {verb} {len(found)} {weights} (e.g. {found[:2]}), but its config says "
+                                    f"{setting}")
+        if problems:
+            raise ValueError(
+                f"{name!r} does not match its config: {'; '.join(problems)}. RoFormer-V2 checkpoints have no "
+                "LayerNorm weights and no encoder biases, and their config.json says use_bias: false, norm_type: "
+                "\"rms_norm\"; RoFormer (V1) checkpoints have both, with use_bias: true, norm_type: \"layer_norm\" "
+                "(the defaults). Fix config.json to describe the weights")
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, RoFormerLMPredictions):
+        if isinstance(module, RoFormerLMPredictions) and hasattr(module, "bias"):
             init.zeros_(module.bias)
 
 
@@ -273,7 +340,7 @@ class RoFormerModel(RoFormerPreTrainedModel):
         super().__init__(config)
         self.embeddings = RoFormerEmbeddings(config)
         if config.embedding_size != config.hidden_size:
-            self.embeddings_project = linear(config, config.embedding_size, config.hidden_size)
+            self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size)
         self.encoder = RoFormerEncoder(config)
         self.post_init()
 
@@ -315,13 +382,23 @@ class RoFormerModel(RoFormerPreTrainedModel):
         )
         if hasattr(self, "embeddings_project"):
             hidden_states = self.embeddings_project(hidden_states)
-        inv_freq = inverse_frequencies(self.config.head_dim, self.config.rope_theta, device)
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-        phases = rotary_phases(layout.pack(position_ids), inv_freq).unsqueeze(-3)  # (*T, 1, d/2, 2)
         output_attentions = kwargs.get("output_attentions", self.config.output_attentions)
-        hidden_states = self.encoder(hidden_states, phases, layout, bool(output_attentions))
+        hidden_states = self.encoder(hidden_states, self.rotation(position_ids, layout), layout,
+                                     bool(output_attentions))
         return RoFormerEncoding(last_hidden_state=hidden_states, layout=layout)
+
+    def rotation(self, position_ids: torch.Tensor, layout: BatchLayout) -> Rotation:
+        """The rotary embedding of the batch's `(B, L)` positions, in the layout's token shape. Rope types that adapt
+        to the input ("dynamic", "longrope") see the batch's longest sequence: its largest real position + 1."""
+        longest = None
+        if self.config.rope_parameters["rope_type"] in ("dynamic", "longrope"):
+            real = position_ids if layout.token_mask is None else position_ids.masked_fill(~layout.token_mask, 0)
+            longest = real.max() + 1
+        inv_freq, attention_factor = rope_frequencies(self.config, position_ids.device, longest)
+        phases = rotary_phases(layout.pack(position_ids), inv_freq).unsqueeze(-3)  # (*T, 1, d/2, 2)
+        return Rotation(phases, attention_factor)
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
@@ -368,22 +445,31 @@ class RoFormerHeadModel(RoFormerPreTrainedModel):
 
 
 class RoFormerLMPredictions(nn.Module):
-    """MLM head (`cls.predictions`): dense + activation + norm, then the decoder tied to the word embeddings,
-    with its own output bias."""
+    """MLM head (`cls.predictions`): dense + activation + norm (`transform`), then the decoder tied to the word
+    embeddings, with its own output bias. RoFormer-V2 (a `norm_type` other than LayerNorm) has the decoder alone,
+    without bias, so its hidden states must have the embeddings' size."""
 
     def __init__(self, config: RoFormerConfig):
         super().__init__()
-        self.transform = nn.ModuleDict({
-            "dense": linear(config, config.hidden_size, config.embedding_size),
-            "LayerNorm": norm(config, config.embedding_size),
-        })
-        self.activation = ACT2FN[config.hidden_act]
-        self.decoder = nn.Linear(config.embedding_size, config.vocab_size)
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        if config.uses_layer_norm:
+            self.transform = nn.ModuleDict({
+                "dense": nn.Linear(config.hidden_size, config.embedding_size),
+                "LayerNorm": norm(config, config.embedding_size),
+            })
+            self.activation = ACT2FN[config.hidden_act]
+        elif config.embedding_size != config.hidden_size:
+            raise ValueError(f"RoFormerConfig.embedding_size={config.embedding_size}: expected hidden_size="
+                             f"{config.hidden_size} with norm_type={config.norm_type!r}: RoFormer-V2's MLM head has no "
+                             "transform to map hidden states to the embeddings' size")
+        self.decoder = nn.Linear(config.embedding_size, config.vocab_size, bias=config.uses_layer_norm)
+        if config.uses_layer_norm:
+            self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.activation(self.transform["dense"](hidden_states))
-        return self.decoder(self.transform["LayerNorm"](hidden_states))
+        if hasattr(self, "transform"):
+            hidden_states = self.activation(self.transform["dense"](hidden_states))
+            hidden_states = self.transform["LayerNorm"](hidden_states)
+        return self.decoder(hidden_states)
 
 
 def logits_in_padded_layout(head: nn.Module, hidden_states: torch.Tensor, layout: BatchLayout,
@@ -432,14 +518,14 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
     """
 
     accepts_loss_kwargs = True
-    _tied_weights_keys = {
-        "cls.predictions.decoder.weight": "roformer.embeddings.word_embeddings.weight",
-        "cls.predictions.decoder.bias": "cls.predictions.bias",
-    }
+    _tied_weights_keys = {"cls.predictions.decoder.weight": "roformer.embeddings.word_embeddings.weight"}
 
     def __init__(self, config: RoFormerConfig):
         super().__init__(config)
         self.cls = nn.ModuleDict({"predictions": RoFormerLMPredictions(config)})  # checkpoint name: cls.predictions
+        if self.cls.predictions.decoder.bias is not None:  # RoFormer; V2's decoder has no bias
+            self._tied_weights_keys = {**self._tied_weights_keys,
+                                       "cls.predictions.decoder.bias": "cls.predictions.bias"}
         self.post_init()
 
     def tie_weights(self, missing_keys: set[str] | None = None, recompute_mapping: bool = True):
@@ -459,7 +545,8 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
 
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.cls.predictions.decoder = new_embeddings
-        self.cls.predictions.bias = new_embeddings.bias
+        if new_embeddings.bias is not None:
+            self.cls.predictions.bias = new_embeddings.bias
 
     def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, **kwargs) -> MaskedLMOutput:
         hidden_states, layout = encoding.last_hidden_state, encoding.layout  # (*T, H)
@@ -485,10 +572,10 @@ class RoFormerClassificationHead(nn.Module):
 
     def __init__(self, config: RoFormerConfig, dropout: float):
         super().__init__()
-        self.dense = linear(config, config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.activation = ACT2FN[config.hidden_act]
         self.dropout = nn.Dropout(dropout)
-        self.out_proj = linear(config, config.hidden_size, config.num_labels)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # (B, H) -> (B, num_labels)
         hidden = self.activation(self.dense(self.dropout(features)))
@@ -555,7 +642,7 @@ class RoFormerForTokenClassification(RoFormerHeadModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.dropout = nn.Dropout(self._dropout_probability())
-        self.classifier = linear(config, config.hidden_size, config.num_labels)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
     def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, **kwargs) -> TokenClassifierOutput:
@@ -588,7 +675,7 @@ class RoFormerForQuestionAnswering(RoFormerHeadModel):
 
     def __init__(self, config: RoFormerConfig):
         super().__init__(config)
-        self.qa_outputs = linear(config, config.hidden_size, 2)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -633,7 +720,7 @@ class RoFormerForMultipleChoice(RoFormerHeadModel):
     def __init__(self, config: RoFormerConfig):
         super().__init__(config)
         self.dropout = nn.Dropout(self._dropout_probability())
-        self.classifier = linear(config, config.hidden_size, 1)
+        self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
