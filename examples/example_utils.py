@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
 from dataclasses import dataclass, field
 
 import datasets
+import torch
 import transformers
 from config_overrides import parse_overrides
 
@@ -53,6 +56,7 @@ def parse_arguments(script_arguments, argv: list[str] | None):
                                             transformers.TrainingArguments))
     parsed = parser.parse_args_into_dataclasses(args=argv)
     training_args = parsed[-1]
+    refuse_independent_processes(training_args)
     setup_logging(training_args)
     transformers.set_seed(training_args.seed)
     return parsed
@@ -98,18 +102,67 @@ def text_column(raw: datasets.DatasetDict, requested: str | None) -> str:
     return "text" if "text" in columns else columns[0]
 
 
-def load_or_train_tokenizer(model_args: ModelArguments, texts, resume_from_checkpoint: str | None = None
-                            ) -> transformers.PreTrainedTokenizerBase:
+def refuse_independent_processes(training_args: transformers.TrainingArguments) -> None:
+    """Several processes were launched (WORLD_SIZE > 1), but on a machine without GPUs TrainingArguments joins
+    them into one job only with `use_cpu`: without it each would train alone, all writing the same output folder
+    (transformers only warns). Checked before anything sets up the devices."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not training_args.use_cpu and not _has_accelerator():
+        raise ValueError(
+            f"WORLD_SIZE={world_size} processes were launched on a machine without GPUs, and --use_cpu is not set: "
+            f"each process would train alone and all would write {training_args.output_dir!r}. Pass --use_cpu true "
+            "to make them one data-parallel job (gloo), or launch a single process")
+
+
+def _has_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
+def load_or_train_tokenizer(model_args: ModelArguments, texts, training_args: transformers.TrainingArguments,
+                            max_length: int) -> transformers.PreTrainedTokenizerBase:
     """The named tokenizer, the model's own, the one saved with the checkpoint being resumed, or a WordPiece
-    tokenizer trained on `texts` (an iterable). Training is not bit-reproducible, so a resumed run must reuse
-    the tokenizer its checkpoint was trained with."""
+    tokenizer trained on `texts` (an iterable) that truncates at `max_length` tokens.
+
+    Training is not bit-reproducible, so a resumed run reuses the tokenizer its checkpoint was trained with, and
+    with several processes only the first trains: the others build the same tokenizer from its vocabulary."""
     source = model_args.tokenizer_name or model_args.model_name_or_path
-    if not source and isinstance(resume_from_checkpoint, str):
-        source = resume_from_checkpoint
+    if not source and isinstance(training_args.resume_from_checkpoint, str):
+        source = training_args.resume_from_checkpoint
     if source:
-        return transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
-    logger.info("Training a %d-token WordPiece tokenizer on the training text", model_args.tokenizer_vocab_size)
-    return roformer_hf.train_tokenizer(texts, vocab_size=model_args.tokenizer_vocab_size)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
+    else:
+        tokenizer = _train_tokenizer_once(texts, model_args.tokenizer_vocab_size, training_args, max_length)
+    logger.info("Tokenizer: %d tokens, vocabulary sha256 %s", len(tokenizer), vocabulary_hash(tokenizer))
+    return tokenizer
+
+
+def _train_tokenizer_once(texts, vocab_size: int, training_args: transformers.TrainingArguments,
+                          max_length: int) -> roformer_hf.RoFormerTokenizerFast:
+    vocab = None
+    if training_args.process_index == 0:
+        logger.info("Training a %d-token WordPiece tokenizer on the training text", vocab_size)
+        vocab = roformer_hf.train_tokenizer(texts, vocab_size=vocab_size).get_vocab()
+    if training_args.world_size > 1:
+        shared = [vocab]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        vocab = shared[0]
+    return roformer_hf.RoFormerTokenizerFast(vocab=vocab, model_max_length=max_length)
+
+
+def vocabulary_hash(tokenizer: transformers.PreTrainedTokenizerBase) -> str:
+    """The first 16 hex digits of the sha256 of the {token: id} vocabulary: equal hashes, equal tokenization."""
+    vocabulary = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return hashlib.sha256(vocabulary.encode()).hexdigest()[:16]
+
+
+def record_trained_length(model: transformers.PreTrainedModel, tokenizer, max_seq_length: int) -> None:
+    """After training on up to `max_seq_length` tokens: a roformer_hf config's `max_position_embeddings` (the
+    length the model was trained at, metadata only) grows to it, and the tokenizer saved with the model
+    truncates at that length (`model_max_length`; a tokenizer trained here or loaded from the Hub may have none)."""
+    if isinstance(model, roformer_hf.RoFormerPreTrainedModel):
+        model.config.max_position_embeddings = max(model.config.max_position_embeddings, max_seq_length)
+    tokenizer.model_max_length = model.config.max_position_embeddings
 
 
 def new_config(model_args: ModelArguments, tokenizer, **fields) -> roformer_hf.RoFormerConfig:
@@ -124,6 +177,10 @@ def perplexity(loss: float) -> float:
 
 
 def setup_logging(training_args: transformers.TrainingArguments) -> None:
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        level=logging.INFO if training_args.should_log else logging.WARNING)
+    """The scripts' own messages at INFO on the main process (or --log_level), at WARNING on the others (or
+    --log_level_replica); transformers' at WARNING."""
     transformers.utils.logging.set_verbosity_warning()
+    level = training_args.get_process_log_level()  # WARNING unless --log_level / --log_level_replica say otherwise
+    if training_args.should_log and training_args.log_level == "passive":
+        level = logging.INFO
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=level)

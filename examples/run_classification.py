@@ -2,8 +2,8 @@
 """Sequence-classification fine-tuning of a RoFormer with transformers' Trainer.
 
 From a pretrained folder (`--model_name_or_path`, e.g. the output of run_mlm.py) or from scratch
-(`--config_overrides`). With no data arguments it fine-tunes on the built-in task: the genre of a Shakespeare
-speech, with train/validation/test split by play. Accuracy and macro-F1 come from `evaluate` (the offline metric
+(`--config_overrides`). With no data arguments it fine-tunes on the built-in task: the genre of a passage of
+Shakespeare (consecutive speeches, at least `--passage_words` words), with train/validation/test split by play. Accuracy and macro-F1 come from `evaluate` (the offline metric
 module classification_metric.py, or Hub metrics named with --metric_names), printed beside the majority-class
 baseline.
 
@@ -27,6 +27,7 @@ from example_utils import (
     load_text_datasets,
     new_config,
     parse_arguments,
+    record_trained_length,
     text_column,
 )
 from shakespeare import genre_classification_splits
@@ -42,6 +43,8 @@ class ClassificationArguments:
     test_file: str | None = field(default=None, metadata={"help": "A file for the final test evaluation."})
     metric_names: str | None = field(
         default=None, metadata={"help": "Comma-separated Hub metrics (online); default: offline accuracy + f1."})
+    passage_words: int = field(
+        default=190, metadata={"help": "Built-in data: words per passage (about 1.3 tokens each); 0: single speeches."})
 
 
 def label_names(raw: datasets.DatasetDict, column: str) -> list[str]:
@@ -60,9 +63,32 @@ def majority_baseline(train_labels: list[int], eval_labels: list[int]) -> tuple[
     return majority, float(np.mean(np.asarray(eval_labels) == majority))
 
 
+def load_pretrained_with_fresh_head(model_args, **kwargs) -> transformers.PreTrainedModel:
+    """`AutoModelForSequenceClassification.from_pretrained`, saying in one line which weights start fresh (the
+    new head) and which of the checkpoint's are left out (e.g. a masked-LM head), instead of transformers'
+    load-report table."""
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+            model_args.model_name_or_path, attn_implementation=model_args.attn_implementation,
+            trust_remote_code=model_args.trust_remote_code, output_loading_info=True, **kwargs)
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
+    fresh = sorted({key.rsplit(".", 1)[0] for key in info["missing_keys"]})
+    unused = sorted({key.split(".")[0] for key in info["unexpected_keys"]})
+    if fresh or unused:
+        logger.info("Loaded the pretrained encoder of %s; %s", model_args.model_name_or_path,
+                    "; ".join(part for part in (
+                        fresh and f"the new classifier head starts fresh ({', '.join(fresh)})",
+                        unused and f"left out the checkpoint's {', '.join(unused)} weights (its pretraining head)")
+                              if part))
+    return model
+
+
 def main(argv: list[str] | None = None) -> dict:
     model_args, data, cls_args, training_args = parse_arguments(ClassificationArguments, argv)
-    raw = load_text_datasets(data, genre_classification_splits)
+    raw = load_text_datasets(data, lambda: genre_classification_splits(passage_words=cls_args.passage_words or None))
     if cls_args.test_file:
         raw["test"] = load_file(cls_args.test_file, "--test_file")["train"]
     column = text_column(raw, data.text_column_name)
@@ -72,13 +98,12 @@ def main(argv: list[str] | None = None) -> dict:
     names = label_names(raw, cls_args.label_column_name)
     label2id = {name: i for i, name in enumerate(names)}
 
-    tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]),
-                                        training_args.resume_from_checkpoint)
+    tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]), training_args,
+                                        max_length=data.max_seq_length)
     id2label = dict(enumerate(names))
     if model_args.model_name_or_path:
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            model_args.model_name_or_path, num_labels=len(names), id2label=id2label, label2id=label2id,
-            attn_implementation=model_args.attn_implementation, trust_remote_code=model_args.trust_remote_code)
+        model = load_pretrained_with_fresh_head(model_args, num_labels=len(names), id2label=id2label,
+                                                label2id=label2id)
     else:
         config = new_config(model_args, tokenizer, num_labels=len(names), id2label=id2label, label2id=label2id,
                             max_position_embeddings=data.max_seq_length)
@@ -111,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         logger.info("None of --do_train/--do_eval/--do_predict given: training, then evaluating")
         training_args.do_train = True
     if training_args.do_train:
+        record_trained_length(model, tokenizer, data.max_seq_length)
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
         trainer.save_state()
@@ -128,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{baseline:.3f} (always '{names[majority]}')")
     if training_args.push_to_hub:
         trainer.push_to_hub(finetuned_from=model_args.model_name_or_path, tasks="text-classification")
-    return {"metrics": metrics, "trainer": trainer, "tokenizer": tokenizer, "final_split": final_split}
+    return {"metrics": metrics, "trainer": trainer, "tokenizer": tokenizer, "final_split": final_split, "raw": raw,
+            "text_column": column}
 
 
 if __name__ == "__main__":

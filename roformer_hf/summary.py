@@ -4,6 +4,12 @@ torchinfo 1.8.0 counts a weight shared by two layers once per layer, so a masked
 tied to the word embeddings, gets `vocab_size * embedding_size` too many parameters in its total. `summary`
 corrects the totals to the number of distinct parameters (`model.num_parameters()`) and says by how much.
 
+Its mult-adds are corrected too: torchinfo 1.8.0 counts a layer's parameters once per *batch row* (a Linear
+applied to (B, L, H) is counted B times, not B * L times), counts embedding lookups and norms as if they were
+matrix products, leaves out attention, and prints its unit as "Units.MEGABYTES". `summary` counts the
+multiply-accumulates of the matrix products: each Linear once per token it is applied to, plus attention's
+scores and weighted sums.
+
 torchinfo is optional (`pip install roformer_hf[summary]`): it is imported when a summary is made, not with the
 package.
 """
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,7 +62,7 @@ def _distinct_parameter_statistics_class() -> type:
         parameter once, and `double_counted_params` keeps torchinfo's surplus.
         """
 
-        def __init__(self, statistics: torchinfo.ModelStatistics, model: nn.Module):
+        def __init__(self, statistics: torchinfo.ModelStatistics, model: nn.Module, attention_mult_adds: int = 0):
             # Adopt the computed statistics rather than re-running torchinfo's accumulation over the layers.
             self.__dict__.update(vars(statistics))
             parameters = list(model.parameters())  # distinct tensors: shared ones are yielded once
@@ -63,20 +70,49 @@ def _distinct_parameter_statistics_class() -> type:
             self.trainable_params = sum(p.numel() for p in parameters if p.requires_grad)
             self.total_param_bytes = sum(p.numel() * p.element_size() for p in parameters)
             self.double_counted_params = statistics.total_params - self.total_params
+            for layer in self.summary_list:
+                layer.macs = _matrix_product_macs(layer)
+            self.attention_mult_adds = attention_mult_adds
+            self.total_mult_adds = attention_mult_adds + sum(
+                layer.macs for layer in self.summary_list if layer.is_leaf_layer)
 
         def __repr__(self) -> str:
-            text = super().__repr__()
-            if not self.double_counted_params:
-                return text
-            note = (f"Shared (tied) params, counted once in the totals but in each layer row using them: "
-                    f"{self.double_counted_params:,}\n")
-            marker = "Non-trainable params"
-            start = text.index(marker)
-            end = text.index("\n", start) + 1
-            return text[:end] + note + text[end:]
+            lines = super().__repr__().split("\n")
+            for index, line in enumerate(lines):
+                if line.startswith("Total mult-adds"):
+                    lines[index] = (f"Total mult-adds{_readable(self.total_mult_adds)}\n"
+                                    f"  of which attention (scores and weighted sums, in no layer row)"
+                                    f"{_readable(self.attention_mult_adds)}")
+                elif line.startswith("Non-trainable params") and self.double_counted_params:
+                    lines[index] += (f"\nShared (tied) params, counted once in the totals but in each layer row "
+                                     f"using them: {self.double_counted_params:,}")
+            return "\n".join(lines)
 
     DistinctParameterStatistics.__qualname__ = "DistinctParameterStatistics"  # found by pickle via __getattr__
     return DistinctParameterStatistics
+
+
+def _matrix_product_macs(layer) -> int:
+    """Multiply-accumulates of one torchinfo row: a Linear's weight once per token (every leading dimension of its
+    output, where torchinfo 1.8.0 takes only the first); nothing for the layers that multiply no matrices
+    (embedding lookups, norms, activations) nor for container rows, whose leaves are counted."""
+    if not isinstance(layer.module, nn.Linear) or not layer.output_size:
+        return 0
+    rows = math.prod(layer.output_size[:-1])
+    return rows * layer.module.in_features * layer.module.out_features
+
+
+def attention_mult_adds(config: RoFormerConfig, sequences: int, seq_len: int) -> int:
+    """Multiply-accumulates of attention's two matrix products (q·kᵀ and probabilities·v) over every layer, for
+    `sequences` unpadded sequences of `seq_len` tokens: per layer and head, 2 * seq_len² * head_dim."""
+    return 2 * config.num_hidden_layers * sequences * seq_len**2 * config.hidden_size
+
+
+def _readable(count: int) -> str:
+    """torchinfo's " (M): 12.35" style, with the unit as a letter."""
+    unit, factor = next(((unit, factor) for unit, factor in (("T", 1e12), ("G", 1e9)) if count >= factor),
+                        ("M", 1e6))
+    return f" ({unit}): {count / factor:,.2f}"
 
 
 def __getattr__(name: str):
@@ -117,8 +153,9 @@ def summary(model_or_config: RoFormerPreTrainedModel | RoFormerConfig, batch_siz
 
     Returns:
         torchinfo's statistics, whose totals count a tied weight once (`total_params ==
-        model.num_parameters()`); print them for the table. Its "mult-adds" are torchinfo 1.8.0's: a Linear layer
-        applied to (B, L, H) is counted for B rows, not B * L tokens, so they are far below the real count.
+        model.num_parameters()`); print them for the table. `total_mult_adds` counts the multiply-accumulates of
+        the forward's matrix products: every Linear for every token, and attention's (`attention_mult_adds`, also
+        printed); element-wise work (norms, biases, activations, the rotation) and embedding lookups are left out.
 
     Example:
 
@@ -139,7 +176,9 @@ def summary(model_or_config: RoFormerPreTrainedModel | RoFormerConfig, batch_siz
             raise ValueError(f"{name} is built from batch_size and seq_len: pass those instead")
     inputs = example_inputs(model, batch_size, seq_len)
     statistics = torchinfo.summary(model, input_data=inputs, **kwargs)
-    corrected = _distinct_parameter_statistics_class()(statistics, model)
+    sequences = math.prod(inputs["input_ids"].shape[:-1])  # (B,) or (B, num_choices)
+    corrected = _distinct_parameter_statistics_class()(
+        statistics, model, attention_mult_adds(model.config, sequences, seq_len))
     if corrected.double_counted_params:
         logger.debug("torchinfo counted %d shared parameters twice; totals corrected",
                      corrected.double_counted_params)
@@ -154,4 +193,4 @@ def _as_model(model_or_config: RoFormerPreTrainedModel | RoFormerConfig) -> RoFo
     raise ValueError(f"model_or_config={type(model_or_config).__name__}: expected a RoFormer model or a RoFormerConfig")
 
 
-__all__ = ["DistinctParameterStatistics", "example_inputs", "summary"]
+__all__ = ["DistinctParameterStatistics", "attention_mult_adds", "example_inputs", "summary"]

@@ -1,6 +1,8 @@
 """Tests of roformer_hf.summary: torchinfo's layer table with tied weights counted once."""
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from roformer_hf import (
     RoFormerConfig,
@@ -9,6 +11,7 @@ from roformer_hf import (
     RoFormerForSequenceClassification,
     summary,
 )
+from roformer_hf.summary import example_inputs
 
 TINY = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 
@@ -64,3 +67,40 @@ def test_bad_arguments_are_rejected():
         summary({"hidden_size": 32})
     with pytest.raises(ValueError, match="input_data"):
         summary(config, input_data={})
+
+
+def _matrix_product_macs_by_hand(config: RoFormerConfig, batch_size: int, seq_len: int) -> int:
+    """From the config alone: per layer the q, k, v and output projections (4 H²) and the feed-forward (2 H I)
+    for every token, the MLM head's transform (H E) and decoder (E V) for every token, and attention's q·kᵀ and
+    probabilities·v (2 L² H per sequence and layer)."""
+    hidden, inter, emb, vocab = config.hidden_size, config.intermediate_size, config.embedding_size, config.vocab_size
+    tokens = batch_size * seq_len
+    linear = tokens * (config.num_hidden_layers * (4 * hidden**2 + 2 * hidden * inter) + hidden * emb + emb * vocab)
+    attention = config.num_hidden_layers * batch_size * 2 * seq_len**2 * hidden
+    return linear + attention
+
+
+def test_mult_adds_count_every_token_and_attention():
+    """torchinfo 1.8.0 counts a Linear on (B, L, H) once per row of the batch; ours counts every token, against a
+    count by hand and against torch's FLOP counter on the eager forward (2 FLOPs per multiply-accumulate)."""
+    config = RoFormerConfig(**TINY)
+    model = RoFormerForMaskedLM._from_config(config, attn_implementation="eager").eval()
+    stats = summary(model, batch_size=2, seq_len=16)
+    assert stats.total_mult_adds == _matrix_product_macs_by_hand(config, 2, 16) == 724_992
+    assert stats.attention_mult_adds == 2 * 2 * 2 * 16**2 * 32
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(**example_inputs(model, batch_size=2, seq_len=16))
+    assert counter.get_total_flops() == 2 * stats.total_mult_adds
+    text = repr(stats)
+    assert "Total mult-adds (M): 0.72\n" in text
+    assert "Units." not in text
+
+
+def test_mult_adds_scale_with_the_sequence_length():
+    model = RoFormerForSequenceClassification(RoFormerConfig(**TINY, num_labels=3))
+    short, long = (summary(model, seq_len=n).total_mult_adds for n in (8, 64))
+    # The classifier head runs on one token per sequence: only the encoder grows with the length.
+    head = 32 * 32 + 32 * 3
+    encoder_per_token = 2 * (4 * 32**2 + 2 * 32 * 64)
+    assert short == 8 * encoder_per_token + 2 * 2 * 8**2 * 32 + head
+    assert long == 64 * encoder_per_token + 2 * 2 * 64**2 * 32 + head
