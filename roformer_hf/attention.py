@@ -49,17 +49,24 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain attention that also returns its weights ``(B, nh, L, L)``. The softmax runs in float32 whatever the
-    input dtype, and padding is masked with `masked_fill` rather than by adding `finfo.min`, which overflows in
-    float16."""
+    """Plain attention that also returns its weights ``(B, nh, L, L)`` (see `softmax_attention`)."""
     key, value = key_value_heads_for_every_query_head(module, key, value)
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling  # (B, nh, L, L)
+    output, weights = softmax_attention(query, key, value, attention_mask, scaling, dropout, module.training)
+    return output.transpose(1, 2).contiguous(), weights  # (B, L, nh, d)
+
+
+def softmax_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float,
+                      dropout: float, training: bool) -> tuple[Tensor, Tensor]:
+    """``softmax(q k^T * scaling)``, dropped out, times ``v``: ``(B, nh, Lq, d)`` and the weights ``(B, nh, Lq, Lk)``.
+
+    The softmax runs in float32 whatever the input dtype, and masked keys are filled with `masked_fill` rather than
+    by adding `finfo.min`, which overflows in float16.
+    """
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
     if attention_mask is not None:
         scores = scores.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
-    weights = scores.softmax(dim=-1).to(query.dtype)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, L, nh, d)
-    return output, weights
+    weights = nn.functional.dropout(scores.softmax(dim=-1).to(value.dtype), p=dropout, training=training)
+    return torch.matmul(weights, value), weights
 
 
 def sdpa_varlen_attention_forward(
@@ -90,17 +97,11 @@ def sdpa_varlen_attention_forward(
     return torch.cat(outputs, dim=1), None  # (1, N, nh, d)
 
 
-def blocked_dropout_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,  # (B, nh, L, d)
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,  # (B, 1, 1, L) bool, True = may attend
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """SDPA with attention dropout in training, in blocks of `DROPOUT_BLOCK_ROWS` queries, for the CPU.
+def blocked_dropout_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                                      attention_mask: Tensor | None, scaling: float, dropout: float = 0.0,
+                                      **kwargs) -> tuple[Tensor, None]:
+    """SDPA with attention dropout in training, in blocks of `DROPOUT_BLOCK_ROWS` queries, for the CPU: query etc.
+    ``(B, nh, L, d)``, the key mask ``(B, 1, 1, L)``, the output ``(B, L, nh, d)``.
 
     PyTorch's fused CPU kernel has no dropout, so SDPA with dropout falls back to its math kernel, which keeps the
     ``(B, nh, L, L)`` weights, their dropout mask and the dropped weights for the backward pass: at 4096 tokens,
@@ -127,11 +128,7 @@ def key_value_heads_for_every_query_head(module: nn.Module, key: Tensor, value: 
 
 
 def _attend_block(query, key, value, attention_mask, scaling, dropout):
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling  # (B, nh, block, L)
-    if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
-    weights = nn.functional.dropout(scores.softmax(dim=-1), p=dropout, training=True).to(value.dtype)
-    return torch.matmul(weights, value)  # (B, nh, block, d)
+    return softmax_attention(query, key, value, attention_mask, scaling, dropout, training=True)[0]
 
 
 AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention_forward)

@@ -9,14 +9,12 @@ import transformers
 from helpers import tiny_config
 from test_flash_contract import STAND_IN, stand_in_flash  # noqa: F401  (fixture)
 
-from roformer_hf import (
-    RoFormerForMaskedLM,
-    RoFormerForMultipleChoice,
-    RoFormerForQuestionAnswering,
-    RoFormerForSequenceClassification,
-    RoFormerForTokenClassification,
-    RoFormerModel,
-)
+import roformer_hf
+from roformer_hf import RoFormerForMaskedLM, RoFormerForTokenClassification, RoFormerModel
+
+RoFormerForQuestionAnswering = roformer_hf.RoFormerForQuestionAnswering
+RoFormerForSequenceClassification, RoFormerForMultipleChoice = (roformer_hf.RoFormerForSequenceClassification,
+                                                                roformer_hf.RoFormerForMultipleChoice)
 
 LENGTHS = (5, 3, 9, 1, 4)
 
