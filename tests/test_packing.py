@@ -12,10 +12,6 @@ from test_flash_contract import STAND_IN, stand_in_flash  # noqa: F401  (fixture
 import roformer_hf
 from roformer_hf import RoFormerForMaskedLM, RoFormerForTokenClassification, RoFormerModel
 
-RoFormerForQuestionAnswering = roformer_hf.RoFormerForQuestionAnswering
-RoFormerForSequenceClassification, RoFormerForMultipleChoice = (roformer_hf.RoFormerForSequenceClassification,
-                                                                roformer_hf.RoFormerForMultipleChoice)
-
 LENGTHS = (5, 3, 9, 1, 4)
 
 
@@ -37,7 +33,8 @@ def per_token_outputs(model, field):
 
 
 HEADS = [(RoFormerForMaskedLM, "logits"), (RoFormerForTokenClassification, "logits"),
-         (RoFormerForQuestionAnswering, "start_logits"), (RoFormerForQuestionAnswering, "end_logits"),
+         (roformer_hf.RoFormerForQuestionAnswering, "start_logits"),
+         (roformer_hf.RoFormerForQuestionAnswering, "end_logits"),
          (RoFormerModel, "last_hidden_state")]
 
 
@@ -174,18 +171,18 @@ def test_offsets_that_cross_rows_or_disagree_or_meet_a_mask_are_refused():
         model(ids, attention_mask=torch.ones_like(ids), cu_seq_lens_q=torch.tensor([0, 6, 12]))
 
 
-@pytest.mark.parametrize("head", [RoFormerForSequenceClassification, RoFormerForMultipleChoice])
+@pytest.mark.parametrize("head", [roformer_hf.RoFormerForSequenceClassification, roformer_hf.RoFormerForMultipleChoice])
 def test_sequence_level_heads_refuse_packed_rows(head):
     model = head(tiny_config(num_labels=2)).eval()
     _, ids, positions, offsets = packed_row()
-    if head is RoFormerForMultipleChoice:
+    if head is roformer_hf.RoFormerForMultipleChoice:
         ids, positions = ids[None], positions[None]
     with pytest.raises(ValueError, match="one output per row.*DataCollatorWithPadding"):
         model(ids, position_ids=positions)
 
 
 def test_qa_loss_refuses_packed_rows():
-    model = RoFormerForQuestionAnswering(tiny_config()).eval()
+    model = roformer_hf.RoFormerForQuestionAnswering(tiny_config()).eval()
     _, ids, positions, _ = packed_row()
     with pytest.raises(ValueError, match="start_positions/end_positions"):
         model(ids, position_ids=positions, start_positions=torch.tensor([1]), end_positions=torch.tensor([2]))
