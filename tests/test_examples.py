@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import run_mlm
 import torch
 import transformers
 from config_overrides import parse_overrides
+from example_utils import vocabulary_hash
 from helpers import BLOCK_ROFORMER_HF, EXAMPLES, PYTHON
 
 import roformer_hf
@@ -80,6 +82,9 @@ def test_run_mlm_trains_tokenizer_and_model(pretrained):
     assert isinstance(tokenizer, roformer_hf.RoFormerTokenizerFast)
     assert model.config.vocab_size == len(tokenizer) == 120
     assert model.config.hidden_size == 32 and model.config.num_hidden_layers == 2
+    # The saved tokenizer truncates at the length the model was trained at (was: model_max_length 1e30).
+    assert tokenizer.model_max_length == model.config.max_position_embeddings == 32
+    assert len(tokenizer("the king " * 100, truncation=True)["input_ids"]) == 32
     assert (output_dir / "checkpoint-3" / "model.safetensors").exists()
 
 
@@ -113,18 +118,26 @@ def test_run_mlm_packing_gives_the_padded_evaluation(pretrained, text_files, tmp
     assert torch.isfinite(torch.tensor(packed["metrics"]["train_loss"]))
 
 
-def test_run_classification_from_pretrained_folder(pretrained, text_files, tmp_path):
+def test_run_classification_from_pretrained_folder(pretrained, text_files, tmp_path, capfd, caplog):
     mlm_dir, _ = pretrained
-    result = run_classification.main(_common(
-        tmp_path, model_name_or_path=mlm_dir, train_file=text_files / "train.csv",
-        validation_file=text_files / "validation.csv", test_file=text_files / "test.csv",
-        text_column_name="sentence", label_column_name="genre", max_seq_length=32, num_train_epochs=2,
-        learning_rate=1e-3))
+    with caplog.at_level("INFO", logger="run_classification"):
+        result = run_classification.main(_common(
+            tmp_path, model_name_or_path=mlm_dir, train_file=text_files / "train.csv",
+            validation_file=text_files / "validation.csv", test_file=text_files / "test.csv",
+            text_column_name="sentence", label_column_name="genre", max_seq_length=48, num_train_epochs=2,
+            learning_rate=1e-3))
+    # One line about the new head instead of transformers' load report (MISSING / UNEXPECTED table).
+    assert "the new classifier head starts fresh (classifier.dense, classifier.out_proj)" in caplog.text
+    assert "left out the checkpoint's cls weights" in caplog.text
+    assert "UNEXPECTED" not in capfd.readouterr().err
     metrics = result["metrics"]
     assert result["final_split"] == "test"
     assert {"test_accuracy", "test_macro_f1", "test_majority_baseline_accuracy"} <= metrics.keys()
     model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path)
     assert model.config.id2label == {0: "comedy", 1: "history"}
+    # Fine-tuned on up to 48 tokens, longer than the 32 of pretraining: config and tokenizer say 48.
+    assert model.config.max_position_embeddings == 48
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path).model_max_length == 48
     # The encoder started from the pretrained weights: the [MASK] embedding, never seen in fine-tuning, is
     # exactly the pretrained one, while the embedding of a word of the data has moved.
     pretrained_model = transformers.AutoModelForMaskedLM.from_pretrained(mlm_dir)
@@ -137,7 +150,7 @@ def test_run_classification_from_pretrained_folder(pretrained, text_files, tmp_p
     # The reported accuracy is the model's accuracy on the test file.
     with open(text_files / "test.csv") as f:
         rows = list(csv.DictReader(f))
-    batch = tokenizer([r["sentence"] for r in rows], padding=True, truncation=True, max_length=32, return_tensors="pt")
+    batch = tokenizer([r["sentence"] for r in rows], padding=True, truncation=True, return_tensors="pt")
     with torch.no_grad():
         predictions = model.eval()(**batch).logits.argmax(-1)
     accuracy = sum(model.config.id2label[int(p)] == r["genre"] for p, r in zip(predictions, rows)) / len(rows)
@@ -157,22 +170,43 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_two_process_ddp_run_with_accelerate(text_files, pretrained, tmp_path):
-    """accelerate launch --multi_gpu runs two gloo ranks on CPU; our code has no distribution logic."""
-    mlm_dir, _ = pretrained
-    env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
+def _launch_two_processes(script_args: list[str], env: dict) -> subprocess.CompletedProcess:
     command = [PYTHON, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(free_port()), str(EXAMPLES / "run_mlm.py"),
-               *_mlm_args(text_files, tmp_path, max_steps=3, tokenizer_name=mlm_dir, ddp_find_unused_parameters="false",
-                          save_strategy="no")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
+               "--main_process_port", str(free_port()), str(EXAMPLES / "run_mlm.py"), *script_args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
+
+
+def test_two_process_ddp_run_with_accelerate(text_files, tmp_path):
+    """accelerate launch --multi_gpu runs two gloo ranks on CPU. Without --tokenizer_name the tokenizer is trained
+    once, on rank 0, and rank 1 tokenizes with the same vocabulary (WordPiece training is not reproducible: two
+    ranks training their own got two vocabularies)."""
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
+    result = _launch_two_processes(
+        _mlm_args(text_files, tmp_path, max_steps=3, ddp_find_unused_parameters="false", save_strategy="no",
+                  log_level_replica="info"), env)
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = json.loads((tmp_path / "all_results.json").read_text())
     assert metrics["world_size"] == 2
     state = json.loads((tmp_path / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and state["train_batch_size"] == 8
     assert (tmp_path / "model.safetensors").exists()
+    assert result.stderr.count("Training a 120-token WordPiece tokenizer") == 1
+    hashes = re.findall(r"vocabulary sha256 ([0-9a-f]{16})", result.stderr)
+    saved = vocabulary_hash(transformers.AutoTokenizer.from_pretrained(tmp_path))
+    assert hashes == [saved, saved]  # one line per rank
+
+
+def test_independent_cpu_processes_are_refused(text_files, tmp_path):
+    """Without --use_cpu on a machine without GPUs the two processes would each train alone, both writing
+    tmp_path: the script stops before training, naming the flag."""
+    if torch.cuda.is_available():
+        pytest.skip("with GPUs the processes form one job")
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
+    result = _launch_two_processes(_mlm_args(text_files, tmp_path, max_steps=3, use_cpu="false"), env)
+    assert result.returncode != 0
+    assert "WORLD_SIZE=2 processes were launched on a machine without GPUs, and --use_cpu is not set" in result.stderr
+    assert not (tmp_path / "model.safetensors").exists()
 
 
 def test_summary_example_prints_layers(tmp_path):
