@@ -21,9 +21,9 @@ logger = logging.getLogger(__name__)
 
 CARD_NAME = "README.md"
 DEFAULT_TAGS = ("roformer_hf", "roformer", "rotary")
-CONFIG_ROWS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-               "hidden_act", "max_position_embeddings", "rotary_layout", "rope_theta", "rotary_value",
-               "norm_position")
+CONFIG_ROWS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size", "hidden_act", "max_position_embeddings", "rotary_layout", "rope_parameters",
+               "rotary_value", "norm_position", "norm_type", "use_bias")
 
 
 def _head(model):
