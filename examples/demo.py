@@ -2,14 +2,16 @@
 """The whole journey on built-in data, on a CPU in minutes (`make demo`):
 
 1. pretrain a small RoFormer with masked LM on Shakespeare, in blocks of 256 tokens (a tokenizer is trained first);
-2. fine-tune it to tell the genre (comedy / history / tragedy) of a passage of consecutive speeches (~250 tokens;
-   plays split between train/validation/test, none of the test plays read in pretraining);
+2. fine-tune it to tell whether a passage of consecutive lines (~210 tokens) is as Shakespeare wrote it or has the
+   words within each of its lines shuffled (plays split between train/validation/test, none of the test plays read in
+   pretraining): the two classes hold the same words, so this takes reading word order;
 3. score it on the test plays beside a bag-of-words baseline (TF-IDF + logistic regression, scikit-learn) and the
    majority baseline, on the same splits;
 4. save a Hub-ready folder (weights, tokenizer, code, model card) and reload it with
    AutoModelForSequenceClassification + trust_remote_code in a process where roformer_hf is blocked;
 5. run the fill-mask and text-classification pipelines on test passages (true label beside each prediction),
-   print the torchinfo summary, draw the loss curves and the rotary pictures (docs/).
+   print the torchinfo summary, draw the loss curves and the rotary pictures (into the output folder; the
+   README shows a run's copies in docs/).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ SEQ_LEN = 256
 FILL_MASK_LINES = ["To be, or not to [MASK], that is the question.", "Now is the [MASK] of our discontent.",
                    "O Romeo, Romeo, wherefore art thou [MASK]?"]
 EXAMPLES_PER_CLASS = 2
+TASK = "as written, or the words within each line shuffled?"
 
 RELOAD_ELSEWHERE = """
 import sys
@@ -85,9 +88,11 @@ def main() -> None:
     parser.add_argument("--cls_epochs", type=float, default=2)
     parser.add_argument("--config_overrides", default=MODEL)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--figures_dir", default="docs", help="where the pictures go (the README shows docs/)")
+    parser.add_argument("--figures_dir", default=None,
+                        help="where the pictures go; default: OUTPUT_DIR/pictures (the README shows copies in docs/)")
     args = parser.parse_args()
-    out, figures_dir = Path(args.output_dir), Path(args.figures_dir)
+    out = Path(args.output_dir)
+    figures_dir = Path(args.figures_dir) if args.figures_dir else out / "pictures"
     figures_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
@@ -96,14 +101,15 @@ def main() -> None:
         "--config_overrides", args.config_overrides + ",sparse_prediction=true", "--tokenizer_vocab_size", "8000",
         "--line_by_line", "false", "--max_seq_length", str(SEQ_LEN),
         "--max_steps", str(args.mlm_steps), "--per_device_train_batch_size", "16", "--learning_rate", "1e-3",
-        "--warmup_steps", str(max(1, args.mlm_steps // 10)), "--weight_decay", "0.01", "--max_eval_samples", "256",
+        "--warmup_steps", str(max(1, args.mlm_steps // 10)), "--weight_decay", "0.01", "--max_eval_samples", "4000",
         "--eval_strategy", "steps", "--eval_steps", str(max(1, args.mlm_steps // 4))])
     mlm_metrics = mlm["metrics"]
     mlm_minutes = (time.time() - started) / 60
 
-    banner("2/5 fine-tuning: which genre is this passage from?")
+    banner(f"2/5 fine-tuning: a passage {TASK}")
     cls = run_classification.main(common_args(out / "classifier", args) + [
-        "--model_name_or_path", str(out / "mlm"), "--max_seq_length", str(SEQ_LEN), "--num_train_epochs",
+        "--model_name_or_path", str(out / "mlm"), "--task", "word_order", "--max_seq_length", str(SEQ_LEN),
+        "--num_train_epochs",
         str(args.cls_epochs), "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "64",
         "--learning_rate", "2e-4", "--warmup_steps", "20", "--weight_decay", "0.01",
         # Passages of a few plays overfit: evaluate every half epoch and keep the best checkpoint.
@@ -118,7 +124,8 @@ def main() -> None:
     bag_of_words = bag_of_words_baseline(raw["train"][column], raw["train"]["label"], raw["validation"][column],
                                          raw["validation"]["label"], raw[split][column], raw[split]["label"])
     print(f"bag-of-words baseline (TF-IDF + logistic regression, C={bag_of_words.C:g} chosen on validation): "
-          f"{split} accuracy {bag_of_words.test_accuracy:.3f}")
+          f"{split} accuracy {bag_of_words.test_accuracy:.3f}; a shuffled passage holds the same words as the "
+          "original, so any model blind to word order is at chance here")
 
     banner("3/5 a Hub-ready folder, reloaded where roformer_hf is not installed")
     hub_ready = out / "hub-ready"
@@ -143,11 +150,11 @@ def main() -> None:
         print(f"  {line}\n      -> " + ", ".join(f"{p['token_str']} ({p['score']:.2f})" for p in predictions))
     classify = transformers.pipeline("text-classification", model=trainer.model, tokenizer=cls["tokenizer"])
     local = classify(texts, truncation=True)  # cut at the model's trained length (tokenizer.model_max_length)
-    print(f"text-classification on {EXAMPLES_PER_CLASS} test passages per genre, drawn at random before predicting:")
+    print(f"text-classification on {EXAMPLES_PER_CLASS} test passages per class, drawn at random before predicting:")
     for example, here, there in zip(examples, local, remote["predictions"]):
         truth = names[example["label"]]
         verdict = "right" if here["label"] == truth else "WRONG"
-        print(f"  {verdict:5} predicted {here['label']:<9} {here['score']:.2f} | true {truth:<9} ({example['play']})"
+        print(f"  {verdict:5} predicted {here['label']:<10} {here['score']:.2f} | true {truth:<10} ({example['play']})"
               f"\n        {shorten(example['text'])}")
         if here["label"] != there["label"] or abs(here["score"] - there["score"]) > 1e-4:
             raise SystemExit(f"the reloaded model disagrees: {here} vs {there}")
@@ -159,7 +166,7 @@ def main() -> None:
     written = [
         figures.plot_loss_curves({
             "masked-LM pretraining (kept: the last step)": (mlm_history, mlm["trainer"].state.global_step),
-            "genre fine-tuning (kept: best validation accuracy)": (trainer.state.log_history,
+            "word-order fine-tuning (kept: best validation accuracy)": (trainer.state.log_history,
                                                                     trainer.state.best_global_step),
         }, figures_dir / "loss_curves.png"),
         figures.plot_rotary_decay(figures_dir / "rotary_decay.png"),
@@ -171,7 +178,7 @@ def main() -> None:
     print(f"MLM validation perplexity {mlm_metrics['eval_perplexity']:.0f} (a uniform guess over the vocabulary: "
           f"{mlm['trainer'].model.config.vocab_size}), masked-token accuracy {mlm_metrics['eval_accuracy']:.3f}; "
           f"pretraining took {mlm_minutes:.1f} min")
-    print(f"genre of a passage ({split} plays: {', '.join(sorted(set(raw[split]['play'])))}): macro-F1 "
+    print(f"passage {TASK} ({split} plays: {', '.join(sorted(set(raw[split]['play'])))}): macro-F1 "
           f"{metrics[f'{split}_macro_f1']:.3f}; total time {(time.time() - started) / 60:.1f} min")
     print(f"{split} accuracy: model {model_accuracy:.2f} | bag-of-words baseline {bag_of_words.test_accuracy:.2f} | "
           f"majority baseline {majority_accuracy:.2f}")

@@ -2,10 +2,11 @@
 """Sequence-classification fine-tuning of a RoFormer with transformers' Trainer.
 
 From a pretrained folder (`--model_name_or_path`, e.g. the output of run_mlm.py) or from scratch
-(`--config_overrides`). With no data arguments it fine-tunes on the built-in task: the genre of a passage of
-Shakespeare (consecutive speeches, at least `--passage_words` words), with train/validation/test split by play. Accuracy and macro-F1 come from `evaluate` (the offline metric
-module classification_metric.py, or Hub metrics named with --metric_names), printed beside the majority-class
-baseline.
+(`--config_overrides`). With no data arguments it fine-tunes on a built-in task on Shakespeare, split by play
+into train/validation/test (`--task`): `word_order` (the default: is a passage of consecutive lines as written, or
+were the words within its lines shuffled?) or `genre` (comedy, history or tragedy?); passages of at least
+`--passage_words` words. Accuracy and macro-F1 come from `evaluate` (the offline metric module
+classification_metric.py, or Hub metrics named with --metric_names), printed beside the majority-class baseline.
 
     python examples/run_classification.py --model_name_or_path runs/mlm --output_dir runs/cls --num_train_epochs 3
 """
@@ -30,7 +31,7 @@ from example_utils import (
     record_trained_length,
     text_column,
 )
-from shakespeare import genre_classification_splits
+from shakespeare import genre_classification_splits, word_order_splits
 
 import roformer_hf
 
@@ -43,8 +44,17 @@ class ClassificationArguments:
     test_file: str | None = field(default=None, metadata={"help": "A file for the final test evaluation."})
     metric_names: str | None = field(
         default=None, metadata={"help": "Comma-separated Hub metrics (online); default: offline accuracy + f1."})
-    passage_words: int = field(
-        default=190, metadata={"help": "Built-in data: words per passage (about 1.3 tokens each); 0: single speeches."})
+    task: str = field(default="word_order", metadata={
+        "help": "Built-in data: word_order (as written, or the words within lines shuffled?) or genre.",
+        "choices": ["word_order", "genre"]})
+    passage_words: int = field(default=150, metadata={
+        "help": "Built-in data: words per passage (about 1.4 tokens each); genre only: 0 for single speeches."})
+
+
+def builtin_task(arguments: ClassificationArguments) -> datasets.DatasetDict:
+    if arguments.task == "word_order":
+        return word_order_splits(passage_words=arguments.passage_words)
+    return genre_classification_splits(passage_words=arguments.passage_words or None)
 
 
 def label_names(raw: datasets.DatasetDict, column: str) -> list[str]:
@@ -88,7 +98,7 @@ def load_pretrained_with_fresh_head(model_args, **kwargs) -> transformers.PreTra
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, data, cls_args, training_args = parse_arguments(ClassificationArguments, argv)
-    raw = load_text_datasets(data, lambda: genre_classification_splits(passage_words=cls_args.passage_words or None))
+    raw = load_text_datasets(data, lambda: builtin_task(cls_args))
     if cls_args.test_file:
         raw["test"] = load_file(cls_args.test_file, "--test_file")["train"]
     column = text_column(raw, data.text_column_name)

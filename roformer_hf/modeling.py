@@ -444,19 +444,28 @@ class RoFormerHeadModel(RoFormerPreTrainedModel):
         return self.config.hidden_dropout_prob if dropout is None else dropout
 
 
+class RoFormerPredictionTransform(nn.Module):
+    """The MLM head's `transform`: dense (hidden -> embedding size), activation, LayerNorm."""
+
+    def __init__(self, config: RoFormerConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.embedding_size)
+        self.activation = ACT2FN[config.hidden_act]
+        self.LayerNorm = norm(config, config.embedding_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.activation(self.dense(hidden_states)))
+
+
 class RoFormerLMPredictions(nn.Module):
-    """MLM head (`cls.predictions`): dense + activation + norm (`transform`), then the decoder tied to the word
-    embeddings, with its own output bias. RoFormer-V2 (a `norm_type` other than LayerNorm) has the decoder alone,
-    without bias, so its hidden states must have the embeddings' size."""
+    """MLM head (`cls.predictions`): `transform`, then the decoder tied to the word embeddings, with its own output
+    bias. RoFormer-V2 (a `norm_type` other than LayerNorm) has the decoder alone, without bias, so its hidden states
+    must have the embeddings' size."""
 
     def __init__(self, config: RoFormerConfig):
         super().__init__()
         if config.uses_layer_norm:
-            self.transform = nn.ModuleDict({
-                "dense": nn.Linear(config.hidden_size, config.embedding_size),
-                "LayerNorm": norm(config, config.embedding_size),
-            })
-            self.activation = ACT2FN[config.hidden_act]
+            self.transform = RoFormerPredictionTransform(config)
         elif config.embedding_size != config.hidden_size:
             raise ValueError(f"RoFormerConfig.embedding_size={config.embedding_size}: expected hidden_size="
                              f"{config.hidden_size} with norm_type={config.norm_type!r}: RoFormer-V2's MLM head has no "
@@ -467,8 +476,7 @@ class RoFormerLMPredictions(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "transform"):
-            hidden_states = self.activation(self.transform["dense"](hidden_states))
-            hidden_states = self.transform["LayerNorm"](hidden_states)
+            hidden_states = self.transform(hidden_states)
         return self.decoder(hidden_states)
 
 

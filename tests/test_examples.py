@@ -260,3 +260,11 @@ with torch.no_grad():
     with torch.no_grad():
         expected = local_model(**ids).logits[0, 1, :5]
     torch.testing.assert_close(torch.tensor(remote["logits"]), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("task, names", [("word_order", ["as written", "shuffled"]),
+                                         ("genre", ["comedies", "histories", "tragedies"])])
+def test_run_classification_builtin_tasks(task, names):
+    raw = run_classification.builtin_task(run_classification.ClassificationArguments(task=task, passage_words=150))
+    assert raw["train"].features["label"].names == names
+    assert not set(raw["train"]["play"]) & set(raw["test"]["play"])
