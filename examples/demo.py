@@ -101,7 +101,7 @@ def main() -> None:
         "--config_overrides", args.config_overrides + ",sparse_prediction=true", "--tokenizer_vocab_size", "8000",
         "--line_by_line", "false", "--max_seq_length", str(SEQ_LEN),
         "--max_steps", str(args.mlm_steps), "--per_device_train_batch_size", "16", "--learning_rate", "1e-3",
-        "--warmup_steps", str(max(1, args.mlm_steps // 10)), "--weight_decay", "0.01", "--max_eval_samples", "4000",
+        "--warmup_steps", str(max(1, args.mlm_steps // 10)), "--weight_decay", "0.01", "--max_eval_samples", "2000",
         "--eval_strategy", "steps", "--eval_steps", str(max(1, args.mlm_steps // 4))])
     mlm_metrics = mlm["metrics"]
     mlm_minutes = (time.time() - started) / 60
