@@ -84,7 +84,7 @@ def shorten(text: str, width: int = 110) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="runs/demo")
-    parser.add_argument("--mlm_steps", type=int, default=250)
+    parser.add_argument("--mlm_steps", type=int, default=400)
     parser.add_argument("--cls_epochs", type=float, default=2)
     parser.add_argument("--config_overrides", default=MODEL)
     parser.add_argument("--seed", type=int, default=42)
