@@ -45,10 +45,9 @@ import torch
 
 import onnx_runtime
 from common import cpu_bf16_units, machine_lines, progress, spread, time_interleaved, time_once, verdict
-from workload import (add_size_arguments, allocator_line, forward_flops, infer, keep_freed_memory, load_model,
+from workload import (DTYPES, add_size_arguments, allocator_line, forward_flops, infer, keep_freed_memory, load_model,
                       padded_batch, parse_args, size_of, sparse_head_forward_flops, train_step, transformers_config)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Per dtype; the bf16 ones assume bf16 matrix units (AMX). "onnx speed-up": roformer_hf's forward over ONNX Runtime's
 # fp32 one (transformers' graph). A missing key: no target in that dtype.
 TARGETS = {
