@@ -25,6 +25,7 @@ from statistics import median
 
 import torch
 
+from common import machine_lines
 from workload import (DTYPES, REPO_ROOT, add_size_arguments, infer, padded_batch, parse_args, size_of, train_step,
                       transformers_config)
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         old, new = times[("old", mode)], times[("new", mode)]
         print(f"| {mode} | {median(old):.3f} s ({min(old):.3f}-{max(old):.3f}) | {median(new):.3f} s "
               f"({min(new):.3f}-{max(new):.3f}) | {median(new) / median(old):.3f} |")
+    print("\n" + "\n".join(machine_lines()))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from common import machine_lines
 from workload import (DTYPES, add_size_arguments, allocator_line, keep_freed_memory, padded_batch, parse_args,
                       size_of)
 
@@ -127,6 +128,7 @@ def main() -> None:
     profile_step("inference forward", forward, args.warmup, args)
     model.train()
     profile_step("training step", train_step, args.warmup, args)
+    print("\nMachine:\n\n" + "\n".join(machine_lines()))
 
 
 if __name__ == "__main__":
