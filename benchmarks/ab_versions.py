@@ -2,6 +2,7 @@
 
     python benchmarks/ab_versions.py --old 9b1fbda            # this checkout against an earlier commit
     python benchmarks/ab_versions.py --old 9b1fbda --quick    # tiny smoke configuration
+    python benchmarks/ab_versions.py --old 9b1fbda --dtype bf16 --skip-train   # bf16 weights, forward only
 
 For a change that must not cost speed (a refactor): both versions load the same transformers checkpoint and run
 the same padded batch (the inference forward and the MLM training step of `bench_cpu.py`), alternating which goes
@@ -24,7 +25,8 @@ from statistics import median
 
 import torch
 
-from workload import (REPO_ROOT, add_size_arguments, infer, padded_batch, parse_args, size_of, train_step,
+from common import machine_lines
+from workload import (DTYPES, REPO_ROOT, add_size_arguments, infer, padded_batch, parse_args, size_of, train_step,
                       transformers_config)
 
 
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     add_size_arguments(parser)
     parser.add_argument("--old", required=True, help="the git revision to compare with")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="the weights of both versions")
+    parser.add_argument("--skip-train", action="store_true", help="time the inference forward only")
     args = parse_args(parser, argv, repeats=3)
     torch.manual_seed(args.seed)
     size = size_of(args)
@@ -54,16 +58,18 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         old_package = import_old_version(args.old, Path(folder) / "code")
         transformers.RoFormerForMaskedLM(transformers_config(size, max(args.lengths))).save_pretrained(folder)
-        models = {name: package.RoFormerForMaskedLM.from_pretrained(folder, sparse_prediction=True)
+        models = {name: package.RoFormerForMaskedLM.from_pretrained(folder, sparse_prediction=True,
+                                                                    dtype=DTYPES[args.dtype])
                   for name, package in (("old", old_package), ("new", roformer_hf))}
     batch = padded_batch(args.lengths, size.vocab, args.seed)
     old_logits, new_logits = (infer(model.eval(), batch) for model in models.values())
     mask = batch[1].bool()
-    difference = (old_logits[mask] - new_logits[mask]).abs().max().item()
-    times = {(name, mode): [] for name in models for mode in ("infer", "train")}
+    difference = (old_logits[mask].float() - new_logits[mask].float()).abs().max().item()
+    modes = {"infer": infer} if args.skip_train else {"infer": infer, "train": train_step}
+    times = {(name, mode): [] for name in models for mode in modes}
     for repeat in range(args.repeats + 1):
         for name in (list(models) if repeat % 2 else list(reversed(models))):
-            for mode, step in (("infer", infer), ("train", train_step)):  # infer runs in inference_mode
+            for mode, step in modes.items():  # infer runs in inference_mode
                 model = models[name].train(mode == "train")
                 model.zero_grad(set_to_none=True)
                 start = time.perf_counter()
@@ -71,14 +77,15 @@ def main(argv: list[str] | None = None) -> None:
                 if repeat:  # the first round warms up
                     times[(name, mode)].append(time.perf_counter() - start)
     print(f"\nold = {args.old}, new = this checkout; {size.layers} layers, hidden {size.hidden}, lengths "
-          f"{args.lengths}; fp32, dropout 0, {torch.get_num_threads()} threads; median (min-max) of {args.repeats}; "
+          f"{args.lengths}; {args.dtype}, dropout 0, {torch.get_num_threads()} threads; median (min-max) of {args.repeats}; "
           f"max logit difference at real tokens {difference:.1e}\n")
     print("| | old | new | new / old |")
     print("| --- | --- | --- | --- |")
-    for mode in ("infer", "train"):
+    for mode in modes:
         old, new = times[("old", mode)], times[("new", mode)]
         print(f"| {mode} | {median(old):.3f} s ({min(old):.3f}-{max(old):.3f}) | {median(new):.3f} s "
               f"({min(new):.3f}-{max(new):.3f}) | {median(new) / median(old):.3f} |")
+    print("\n" + "\n".join(machine_lines()))
 
 
 if __name__ == "__main__":

@@ -1,21 +1,29 @@
-"""CPU benchmark: roformer_hf against transformers' RoFormer, the same weights in both, in one run.
+"""CPU benchmark: roformer_hf against transformers' RoFormer and ONNX Runtime, the same weights in all, in one run.
 
-    python benchmarks/bench_cpu.py            # the CPU targets (a few minutes on 2 cores)
-    python benchmarks/bench_cpu.py --quick    # tiny smoke configuration (seconds)
+    python benchmarks/bench_cpu.py                 # the fp32 CPU targets (a few minutes on 2 cores)
+    python benchmarks/bench_cpu.py --dtype bf16    # the bf16 targets (bf16 weights in both models)
+    python benchmarks/bench_cpu.py --quick         # tiny smoke configuration (seconds)
 
 What it does:
 1. Builds transformers' `RoFormerForMaskedLM` (eager attention, its only kernel; dropout 0 so outputs can be
    compared), saves it, and loads the folder with `roformer_hf.RoFormerForMaskedLM.from_pretrained`.
-2. Checks logits equal at real tokens (fails above --tolerance), and compares the MLM loss and gradients.
-3. Times an inference forward (`torch.inference_mode`) and a training step (forward + `loss.backward()`, gradients
-   zeroed outside the timed region) of both models, interleaved, alternating which goes first; reports medians.
-4. Measures the fp32 GEMM rate of the shapes the model runs (`torch.mm`, real-token rows); the reference is the
-   largest, the FFN expansion, sampled again between the model runs so it sees the same machine load. Counts the
-   model's real-token FLOPs analytically (`workload.forward_flops`) and reports achieved GFLOP/s as % of that
+2. Checks logits equal at real tokens in fp32 (fails above --tolerance), and compares the MLM loss and gradients.
+   With `--dtype bf16` both models are then loaded again with bf16 weights, and the relative error of each one's
+   bf16 logits against the fp32 logits is reported (roformer_hf's must stay within transformers' own bf16 error).
+3. Exports transformers' RoFormer and roformer_hf (fp32) to ONNX and runs them in ONNX Runtime
+   (`onnx_runtime.py`); checks their logits against transformers' eager ones. Skipped when the `onnx` extra is
+   missing (--skip-onnx skips it anyway).
+4. Times an inference forward (`torch.inference_mode`) and a training step (forward + `loss.backward()`, gradients
+   zeroed outside the timed region; in bf16 the weights and gradients are bf16, no autocast) of both models,
+   interleaved with the ONNX Runtime sessions (inference), alternating which goes first; reports medians.
+5. Measures the GEMM rate in --dtype of the shapes the model runs (`torch.mm`, real-token rows); the reference is
+   the largest, the FFN expansion, sampled again between the model runs so it sees the same machine load. Counts
+   the model's real-token FLOPs analytically (`workload.forward_flops`) and reports achieved GFLOP/s as % of that
    rate; a training step counts 3x the forward FLOPs.
-5. Measures peak memory for one long sequence (default 4096 tokens) in a fresh subprocess per model and mode;
+6. Measures peak memory for one long sequence (default 4096 tokens) in a fresh subprocess per model and mode;
    see `PeakRSS` for the method.
-6. Prints markdown tables to paste into benchmarks/RESULTS.md.
+7. Prints markdown tables to paste into benchmarks/RESULTS.md, with the CPU's bf16 matrix units: the bf16 targets
+   assume AMX; without it they are reported as not applicable (with what they would have been).
 
 Timings are medians of --repeats after --warmup; on a shared machine re-run if min and max are far apart.
 """
@@ -35,18 +43,28 @@ from statistics import median
 
 import torch
 
-from common import machine_lines, progress, spread, time_interleaved, time_once, verdict
-from workload import (add_size_arguments, allocator_line, forward_flops, infer, keep_freed_memory, load_model,
+import onnx_runtime
+from common import cpu_bf16_units, machine_lines, progress, spread, time_interleaved, time_once, verdict
+from workload import (DTYPES, add_size_arguments, allocator_line, forward_flops, infer, keep_freed_memory, load_model,
                       padded_batch, parse_args, size_of, sparse_head_forward_flops, train_step, transformers_config)
 
-TARGETS = {"infer speed-up": 2.0, "train speed-up": 2.2, "gemm fraction": 0.85, "memory ratio": 1 / 3}
+# Per dtype; the bf16 ones assume bf16 matrix units (AMX). "onnx speed-up": roformer_hf's forward over ONNX Runtime's
+# fp32 one (transformers' graph). A missing key: no target in that dtype.
+TARGETS = {
+    "fp32": {"infer speed-up": 2.0, "train speed-up": 2.2, "gemm fraction": 0.85, "train gemm fraction": 0.85,
+             "memory ratio": 1 / 3, "onnx speed-up": 1.0},
+    "bf16": {"infer speed-up": 5.0, "train speed-up": 4.0, "gemm fraction": 0.65, "onnx speed-up": 3.0},
+}
 SIDES = ("transformers", "roformer_hf")
+ONNX_SIDES = {"onnx transformers": "transformers", "onnx roformer_hf": "roformer_hf"}
+ONNX_LABELS = {"onnx transformers": "transformers' RoFormer", "onnx roformer_hf": "roformer_hf"}
 
 
 # ---------------------------------------------------------------------------------------------------- models
 
 def check_parity(models: dict, batch, tolerance: float) -> dict[str, float]:
-    """Logits at real tokens must agree within `tolerance`; also reports the loss and gradient differences."""
+    """Logits at real tokens must agree within `tolerance`; also reports the loss and gradient differences, and
+    returns transformers' logits at the real tokens (`"reference"`) for the other checks."""
     real = batch[1].bool()
     reference, ours = (infer(models[side], batch)[real] for side in SIDES)
     logits_diff = (reference - ours).abs().max().item()
@@ -67,17 +85,58 @@ def check_parity(models: dict, batch, tolerance: float) -> dict[str, float]:
     loss_diff = abs(losses["transformers"] - losses["roformer_hf"])
     if not loss_diff <= tolerance * max(1.0, abs(losses["transformers"])):
         raise SystemExit(f"FAIL: MLM losses differ: {losses}")
-    return {"logits": logits_diff, "loss": loss_diff, "grad": grad_diff, "grad_scale": grad_scale}
+    return {"logits": logits_diff, "loss": loss_diff, "grad": grad_diff, "grad_scale": grad_scale,
+            "reference": reference, "fp32 loss": losses["transformers"]}
+
+
+def relative_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||logits - reference|| / ||reference||`` (Frobenius norms, in fp32)."""
+    return ((logits.float() - reference).norm() / reference.norm()).item()
+
+
+def check_low_precision(models: dict, batch, parity: dict) -> dict[str, dict[str, float]]:
+    """Each model's logits in its low-precision dtype against the fp32 logits at real tokens, and its MLM loss.
+    roformer_hf must not be far less accurate than transformers in the same dtype (it rotates and attends
+    differently): it fails above 1.5x transformers' relative error (and 0.05)."""
+    real = batch[1].bool()
+    errors = {}
+    for side in SIDES:
+        logits = infer(models[side], batch)[real]
+        with torch.inference_mode():
+            loss = models[side](batch[0], attention_mask=batch[1], labels=batch[2]).loss.item()
+        errors[side] = {"relative": relative_error(logits, parity["reference"]),
+                        "max abs": (logits.float() - parity["reference"]).abs().max().item(),
+                        "loss": loss}
+    if not errors["roformer_hf"]["relative"] <= max(1.5 * errors["transformers"]["relative"], 0.05):
+        raise SystemExit(f"FAIL: roformer_hf's low-precision logits are far less accurate than transformers': {errors}")
+    return errors
+
+
+def onnx_contenders(models: dict, batch, folder: str, parity: dict) -> tuple[dict, dict]:
+    """Both fp32 models exported and loaded in ONNX Runtime (`onnx_runtime.py`), keyed as `ONNX_SIDES`, and what
+    the report says about each: export and session times, max abs logit difference to transformers' eager."""
+    real = batch[1].bool()
+    sessions, facts = {}, {}
+    for name, side in ONNX_SIDES.items():
+        path = os.path.join(folder, f"{side}.onnx")
+        export_seconds = onnx_runtime.export(models[side], batch, path)
+        sessions[name] = onnx_runtime.OrtModel(path, torch.get_num_threads())
+        difference = (sessions[name].logits(batch)[real] - parity["reference"]).abs().max().item()
+        facts[name] = {"export": export_seconds, "load": sessions[name].load_seconds, "logits": difference}
+        print(f"  {name}: exported in {export_seconds:.1f} s, session in {sessions[name].load_seconds:.1f} s, "
+              f"max abs logit difference to transformers' eager {difference:.2e}", flush=True)
+    return sessions, facts
 
 
 # ---------------------------------------------------------------------------------------------------- timing
 
 class Gemm:
-    """`torch.mm` of fp32 (M x K) @ (K x N), repeated enough times per sample (~0.05 s) to time reliably."""
+    """`torch.mm` of (M x K) @ (K x N) in `dtype`, repeated enough times per sample (~0.05 s) to time reliably."""
 
-    def __init__(self, m: int, k: int, n: int):
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype = torch.float32):
         self.flops = 2 * m * k * n
-        self.a, self.b, self.out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+        self.a, self.b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        self.out = torch.empty(m, n, dtype=dtype)
         self.inner = 1
         while self.sample() * self.inner < 0.05:  # doubles as the warm-up
             self.inner *= 2
@@ -151,7 +210,7 @@ class PeakRSS:
 
 def memory_worker(args: argparse.Namespace) -> None:
     """Subprocess entry: peak memory of one model (`args.side`) in one mode on one sequence; prints JSON."""
-    model = load_model(args.side, args.folder, args.attn)
+    model = load_model(args.side, args.folder, args.attn, dtype=DTYPES[args.dtype])
     step = infer if args.mode == "infer" else train_step
     model.train(args.mode == "train")
     lengths = (min(16, args.memory_length), args.memory_length)
@@ -167,7 +226,7 @@ def measure_memory(side: str, mode: str, folder: str, args: argparse.Namespace) 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     command = [sys.executable, __file__, "--memory-worker", "--side", side, "--mode", mode, "--folder", folder,
                "--memory-length", str(args.memory_length), "--vocab", str(args.vocab), "--attn", args.attn,
-               "--seed", str(args.seed), "--threads", str(torch.get_num_threads())]
+               "--seed", str(args.seed), "--threads", str(torch.get_num_threads()), "--dtype", args.dtype]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"memory worker {side}/{mode} failed:\n{result.stderr[-3000:]}")
@@ -180,15 +239,32 @@ def batch_labels(args) -> torch.Tensor:
     return padded_batch(args.lengths, args.vocab, args.seed)[2]
 
 
-def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> None:
+class Judge:
+    """Target verdicts for one dtype: the bf16 targets assume AMX; without it they read "n/a", with what they would
+    have been."""
+
+    def __init__(self, dtype: str, bf16_units: str):
+        self.targets = TARGETS[dtype]
+        self.applies = dtype == "fp32" or bf16_units == "amx"
+
+    def __call__(self, ok: bool) -> str:
+        return verdict(ok) if self.applies else f"n/a (no AMX; {'met' if ok else 'not met'} here)"
+
+
+def report(args, size, flops, parity, low_precision, onnx, times, rates, reference_gemm, memory) -> None:
     tokens, padded = sum(args.lengths), len(args.lengths) * max(args.lengths)
     total = sum(flops.values())
-    print("\n## roformer_hf vs transformers' RoFormer, CPU fp32\n")
+    units = cpu_bf16_units()
+    judge, targets = Judge(args.dtype, units), TARGETS[args.dtype]
+    print(f"\n## roformer_hf vs transformers' RoFormer, CPU {args.dtype}\n")
     print(f"Model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}, "
-          f"vocab {size.vocab}, MLM head. Batch: {len(args.lengths)} sequences of "
+          f"vocab {size.vocab}, MLM head, dropout 0. Weights and activations: {args.dtype}"
+          f"{' (bf16 weights, no autocast; training updates bf16 gradients)' if args.dtype == 'bf16' else ''}. "
+          f"Batch: {len(args.lengths)} sequences of "
           f"{'/'.join(map(str, args.lengths))} tokens, right-padded to {max(args.lengths)} "
           f"({tokens} real of {padded}, {tokens / padded:.0%}). roformer_hf attention: {args.attn}. "
-          f"Allocator: {allocator_line(args)}.\n")
+          f"Allocator: {allocator_line(args)}. CPU bf16 matrix units: {units}"
+          f"{'' if judge.applies else ' (the bf16 targets assume AMX: not applicable here)'}.\n")
     print("| measurement | transformers | roformer_hf | ratio | target | met |")
     print("|---|---|---|---|---|---|")
     for mode, label, key in (("infer", "inference forward", "infer speed-up"),
@@ -196,9 +272,9 @@ def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> N
         if mode not in times:
             continue
         ratio = median(times[mode]["transformers"]) / median(times[mode]["roformer_hf"])
-        print(f"| {label}, s: median (min–max) of {args.repeats} | {spread(times[mode]['transformers'])} | "
-              f"{spread(times[mode]['roformer_hf'])} | speed-up {ratio:.2f}x | ≥ {TARGETS[key]}x | "
-              f"{verdict(ratio >= TARGETS[key])} |")
+        print(f"| {label}, {args.dtype}, s: median (min–max) of {args.repeats} | {spread(times[mode]['transformers'])} | "
+              f"{spread(times[mode]['roformer_hf'])} | speed-up {ratio:.2f}x | ≥ {targets[key]}x | "
+              f"{judge(ratio >= targets[key])} |")
     # transformers computes every padded position too: its own FLOPs are those of B full-length sequences.
     padded_total = sum(forward_flops(size, (max(args.lengths),) * len(args.lengths)).values())
     print(f"| forward GFLOP: what each computes (transformers includes padding) | {padded_total / 1e9:.1f} | "
@@ -206,7 +282,8 @@ def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> N
     labelled = int((batch_labels(args) != -100).sum())
     # What roformer_hf computes in a training step: with sparse prediction the head sees the labelled tokens only.
     train_total = total if args.dense_prediction else sparse_head_forward_flops(flops, tokens, labelled)
-    for mode, label, multiple in (("infer", "inference", 1), ("train", "training", 3)):
+    for mode, label, multiple, key in (("infer", "inference", 1, "gemm fraction"),
+                                       ("train", "training", 3, "train gemm fraction")):
         if mode not in times:
             continue
         achieved = {side: multiple * total / median(times[mode][side]) / 1e9 for side in SIDES}
@@ -214,23 +291,35 @@ def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> N
             achieved["roformer_hf"] = multiple * train_total / median(times[mode]["roformer_hf"]) / 1e9
         padded_rate = multiple * padded_total / median(times[mode]["transformers"]) / 1e9
         fraction = achieved["roformer_hf"] / reference_gemm
-        print(f"| {label}: real-token GFLOP/s (% of GEMM rate {reference_gemm:.0f}); transformers on its own "
-              f"FLOPs | {achieved['transformers']:.1f} ({achieved['transformers'] / reference_gemm:.0%}); "
+        target = (f"≥ {targets[key]:.0%} (roformer_hf) | {judge(fraction >= targets[key])}" if key in targets
+                  else "| ")
+        print(f"| {label}: real-token GFLOP/s (% of {args.dtype} GEMM rate {reference_gemm:.0f}); transformers on "
+              f"its own FLOPs | {achieved['transformers']:.1f} ({achieved['transformers'] / reference_gemm:.0%}); "
               f"{padded_rate:.1f} ({padded_rate / reference_gemm:.0%}) | {achieved['roformer_hf']:.1f} "
-              f"({fraction:.0%}) | | ≥ {TARGETS['gemm fraction']:.0%} (roformer_hf) | "
-              f"{verdict(fraction >= TARGETS['gemm fraction'])} |")
+              f"({fraction:.0%}) | | {target} |")
     for mode, label in (("infer", "inference"), ("train", "training step")):
         if mode not in memory:
             continue
         mb = {side: memory[mode][side]["extra"] / 2**20 for side in SIDES}
         ratio = mb["roformer_hf"] / mb["transformers"]
-        print(f"| peak memory above weights, 1 x {args.memory_length} tokens, {label}, MiB | "
+        target = (f"≤ {targets['memory ratio']:.3f} | {judge(ratio <= targets['memory ratio'])}"
+                  if "memory ratio" in targets else "| ")
+        print(f"| peak memory above weights, 1 x {args.memory_length} tokens, {label}, {args.dtype}, MiB | "
               f"{mb['transformers']:.0f} | {mb['roformer_hf']:.0f} | roformer_hf / transformers {ratio:.3f} | "
-              f"≤ {TARGETS['memory ratio']:.3f} | "
-              f"{verdict(ratio <= TARGETS['memory ratio'])} |")
-    print(f"| max abs logit difference at real tokens | | {parity['logits']:.2e} | | ≤ {args.tolerance:g} | yes |")
-    print(f"| MLM loss difference; max abs gradient difference (largest gradient) | | {parity['loss']:.2e}; "
+              f"{target} |")
+    print(f"| fp32: max abs logit difference at real tokens | | {parity['logits']:.2e} | | ≤ {args.tolerance:g} | yes |")
+    print(f"| fp32: MLM loss difference; max abs gradient difference (largest gradient) | | {parity['loss']:.2e}; "
           f"{parity['grad']:.2e} ({parity['grad_scale']:.2e}) | | | |")
+    if low_precision:
+        errors = {side: low_precision[side] for side in SIDES}
+        print(f"| {args.dtype} logits against the fp32 ones at real tokens: relative error (max abs) | "
+              f"{errors['transformers']['relative']:.2e} ({errors['transformers']['max abs']:.2e}) | "
+              f"{errors['roformer_hf']['relative']:.2e} ({errors['roformer_hf']['max abs']:.2e}) | | ≤ 1.5x "
+              f"transformers' | yes |")
+        print(f"| {args.dtype} MLM loss (fp32: {parity['fp32 loss']:.4f}) | {errors['transformers']['loss']:.4f} | "
+              f"{errors['roformer_hf']['loss']:.4f} | | | |")
+
+    onnx_report(args, onnx, times, judge)
 
     print(f"\nReal-token FLOPs of one forward: {total / 1e9:.1f} GFLOP (" +
           ", ".join(f"{name} {value / total:.0%}" for name, value in flops.items()) +
@@ -238,7 +327,7 @@ def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> N
           + ("." if args.dense_prediction else
              f"; roformer_hf's training step runs the MLM head on the {labelled} labelled tokens only "
              f"(sparse_prediction), {train_total / 1e9:.1f} GFLOP per forward, and its rate is counted on that."))
-    print("\nfp32 GEMM rate of the model's shapes with the real tokens as rows, torch.mm, median of repeats:\n")
+    print(f"\n{args.dtype} GEMM rate of the model's shapes with the real tokens as rows, torch.mm, median of repeats:\n")
     print("| shape | GFLOP/s |\n|---|---|")
     for name, rate in rates.items():
         print(f"| {name} | {rate:.1f} |")
@@ -253,6 +342,31 @@ def report(args, size, flops, parity, times, rates, reference_gemm, memory) -> N
     print("\n".join(machine_lines()))
 
 
+def onnx_report(args, onnx: dict | str, times: dict, judge: Judge) -> None:
+    """The ONNX Runtime section: `onnx` holds each session's facts, or says why the section was skipped."""
+    print("\n### ONNX Runtime (fp32, the same padded batch)\n")
+    if isinstance(onnx, str):
+        print(f"Skipped: {onnx}.")
+        return
+    sessions = onnx["facts"]
+    version = onnx["version"]
+    ours = median(times["infer"]["roformer_hf"])
+    target = judge.targets["onnx speed-up"]
+    print(f"onnxruntime {version}, CPUExecutionProvider, graph optimizations ORT_ENABLE_ALL, "
+          f"{torch.get_num_threads()} intra-op threads; graphs exported from fp32 PyTorch with "
+          "torch.onnx.export(..., dynamo=True) for this batch's shapes; roformer_hf's graph keeps the padded layout. "
+          f"Timed interleaved with the inference forwards above.\n")
+    print("| graph in ONNX Runtime | forward, s: median (min–max) | roformer_hf "
+          f"{args.dtype} forward is faster by | target | met | max abs logit diff to transformers' eager | "
+          "export, session load |")
+    print("|---|---|---|---|---|---|---|")
+    for name, facts in sessions.items():
+        ratio = median(times["infer"][name]) / ours
+        goal, met = (f"≥ {target:g}x", judge(ratio >= target)) if name == "onnx transformers" else ("", "")
+        print(f"| {ONNX_LABELS[name]} | {spread(times['infer'][name])} | {ratio:.2f}x | {goal} | {met} | "
+              f"{facts['logits']:.2e} | {facts['export']:.1f} s, {facts['load']:.1f} s |")
+
+
 # ---------------------------------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,7 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_size_arguments(parser)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per model and mode")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per model and mode first")
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES),
+                        help="weights and activations of both models (the GEMM reference too)")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="roformer_hf's attention")
+    parser.add_argument("--skip-onnx", action="store_true", help="skip the ONNX Runtime section")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference allowed")
     parser.add_argument("--dense-prediction", action="store_true",
                         help="roformer_hf's MLM head on every token in training too (default: labelled tokens only)")
@@ -293,6 +410,7 @@ def main() -> None:
     batch = padded_batch(args.lengths, args.vocab, args.seed)
     flops = forward_flops(size, args.lengths)
     tokens = sum(args.lengths)
+    dtype = DTYPES[args.dtype]
 
     with tempfile.TemporaryDirectory(prefix="roformer_bench_") as folder:
         from transformers import RoFormerForMaskedLM
@@ -302,18 +420,39 @@ def main() -> None:
         RoFormerForMaskedLM(transformers_config(size, max_positions)).save_pretrained(folder)
         models = {side: load_model(side, folder, args.attn, not args.dense_prediction).eval() for side in SIDES}
 
-        progress("checking outputs")
+        progress("checking outputs (fp32)")
         parity = check_parity(models, batch, args.tolerance)
         print(f"  max abs logit diff {parity['logits']:.2e}, loss diff {parity['loss']:.2e}, "
               f"max abs grad diff {parity['grad']:.2e}", flush=True)
 
-        progress("fp32 GEMM rate")
+        sessions = {}
+        if args.skip_onnx:
+            onnx = "--skip-onnx"
+        elif absent := onnx_runtime.missing():
+            onnx = f"not installed: {absent} (pip install -e '.[onnx]')"
+        else:
+            progress("exporting to ONNX, loading in ONNX Runtime")
+            for model in models.values():
+                model.eval()
+            sessions, facts = onnx_contenders(models, batch, folder, parity)
+            onnx = {"facts": facts, "version": next(iter(sessions.values())).version}
+
+        low_precision = None
+        if dtype != torch.float32:
+            progress(f"loading both models in {args.dtype}, checking their logits against fp32")
+            models = {side: load_model(side, folder, args.attn, not args.dense_prediction, dtype=dtype).eval()
+                      for side in SIDES}
+            low_precision = check_low_precision(models, batch, parity)
+            for side in SIDES:
+                print(f"  {side}: relative error {low_precision[side]['relative']:.2e}", flush=True)
+
+        progress(f"{args.dtype} GEMM rate")
         h, i, v = size.hidden, size.intermediate, size.vocab
         shapes = {f"({tokens} x {h}) @ ({h} x {i}), FFN up": (tokens, h, i),
                   f"({tokens} x {i}) @ ({i} x {h}), FFN down": (tokens, i, h),
                   f"({tokens} x {h}) @ ({h} x {h}), q/k/v/output": (tokens, h, h),
                   f"({tokens} x {h}) @ ({h} x {v}), decoder": (tokens, h, v)}
-        gemms = {name: Gemm(*shape) for name, shape in shapes.items()}
+        gemms = {name: Gemm(*shape, dtype=dtype) for name, shape in shapes.items()}
         rates = {name: gemm.gflops([gemm.sample() for _ in range(max(10, args.repeats))])
                  for name, gemm in gemms.items()}
         # The reference rate (FFN up, the model's largest GEMM) is also sampled between the model runs below, so
@@ -327,22 +466,25 @@ def main() -> None:
             for model in models.values():
                 model.train(mode == "train")
             runners = {side: (lambda side=side: timed_step(models[side], step, batch)) for side in SIDES}
+            if mode == "infer":
+                runners.update({name: (lambda session=session: session.timed(batch))
+                                for name, session in sessions.items()})
             times[mode] = time_interleaved({**runners, "gemm": reference.sample}, args.warmup, args.repeats)
             gemm_samples += times[mode].pop("gemm")
         reference_gemm = reference.gflops(gemm_samples)
         rates["FFN up again, sampled between the model runs: the reference"] = reference_gemm
-        del models
+        del models, sessions
         gc.collect()
 
         memory = {}
         if not args.skip_memory:
             modes = ("infer",) if args.skip_memory_train else ("infer", "train")
             for mode in modes:
-                progress(f"peak memory, {args.memory_length} tokens, {mode}")
+                progress(f"peak memory, {args.memory_length} tokens, {mode}, {args.dtype}")
                 memory[mode] = {side: measure_memory(side, mode, folder, args) for side in SIDES}
 
     progress("done")
-    report(args, size, flops, parity, times, rates, reference_gemm, memory)
+    report(args, size, flops, parity, low_precision, onnx, times, rates, reference_gemm, memory)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ Two workloads: the CPU benchmark's mixed lengths (8 sequences of 512...128 token
 from __future__ import annotations
 
 import argparse
-import platform
 import tempfile
 import time
 from statistics import median
 
 import torch
 
+from common import machine_lines
 from workload import add_size_arguments, allocator_line, keep_freed_memory, parse_args, size_of, transformers_config
 
 SHORT_LINES = 64
@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                       folder, attn_implementation="sdpa", sparse_prediction=True).train()}
         results = [run_workload(name, lengths, models, args) for name, lengths in workloads]
 
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, transformers {transformers.__version__}; {allocator_line(args)}")
+    print("\n" + "\n".join(machine_lines()) + f"\n- allocator: {allocator_line(args)}")
     print(f"model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}, "
           f"vocabulary {size.vocab}; MLM training step (forward + backward), fp32, dropout 0, "
           f"median of {args.repeats} after {args.warmup} warm-up\n")

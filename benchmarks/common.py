@@ -39,19 +39,50 @@ def verdict(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
 
+def bf16_matrix_units(flags: str | set[str]) -> str:
+    """The CPU's fast bf16 matrix arithmetic, from its feature flags (the `flags` line of /proc/cpuinfo): "amx"
+    (Intel AMX tiles, `amx_bf16`: bf16 GEMMs several times the fp32 rate), "avx512_bf16" (bf16 dot products in
+    AVX-512 vectors, `avx512_bf16`: about the fp32 rate) or "none" (bf16 emulated, slower than fp32)."""
+    flags = set(flags.split()) if isinstance(flags, str) else flags
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return "none"
+
+
+BF16_UNITS_DESCRIBED = {"amx": "AMX (amx_bf16): bf16 matrix tiles",
+                        "avx512_bf16": "AVX-512 bf16 (avx512_bf16), no AMX",
+                        "none": "no bf16 matrix instructions (neither amx_bf16 nor avx512_bf16)"}
+
+
+def cpu_info() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags from /proc/cpuinfo (Linux; elsewhere `platform`'s name, no flags)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())  # the first core's
+    except OSError:
+        pass
+    return fields.get("model name", platform.processor() or "unknown"), set(fields.get("flags", "").split())
+
+
+def cpu_bf16_units() -> str:
+    """`bf16_matrix_units` of this machine's CPU."""
+    return bf16_matrix_units(cpu_info()[1])
+
+
 def machine_lines() -> list[str]:
     import transformers
 
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu, flags = cpu_info()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return [
-        f"- CPU: {cpu}, {cores} cores available, ISA {torch.backends.cpu.get_cpu_capability()}",
+        f"- CPU: {cpu}, {cores} cores available, ISA {torch.backends.cpu.get_cpu_capability()}; bf16 matrix "
+        f"units: {BF16_UNITS_DESCRIBED[bf16_matrix_units(flags)]}",
         f"- torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
         f"Python {platform.python_version()}",
         f"- load average (1/5/15 min) at the end: {load}",

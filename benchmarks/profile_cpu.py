@@ -1,11 +1,12 @@
 """Where roformer_hf spends its CPU time: the inference forward and a training step under torch.profiler.
 
     python benchmarks/profile_cpu.py              # the CPU target settings (see workload.py)
+    python benchmarks/profile_cpu.py --dtype bf16 # the same with bf16 weights and activations
     python benchmarks/profile_cpu.py --quick      # tiny configuration
     python benchmarks/profile_cpu.py --trace /tmp/roformer   # also write Chrome traces (chrome://tracing)
 
 Prints the top operators by self CPU time for each, with the share of the step they take. The model is a randomly
-initialised roformer_hf model (speed does not depend on the weights); dropout is off, as in bench_cpu.py.
+initialised roformer_hf model (speed does not depend on the weights) in --dtype; dropout is off, as in bench_cpu.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from workload import add_size_arguments, allocator_line, keep_freed_memory, padded_batch, parse_args, size_of
+from common import machine_lines
+from workload import (DTYPES, add_size_arguments, allocator_line, keep_freed_memory, padded_batch, parse_args,
+                      size_of)
 
 # Operator-name fragments -> the part of the model they stand for; the first match wins.
 CATEGORIES = (
@@ -45,7 +48,7 @@ def build_model(args: argparse.Namespace):
         attention_probs_dropout_prob=0.0, attn_implementation=args.attn, sparse_prediction=not args.dense_prediction,
     )
     torch.manual_seed(args.seed)
-    return roformer_hf.RoFormerForMaskedLM(config)
+    return roformer_hf.RoFormerForMaskedLM(config).to(DTYPES[args.dtype])
 
 
 def categorize(averages, total: float) -> dict[str, tuple[float, list[str]]]:
@@ -94,6 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_size_arguments(parser)
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="weights and activations")
     parser.add_argument("--dense-prediction", action="store_true",
                         help="training runs the MLM head on every token (default: labelled ones only, as bench_cpu.py)")
     parser.add_argument("--warmup", type=int, default=1)
@@ -109,7 +113,7 @@ def main() -> None:
     model = build_model(args)
     input_ids, attention_mask, labels = padded_batch(args.lengths, args.vocab, args.seed)
     print(f"roformer_hf {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, lengths "
-          f"{'/'.join(map(str, args.lengths))}, {torch.get_num_threads()} threads, attention {args.attn}\n"
+          f"{'/'.join(map(str, args.lengths))}, {args.dtype}, {torch.get_num_threads()} threads, attention {args.attn}\n"
           f"allocator: {allocator_line(args)}")
 
     def forward():
@@ -124,6 +128,7 @@ def main() -> None:
     profile_step("inference forward", forward, args.warmup, args)
     model.train()
     profile_step("training step", train_step, args.warmup, args)
+    print("\nMachine:\n\n" + "\n".join(machine_lines()))
 
 
 if __name__ == "__main__":

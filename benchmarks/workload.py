@@ -20,6 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --dtype of the CPU scripts
 TARGET_LENGTHS = (512, 480, 400, 350, 300, 256, 200, 128)
 QUICK = dict(layers=2, hidden=64, heads=4, intermediate=256, vocab=1000, lengths=(64, 60, 50, 40, 32, 16),
              memory_length=256, repeats=3, warmup=1)

@@ -474,34 +474,52 @@ class RoFormerLMPredictions(nn.Module):
         if config.uses_layer_norm:
             self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits ``(*, vocab_size)`` of ``(*, hidden_size)`` states; with `out`, written into it.
+
+        Into `out`, the decoder's GEMM writes straight into the caller's memory when nothing needs its own output:
+        no autograd, no autocast, and a plain `nn.Linear` decoder without hooks (not wrapped by an adapter such as
+        LoRA). Otherwise the decoder runs as usual and its result is copied into `out`.
+        """
         if hasattr(self, "transform"):
             hidden_states = self.transform(hidden_states)
-        return self.decoder(hidden_states)
+        if out is None:
+            return self.decoder(hidden_states)
+        if not self._decoder_writes_into(hidden_states, out):
+            return out.copy_(self.decoder(hidden_states))
+        weight, bias = self.decoder.weight, self.decoder.bias
+        if bias is None:
+            return torch.mm(hidden_states, weight.t(), out=out)
+        return torch.addmm(bias, hidden_states, weight.t(), out=out)
+
+    def _decoder_writes_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> bool:
+        decoder = self.decoder
+        return (type(decoder) is nn.Linear and not (decoder._forward_hooks or decoder._forward_pre_hooks)
+                and not torch.is_grad_enabled() and not torch.is_autocast_enabled(out.device.type)
+                and hidden_states.dtype == decoder.weight.dtype == out.dtype)
 
 
-def logits_in_padded_layout(head: nn.Module, hidden_states: torch.Tensor, layout: BatchLayout,
+def logits_in_padded_layout(head: RoFormerLMPredictions, hidden_states: torch.Tensor, layout: BatchLayout,
                             min_rows: int = 64) -> torch.Tensor:
     """``layout.to_padded(head(hidden_states))`` for the MLM head, whose output is wide: ``(B, L, vocab_size)``.
 
     On CPU, with contiguous sequences of ``min_rows`` tokens on average or more, the head runs one sequence at a
-    time and each result goes straight into the padded output: no packed ``(N, vocab)`` intermediate and no copy
-    of it. Shorter sequences would make each GEMM too small (re-reading the whole decoder weight), so they, other
-    devices and masks with holes take ``to_padded(head(x))``.
+    time and writes its logits into their rows of the padded output (see `RoFormerLMPredictions.forward`): no
+    packed ``(N, vocab)`` intermediate, and in inference no copy at all. Shorter sequences would make each GEMM too
+    small (re-reading the whole decoder weight), so they, other devices and masks with holes take
+    ``to_padded(head(x))``.
     """
     blocks = layout.blocks() if hidden_states.device.type == "cpu" else None
     if not blocks or hidden_states.shape[0] < min_rows * len(blocks):
         return layout.to_padded(head(hidden_states))
-    padded, end = None, 0
+    no_rows = head(hidden_states[:0])  # (0, V): the logits' width and dtype (autocast, adapters), for free
+    padded, end = no_rows.new_empty(layout.batch_size * layout.seq_len, no_rows.shape[-1]), 0
     for packed_start, padded_start, length in blocks:
-        rows = head(hidden_states[packed_start:packed_start + length])
-        if padded is None:
-            padded = rows.new_empty(layout.batch_size * layout.seq_len, *rows.shape[1:])
         padded[end:padded_start] = 0
-        padded[padded_start:padded_start + length] = rows
+        head(hidden_states[packed_start:packed_start + length], out=padded[padded_start:padded_start + length])
         end = padded_start + length
     padded[end:] = 0
-    return padded.view(layout.batch_size, layout.seq_len, *padded.shape[1:])
+    return padded.view(layout.batch_size, layout.seq_len, -1)
 
 
 class RoFormerForMaskedLM(RoFormerHeadModel):

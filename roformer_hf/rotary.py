@@ -79,8 +79,10 @@ def rotate(x: torch.Tensor, phases: torch.Tensor, layout: str = "interleaved") -
     if is_tracing():
         (real, imag), (cos, sin) = pairs.unbind(-1), phases.float().unbind(-1)
         turned = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    else:
+    elif xf is x:
         turned = torch.view_as_real(_as_complex(pairs) * _as_complex(phases.float()))
+    else:  # xf is already our float32 copy of a lower-precision x: rotate it in place, no second buffer
+        turned = torch.view_as_real(_as_complex(pairs).mul_(_as_complex(phases.float())))
     if layout == "interleaved":
         return turned.flatten(-2).to(x.dtype)
     return torch.cat(turned.unbind(-1), dim=-1).to(x.dtype)

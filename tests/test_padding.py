@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from roformer_hf.modeling import logits_in_padded_layout
+from helpers import tiny_config
+
+from roformer_hf.modeling import RoFormerLMPredictions, logits_in_padded_layout
 from roformer_hf.padding import BatchLayout
 
 MASK = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
@@ -71,43 +73,65 @@ def test_edge_tokens_are_each_sequences_first_and_last_real_token(unpad):
     assert torch.equal(no_padding.edge_tokens(x), x[:, 0]) and torch.equal(no_padding.edge_tokens(x, True), x[:, -1])
 
 
-def test_logits_in_padded_layout_equals_unpack_of_the_mapped_tokens():
-    """The per-sequence path (contiguous sequences) and the fallback (holes) both give unpack(fn(x)), values and
-    gradients, with zeros at the padding."""
-    weight = torch.randn(3, 5)
+def mlm_head(**overrides) -> RoFormerLMPredictions:
+    torch.manual_seed(0)
+    config = tiny_config(hidden_size=8, num_attention_heads=2, vocab_size=5, **overrides)
+    head = RoFormerLMPredictions(config)
+    if head.decoder.bias is not None:
+        torch.nn.init.normal_(head.decoder.bias)  # not zeros, so that a lost bias shows
+    return head
 
-    def fn(t):
-        return torch.tanh(t @ weight)
 
+@pytest.mark.parametrize("v2", [False, True], ids=["RoFormer", "RoFormer-V2 (no transform, no bias)"])
+def test_logits_in_padded_layout_equals_unpack_of_the_mapped_tokens(v2):
+    """The per-sequence path (contiguous sequences) and the fallback (holes) both give unpack(head(x)), values and
+    gradients, with zeros at the padding; without autograd the decoder writes straight into the padded logits,
+    with the same values."""
+    head = mlm_head(**(dict(use_bias=False, norm_type="rms_norm") if v2 else {}))
     for mask in (MASK, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]),
                  torch.tensor([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 1]])):
         batch = BatchLayout.from_attention_mask(mask, 4, 4)
-        x = torch.randn(int(mask.sum()), 3, requires_grad=True)
-        mapped = logits_in_padded_layout(fn, x, batch, min_rows=1)  # per sequence even for these short ones
-        expected = batch.unpack(fn(x))
+        x = torch.randn(int(mask.sum()), 8, requires_grad=True)
+        mapped = logits_in_padded_layout(head, x, batch, min_rows=1)  # per sequence even for these short ones
+        expected = batch.unpack(head(x))
         assert mapped.shape == (4, 4, 5)
-        torch.testing.assert_close(mapped, expected, atol=0, rtol=0)
+        torch.testing.assert_close(mapped, expected)
         assert (mapped[~mask.bool()] == 0).all()
         grad = torch.randn(4, 4, 5)
         (got,) = torch.autograd.grad(mapped, x, grad)
         (want,) = torch.autograd.grad(expected, x, grad)
         torch.testing.assert_close(got, want)
+        with torch.inference_mode():
+            torch.testing.assert_close(logits_in_padded_layout(head, x, batch, min_rows=1), expected.detach())
 
 
-def test_logits_in_padded_layout_runs_fn_per_sequence_only_for_long_enough_sequences():
-    calls = []
+def test_the_head_writes_into_out_only_where_nothing_else_sees_the_decoder():
+    head, x = mlm_head(), torch.randn(3, 8)
+    expected = head(x).detach()
+    seen = []
+    for hooked in (False, True):
+        if hooked:  # a hook on the decoder (torchinfo, an adapter) must still see its call
+            head.decoder.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+        out = torch.full((3, 5), float("nan"))
+        with torch.no_grad():
+            assert head(x, out=out) is out
+        torch.testing.assert_close(out, expected)
+    assert seen == [(3, 5)]
 
-    def fn(t):
-        calls.append(t.shape[0])
-        return t * 2
 
+def test_logits_in_padded_layout_runs_the_head_per_sequence_only_for_long_enough_sequences():
+    head, calls = mlm_head(), []
+    head.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
     batch = BatchLayout.from_attention_mask(MASK, 4, 4)  # sequences of 3, 4 and 2 tokens
-    x = torch.randn(9, 3)
-    torch.testing.assert_close(logits_in_padded_layout(fn, x, batch, min_rows=3), batch.unpack(x * 2))
-    assert calls == [3, 4, 2]
-    calls.clear()
-    torch.testing.assert_close(logits_in_padded_layout(fn, x, batch, min_rows=4), batch.unpack(x * 2))
-    assert calls == [9]  # 9 tokens < 4 x 3 sequences: one call on all the packed tokens
+    x = torch.randn(9, 8)
+    with torch.no_grad():
+        expected = batch.unpack(head(x))
+        calls.clear()
+        torch.testing.assert_close(logits_in_padded_layout(head, x, batch, min_rows=3), expected)
+        assert [n for n in calls if n] == [3, 4, 2]  # (a call on no rows tells the logits' width and dtype)
+        calls.clear()
+        torch.testing.assert_close(logits_in_padded_layout(head, x, batch, min_rows=4), expected)
+        assert calls == [9]  # 9 tokens < 4 x 3 sequences: one call on all the packed tokens
 
 
 def test_a_batch_without_real_tokens_packs_to_nothing():

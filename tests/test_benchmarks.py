@@ -1,0 +1,61 @@
+"""The CPU benchmark's own logic (not its timings): which bf16 matrix units a CPU's flags announce, and the ONNX
+Runtime section skipped cleanly where onnxruntime is not installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers import EXAMPLES, PYTHON, block_imports
+
+BENCHMARKS = EXAMPLES.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+from common import bf16_matrix_units, machine_lines  # noqa: E402
+
+# Abridged /proc/cpuinfo flags lines of the CPUs these machines have had.
+XEON_SAPPHIRE_RAPIDS = "fpu vme sse2 avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8 arch_lbr"
+EPYC_GENOA = "fpu vme sse2 avx2 avx512f avx512_vnni avx512_bf16 clzero xsaveerptr"
+EPYC_ROME = "fpu vme sse2 avx2 fma bmi2 clzero xsaveerptr"
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (XEON_SAPPHIRE_RAPIDS, "amx"),
+    (EPYC_GENOA, "avx512_bf16"),
+    (EPYC_ROME, "none"),
+    ("", "none"),
+    ("amx_tile amx_int8", "none"),  # AMX without its bf16 part
+    ({"avx512_bf16", "amx_bf16"}, "amx"),  # a set of flags works too
+])
+def test_bf16_matrix_units_from_cpu_flags(flags, expected):
+    assert bf16_matrix_units(flags) == expected
+
+
+def test_flags_are_whole_words():
+    assert bf16_matrix_units("xamx_bf16 avx512_bf16x") == "none"
+
+
+def test_machine_line_names_the_bf16_units():
+    assert "bf16 matrix units: " in machine_lines()[0]
+
+
+def test_onnx_section_knows_what_is_missing():
+    script = block_imports("onnxruntime") + (
+        f"sys.path.insert(0, {str(BENCHMARKS)!r})\nimport onnx_runtime\nprint(onnx_runtime.missing())")
+    result = subprocess.run([PYTHON, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["onnxruntime"]
+
+
+def test_benchmark_without_onnxruntime_skips_the_section():
+    """The whole quick benchmark runs where onnxruntime cannot be imported, and its report says why the ONNX
+    Runtime section is missing."""
+    script = block_imports("onnxruntime") + (
+        f"sys.path.insert(0, {str(BENCHMARKS)!r})\n"
+        "sys.argv = ['bench_cpu.py', '--quick', '--skip-train', '--skip-memory', '--repeats', '1', '--warmup', '0']\n"
+        "import bench_cpu\nbench_cpu.main()\n")
+    result = subprocess.run([PYTHON, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "### ONNX Runtime" in result.stdout
+    assert "Skipped: not installed: onnxruntime" in result.stdout
+    assert "inference forward, fp32" in result.stdout
