@@ -12,7 +12,8 @@ convention: ``B = 1``, ``L = N`` real tokens, sequence boundaries in ``cu_seq_le
 - sequence offsets known (real tokens side by side, or packed rows), flash-attn: its varlen kernel reads the
   tokens directly;
 - the same with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its own slice (no padding, no mask);
-  with attention dropout in training, `blocked_dropout_attention_forward` keeps its memory linear in length;
+  with attention dropout in training, `blocked_dropout_attention_forward` (`BlockedDropoutAttention`) keeps only
+  the dropout mask, as bits;
 - otherwise the padded layout ``(B, nh, L, d)`` with the key mask (`attend_padded`): padding masked, and packed
   rows masked block-diagonally.
 """
@@ -36,7 +37,7 @@ from .padding import BatchLayout
 
 SDPA_VARLEN = "roformer_sdpa_varlen"
 SDPA_DROPOUT = "roformer_sdpa_dropout"
-DROPOUT_BLOCK_ROWS = 512  # queries per block of `blocked_dropout_attention_forward`, used beyond two blocks
+DROPOUT_BLOCK_ROWS = 512  # queries per block of `BlockedDropoutAttention`, used beyond two blocks
 
 
 def eager_attention_forward(
