@@ -2,13 +2,19 @@
 
     python benchmarks/bench_dropout.py            # 4096 tokens, base width, 4 layers (a few minutes on 2 cores)
     python benchmarks/bench_dropout.py --quick    # tiny smoke configuration (seconds)
+    python benchmarks/bench_dropout.py --attention-only --repeats 3   # one layer's attention, the kernels alone
 
 Three settings of roformer_hf's RoFormerForMaskedLM (MLM training step: forward + backward, fp32, labels on ~15%
 of the tokens, sparse prediction), each in a fresh process so that its peak memory (`ru_maxrss`) is its own:
 
 - dropout 0 (hidden and attention): SDPA's fused CPU kernel;
-- dropout 0.1: attention in blocks of queries, recomputed in the backward pass (`blocked_dropout_attention_forward`);
-- dropout 0.1 through SDPA's math kernel, which keeps the (heads, L, L) weights: what roformer_hf did before.
+- dropout 0.1: `BlockedDropoutAttention` (through `blocked_dropout_attention_forward`), one block of queries of one
+  head at a time, the dropout mask kept as bits and the weights recomputed in the backward pass;
+- dropout 0.1 through SDPA's math kernel, which keeps the (heads, L, L) weights: what roformer_hf did before
+  blocks.
+
+`--attention-only` times one layer's attention instead (forward + backward on random ``(1, heads, L, 64)`` tensors):
+SDPA's fused kernel with dropout 0 and `BlockedDropoutAttention` with dropout 0.1, interleaved in one process.
 """
 
 from __future__ import annotations
@@ -57,14 +63,50 @@ def worker(args) -> None:
     print(json.dumps({"seconds": median(times), "min": min(times), "max": max(times), "peak_mib": peak_mib}))
 
 
+def attention_only(args) -> None:
+    """Times one layer's attention, forward + backward, with and without dropout, interleaved."""
+    from roformer_hf.attention import DROPOUT_BLOCK_ROWS, BlockedDropoutAttention
+
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = (1, args.heads, args.length, args.hidden // args.heads)
+    query, key, value = (torch.randn(shape, generator=generator, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, generator=generator)
+    scaling = shape[-1] ** -0.5
+    kernels = {
+        "SDPA fused kernel, dropout 0": lambda: torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, scale=scaling),
+        f"BlockedDropoutAttention, dropout 0.1, {DROPOUT_BLOCK_ROWS} queries per block": lambda: (
+            BlockedDropoutAttention.apply(query, key, value, None, scaling, 0.1, DROPOUT_BLOCK_ROWS)),
+    }
+    times = {name: [] for name in kernels}
+    for step in range(args.warmup + args.repeats):
+        for name, kernel in kernels.items():
+            start = time.perf_counter()
+            kernel().backward(grad)
+            if step >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+            query.grad = key.grad = value.grad = None
+    base = median(next(iter(times.values())))
+    print(f"\nattention of one layer, forward + backward: {shape} (batch, heads, tokens, head dim), fp32, CPU, "
+          f"{torch.get_num_threads()} threads; interleaved, median of {args.repeats} after {args.warmup} warm-up\n")
+    print("| kernel | forward + backward | / fused kernel |")
+    print("| --- | --- | --- |")
+    for name, seconds in times.items():
+        print(f"| {name} | {median(seconds):.2f} s ({min(seconds):.2f}-{max(seconds):.2f}) "
+              f"| {median(seconds) / base:.2f}x |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser)
     parser.add_argument("--length", type=int, default=4096, help="tokens in the one sequence")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--attention-only", action="store_true", help="time one layer's attention kernels alone")
     parser.add_argument("--setting", choices=SETTINGS, help=argparse.SUPPRESS)
     args = parse_args(parser, argv, length=512, repeats=1)
+    if args.attention_only:
+        return attention_only(args)
     if args.setting:
         return worker(args)
     results = {}

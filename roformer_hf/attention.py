@@ -12,7 +12,8 @@ convention: ``B = 1``, ``L = N`` real tokens, sequence boundaries in ``cu_seq_le
 - sequence offsets known (real tokens side by side, or packed rows), flash-attn: its varlen kernel reads the
   tokens directly;
 - the same with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its own slice (no padding, no mask);
-  with attention dropout in training, `blocked_dropout_attention_forward` keeps its memory linear in length;
+  with attention dropout in training, `blocked_dropout_attention_forward` (`BlockedDropoutAttention`) keeps only
+  the dropout mask, as bits;
 - otherwise the padded layout ``(B, nh, L, d)`` with the key mask (`attend_padded`): padding masked, and packed
   rows masked block-diagonally.
 """
@@ -36,7 +37,7 @@ from .padding import BatchLayout
 
 SDPA_VARLEN = "roformer_sdpa_varlen"
 SDPA_DROPOUT = "roformer_sdpa_dropout"
-DROPOUT_BLOCK_ROWS = 512  # queries per block of `blocked_dropout_attention_forward`, used beyond two blocks
+DROPOUT_BLOCK_ROWS = 512  # queries per block of `BlockedDropoutAttention`, used beyond two blocks
 
 
 def eager_attention_forward(
@@ -101,23 +102,29 @@ def blocked_dropout_attention_forward(module: nn.Module, query: Tensor, key: Ten
                                       attention_mask: Tensor | None, scaling: float, dropout: float = 0.0,
                                       **kwargs) -> tuple[Tensor, None]:
     """SDPA with attention dropout in training, in blocks of `DROPOUT_BLOCK_ROWS` queries, for the CPU: query etc.
-    ``(B, nh, L, d)``, the key mask ``(B, 1, 1, L)``, the output ``(B, L, nh, d)``.
+    ``(B, nh, L, d)``, the key mask ``(B, 1, 1 or L, L)``, the output ``(B, L, nh, d)``.
 
     PyTorch's fused CPU kernel has no dropout, so SDPA with dropout falls back to its math kernel, which keeps the
     ``(B, nh, L, L)`` weights, their dropout mask and the dropped weights for the backward pass: at 4096 tokens,
-    several times the memory and time of the fused kernel. Here each block of queries attends to every key and
-    is recomputed in the backward pass (`torch.utils.checkpoint`, which replays the random state, so the same
-    dropout mask), so only one ``(B, nh, block, L)`` block of weights lives at a time. Dropout is the same: each
-    weight is kept with probability ``1 - dropout`` and scaled by ``1 / (1 - dropout)``. The recomputation costs
-    time, so sequences of up to two blocks (whose weights are small) take SDPA's math kernel as they are.
+    several times the memory and time of the fused kernel. `BlockedDropoutAttention` attends one block of queries
+    of one head at a time and keeps only the dropout mask, as bits. Sequences of up to two blocks (whose weights
+    are small) take SDPA's math kernel as they are.
     """
-    if not (dropout and module.training) or query.shape[2] <= 2 * DROPOUT_BLOCK_ROWS:
+    dropout = dropout if module.training else 0.0
+    if not dropout or query.shape[2] <= 2 * DROPOUT_BLOCK_ROWS:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling)
     key, value = key_value_heads_for_every_query_head(module, key, value)
-    blocks = [checkpoint(_attend_block, q, key, value, attention_mask, scaling, dropout, use_reentrant=False)
-              for q in query.split(DROPOUT_BLOCK_ROWS, dim=2)]
-    return torch.cat(blocks, dim=2).transpose(1, 2), None  # (B, L, nh, d)
+    if torch.compiler.is_compiling():  # plain ops the compiler can trace: each block recomputed in the backward pass
+        blocks = [checkpoint(_attend_block, q, key, value, attention_mask, scaling, dropout, use_reentrant=False)
+                  for q in query.split(DROPOUT_BLOCK_ROWS, dim=2)]
+        return torch.cat(blocks, dim=2).transpose(1, 2), None
+    output = BlockedDropoutAttention.apply(query, key, value, attention_mask, scaling, dropout, DROPOUT_BLOCK_ROWS)
+    return output.transpose(1, 2), None  # (B, L, nh, d)
+
+
+def _attend_block(query, key, value, attention_mask, scaling, dropout):
+    return softmax_attention(query, key, value, attention_mask, scaling, dropout, training=True)[0]
 
 
 def key_value_heads_for_every_query_head(module: nn.Module, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -127,8 +134,111 @@ def key_value_heads_for_every_query_head(module: nn.Module, key: Tensor, value: 
     return repeat_kv(key, groups), repeat_kv(value, groups)
 
 
-def _attend_block(query, key, value, attention_mask, scaling, dropout):
-    return softmax_attention(query, key, value, attention_mask, scaling, dropout, training=True)[0]
+class BlockedDropoutAttention(torch.autograd.Function):
+    """``dropout(softmax(q k^T * scaling, masked)) v`` one block of queries of one head at a time, flash-attention
+    style in plain torch ops: query, key, value ``(B, nh, L, d)``, attention_mask ``(B, 1 or nh, 1 or L, L)``
+    (bool, True = may attend; or additive) or ``None``; returns ``(B, nh, L, d)``.
+
+    Each weight is dropped with probability `dropout` (`draw_dropout_mask`) and each kept one scaled by
+    ``1 / (1 - dropout)``, as `nn.functional.dropout` does. The forward pass keeps q, k, v, the output and the
+    dropout mask packed in bits (``B * nh * L * L / 8`` bytes: 25 MB for 12 heads at 4096 tokens) instead of the
+    weights; the backward pass recomputes each block's weights and reads its mask back, so it draws no random
+    numbers and its gradients are those of the forward's mask. Half and bfloat16 inputs are computed in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float,
+                dropout: float, block_rows: int) -> Tensor:
+        ctx.input_dtype = query.dtype
+        dtype = torch.promote_types(query.dtype, torch.float32)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+        batch, heads, length, _ = query.shape
+        query = query * scaling
+        output = query.new_empty(*query.shape[:-1], value.shape[-1])
+        dropped = torch.empty(batch, heads, length, _packed_length(length), dtype=torch.uint8, device=query.device)
+        for b, h, rows in _blocks(batch, heads, length, block_rows):
+            weights = _softmax_block(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
+            drop = draw_dropout_mask(*weights.shape, dropout, device=weights.device)  # (rows, L up to 8 n)
+            dropped[b, h, rows] = _pack_bits(drop)
+            weights.masked_fill_(drop[:, :length], 0)
+            torch.addmm(output[b, h, rows], weights, value[b, h], beta=0, alpha=1 / (1 - dropout),
+                        out=output[b, h, rows])
+        ctx.save_for_backward(query, key, value, output, dropped, attention_mask)
+        ctx.dropout, ctx.block_rows, ctx.scaling = dropout, block_rows, scaling
+        return output.to(ctx.input_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        query, key, value, output, dropped, attention_mask = ctx.saved_tensors
+        batch, heads, length, _ = query.shape
+        grad_output = grad_output.to(query.dtype)
+        row_dot = (grad_output * output).sum(-1, keepdim=True)  # (B, nh, L, 1): rowsum(dO * O) = rowsum(P * dP)
+        grad_output = grad_output / (1 - ctx.dropout)
+        grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        for b, h, rows in _blocks(batch, heads, length, ctx.block_rows):
+            weights = _softmax_block(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
+            kept = weights.masked_fill(_unpack_bits(dropped[b, h, rows])[:, :length], 0)
+            grad_value[b, h].addmm_(kept.T, grad_output[b, h, rows])
+            grad_scores = torch.mm(grad_output[b, h, rows], value[b, h].T)  # dP, then dS = P * (dP - rowsum(P dP))
+            grad_scores.mul_(kept).addcmul_(weights, row_dot[b, h, rows], value=-1)
+            torch.addmm(grad_query[b, h, rows], grad_scores, key[b, h], beta=0, alpha=ctx.scaling,
+                        out=grad_query[b, h, rows])
+            grad_key[b, h].addmm_(grad_scores.T, query[b, h, rows])
+        grads = (g.to(ctx.input_dtype) for g in (grad_query, grad_key, grad_value))
+        return *grads, None, None, None, None
+
+
+def draw_dropout_mask(rows: int, columns: int, dropout: float, device: torch.device | None = None) -> Tensor:
+    """Which attention weights to drop: ``(rows, columns)`` rounded up to a multiple of 8 columns, bool, each True
+    with probability `dropout` rounded to a multiple of 2**-16 (0.1: 0.100006).
+
+    Each 64-bit draw of the generator gives four 16-bit numbers: the cost of `Tensor.bernoulli_` (one draw per
+    weight, and on CPU about 4x slower) matters when every one of the ``L x L`` weights needs one.
+    """
+    columns = -(-columns // 8) * 8
+    words = torch.empty(rows, columns // 4, dtype=torch.int64, device=device)
+    words.random_(torch.iinfo(torch.int64).min, None)  # the full 64-bit range
+    return words.view(torch.int16) < round(dropout * 65536) - 32768  # (rows, columns)
+
+
+_GATHER_BITS = 0x0102040810204080  # moves bit 0 of byte i of an int64 to bit 56 + i, without carries
+_BIT_I_OF_BYTE_I = 0x8040201008040201 - (1 << 64)  # as a signed int64
+
+
+def _packed_length(columns: int) -> int:
+    return -(-columns // 8)
+
+
+def _pack_bits(flags: Tensor) -> Tensor:
+    """``(rows, 8 n)`` bool -> ``(rows, n)`` uint8, bit i of byte j = flag ``8 j + i``."""
+    return (flags.view(torch.int64) * _GATHER_BITS).bitwise_right_shift_(56).to(torch.uint8)
+
+
+def _unpack_bits(bits: Tensor) -> Tensor:
+    """The inverse of `_pack_bits`: each byte copied to the 8 bytes of an int64, byte i keeping bit i."""
+    spread = bits.to(torch.int64).mul_(0x0101010101010101).bitwise_and_(_BIT_I_OF_BYTE_I)
+    return spread.view(torch.uint8) != 0  # (rows, 8 n)
+
+
+def _blocks(batch: int, heads: int, length: int, block_rows: int):
+    """(batch index, head index, slice of query rows) of every block, in the order the masks are drawn."""
+    for b in range(batch):
+        for h in range(heads):
+            for start in range(0, length, block_rows):
+                yield b, h, slice(start, start + block_rows)
+
+
+def _softmax_block(query: Tensor, key: Tensor, attention_mask: Tensor | None, b: int, h: int, rows: slice) -> Tensor:
+    """``softmax(query key^T)`` of one block, ``(rows, L)``, masked as ``attention_mask[b, h, rows]`` says."""
+    scores = torch.mm(query, key.T)
+    if attention_mask is not None:
+        mask = attention_mask[b % attention_mask.shape[0], h % attention_mask.shape[1]]  # (1 or L, L)
+        mask = mask[rows] if mask.shape[0] > 1 else mask
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores.add_(mask)
+    return torch.softmax(scores, dim=-1, out=scores)
 
 
 AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention_forward)

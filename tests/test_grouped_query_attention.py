@@ -119,8 +119,8 @@ def test_attention_dropout_in_training_equals_repeated_heads(length):
 def test_kernels_on_tensors_equal_repeated_heads(monkeypatch):
     """The kernels of attention.py, called directly: (B, nh, L, d) queries with (B, nkv, L, d) keys and values."""
     blocks = []
-    attend_block = attention._attend_block
-    monkeypatch.setattr(attention, "_attend_block", lambda *args: blocks.append(1) or attend_block(*args))
+    draw = attention.draw_dropout_mask
+    monkeypatch.setattr(attention, "draw_dropout_mask", lambda *args, **kw: blocks.append(1) or draw(*args, **kw))
 
     class Module(torch.nn.Module):
         def __init__(self, groups: int):
