@@ -109,8 +109,8 @@ def main() -> None:
     banner(f"2/5 fine-tuning: a passage {TASK}")
     cls = run_classification.main(common_args(out / "classifier", args) + [
         "--model_name_or_path", str(out / "mlm"), "--task", "word_order", "--max_seq_length", str(SEQ_LEN),
-        "--num_train_epochs",
-        str(args.cls_epochs), "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "64",
+        "--num_train_epochs", str(args.cls_epochs), "--per_device_train_batch_size", "16",
+        "--per_device_eval_batch_size", "64",
         "--learning_rate", "2e-4", "--warmup_steps", "20", "--weight_decay", "0.01",
         # Passages of a few plays overfit: evaluate every half epoch and keep the best checkpoint.
         "--eval_strategy", "epoch" if args.cls_epochs <= 1 else "steps", "--eval_steps", "0.25",
