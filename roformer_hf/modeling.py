@@ -36,6 +36,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .attention import attend
 from .configuration import RoFormerConfig, refuse_decoder_switches
+from .fused import fused_linear
 from .loading import CheckpointPolicy
 from .padding import BatchLayout
 from .rotary import inverse_frequencies, rotary_phases, rotate
@@ -132,8 +133,8 @@ class RoFormerSelfAttention(nn.Module):
         layout: BatchLayout,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query = self.query(hidden_states).unflatten(-1, (self.num_heads, self.head_dim))  # (*T, nh, d)
-        key, value = (proj(hidden_states).unflatten(-1, (self.num_key_value_heads, self.head_dim))
+        query = fused_linear(self.query, hidden_states).unflatten(-1, (self.num_heads, self.head_dim))  # (*T, nh, d)
+        key, value = (fused_linear(proj, hidden_states).unflatten(-1, (self.num_key_value_heads, self.head_dim))
                       for proj in (self.key, self.value))  # (*T, nkv, d)
         rotary_layout, phases = self.config.rotary_layout, rotation.phases
         query, key = rotate(query, phases, rotary_layout), rotate(key, phases, rotary_layout)
@@ -167,7 +168,7 @@ class RoFormerResidual(nn.Module):
         return self.LayerNorm(hidden_states) if self.pre_norm else hidden_states
 
     def forward(self, sublayer_output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        hidden_states = residual + self.dropout(self.dense(sublayer_output))
+        hidden_states = fused_linear(self.dense, sublayer_output, self.dropout, residual)
         return hidden_states if self.pre_norm else self.LayerNorm(hidden_states)
 
 
@@ -193,7 +194,7 @@ class RoFormerIntermediate(nn.Module):
         self.intermediate_act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.intermediate_act_fn(self.dense(hidden_states))
+        return fused_linear(self.dense, hidden_states, self.intermediate_act_fn)
 
 
 class RoFormerLayer(GradientCheckpointingLayer):
@@ -454,7 +455,7 @@ class RoFormerPredictionTransform(nn.Module):
         self.LayerNorm = norm(config, config.embedding_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.activation(self.dense(hidden_states)))
+        return self.LayerNorm(fused_linear(self.dense, hidden_states, self.activation))
 
 
 class RoFormerLMPredictions(nn.Module):
@@ -474,29 +475,10 @@ class RoFormerLMPredictions(nn.Module):
         if config.uses_layer_norm:
             self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
-    def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits ``(*, vocab_size)`` of ``(*, hidden_size)`` states; with `out`, written into it.
-
-        Into `out`, the decoder's GEMM writes straight into the caller's memory when nothing needs its own output:
-        no autograd, no autocast, and a plain `nn.Linear` decoder without hooks (not wrapped by an adapter such as
-        LoRA). Otherwise the decoder runs as usual and its result is copied into `out`.
-        """
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (*, hidden_size) -> (*, vocab_size)
         if hasattr(self, "transform"):
             hidden_states = self.transform(hidden_states)
-        if out is None:
-            return self.decoder(hidden_states)
-        if not self._decoder_writes_into(hidden_states, out):
-            return out.copy_(self.decoder(hidden_states))
-        weight, bias = self.decoder.weight, self.decoder.bias
-        if bias is None:
-            return torch.mm(hidden_states, weight.t(), out=out)
-        return torch.addmm(bias, hidden_states, weight.t(), out=out)
-
-    def _decoder_writes_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> bool:
-        decoder = self.decoder
-        return (type(decoder) is nn.Linear and not (decoder._forward_hooks or decoder._forward_pre_hooks)
-                and not torch.is_grad_enabled() and not torch.is_autocast_enabled(out.device.type)
-                and hidden_states.dtype == decoder.weight.dtype == out.dtype)
+        return fused_linear(self.decoder, hidden_states)
 
 
 def logits_in_padded_layout(head: RoFormerLMPredictions, hidden_states: torch.Tensor, layout: BatchLayout,
@@ -504,8 +486,8 @@ def logits_in_padded_layout(head: RoFormerLMPredictions, hidden_states: torch.Te
     """``layout.to_padded(head(hidden_states))`` for the MLM head, whose output is wide: ``(B, L, vocab_size)``.
 
     On CPU, with contiguous sequences of ``min_rows`` tokens on average or more, the head runs one sequence at a
-    time and writes its logits into their rows of the padded output (see `RoFormerLMPredictions.forward`): no
-    packed ``(N, vocab)`` intermediate, and in inference no copy at all. Shorter sequences would make each GEMM too
+    time and its logits are copied into their rows of the padded output: no packed ``(N, vocab)`` intermediate,
+    only one sequence's logits at a time, whose memory the allocator reuses. Shorter sequences would make each GEMM too
     small (re-reading the whole decoder weight), so they, other devices and masks with holes take
     ``to_padded(head(x))``.
     """
@@ -516,7 +498,7 @@ def logits_in_padded_layout(head: RoFormerLMPredictions, hidden_states: torch.Te
     padded, end = no_rows.new_empty(layout.batch_size * layout.seq_len, no_rows.shape[-1]), 0
     for packed_start, padded_start, length in blocks:
         padded[end:padded_start] = 0
-        head(hidden_states[packed_start:packed_start + length], out=padded[padded_start:padded_start + length])
+        padded[padded_start:padded_start + length] = head(hidden_states[packed_start:packed_start + length])
         end = padded_start + length
     padded[end:] = 0
     return padded.view(layout.batch_size, layout.seq_len, -1)

@@ -1,0 +1,79 @@
+"""Dense layers for CPU inference: oneDNN's GEMM, with the activation or the residual add fused into it.
+
+`nn.Linear` on CPU runs MKL's GEMM (after copying the bias into its output), and the activation or residual add
+that follows is another pass over that output, into fresh memory. `torch.ops.mkldnn._linear_pointwise`, the kernel
+torch.compile's CPU backend emits for linear layers, applies either to the GEMM's result before it is stored; on the
+CPU benchmark's shapes its GEMM alone also ran 7-25% faster than MKL's (AMD EPYC with AVX-512, fp32;
+`benchmarks/RESULTS.md`, session 6).
+
+It has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it only in eager
+forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
+would: a plain `nn.Linear` (not an adapter such as LoRA's, not a quantized weight) without hooks, fp32 or bf16
+without autocast, on CPU. Everywhere else `fused_linear` calls the module and applies the activation and the addition
+as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers.activations import GELUActivation
+from transformers.utils.import_utils import is_tracing
+
+_KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+
+
+def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = None,
+           residual: Tensor | None = None) -> Tensor:
+    """``residual + activation(layer(x))`` (both optional): one oneDNN call where it applies (see above).
+
+    Args:
+        layer: the dense layer, ``in_features -> out_features``.
+        x: ``(*, in_features)``.
+        activation: applied to the layer's output; fused for transformers' ``"gelu"`` (the erf form) and ``"relu"``,
+            and nothing to fuse for a dropout that is off.
+        residual: ``(*, out_features)``, added last; fused when there is no activation to apply.
+    """
+    fused = _fused_activation(activation)
+    if fused is None or (residual is not None and fused[0] != "none") or not _kernel_applies(layer, x, residual):
+        output = layer(x) if activation is None else activation(layer(x))
+        return output if residual is None else residual + output
+    if residual is not None:
+        return _KERNEL.binary(x, residual, layer.weight, layer.bias, "add")
+    name, algorithm = fused
+    return _KERNEL(x, layer.weight, layer.bias, name, [], algorithm)
+
+
+def _fused_activation(activation: nn.Module | None) -> tuple[str, str] | None:
+    """oneDNN's name and algorithm for an activation it computes exactly as torch does; None if it has none (or if
+    hooks wait for the activation's call)."""
+    if activation is not None and _hooked(activation):
+        return None
+    if activation is None or (type(activation) is nn.Dropout and not (activation.training and activation.p)):
+        return "none", ""
+    if type(activation) is GELUActivation and activation.act is nn.functional.gelu:
+        return "gelu", "none"  # the erf form: transformers' "gelu", RoFormer's
+    if type(activation) is nn.ReLU:
+        return "relu", ""  # RoFormer-V2's
+    return None
+
+
+def _kernel_applies(layer: nn.Linear, x: Tensor, residual: Tensor | None) -> bool:
+    weight = layer.weight
+    return (_KERNEL is not None and torch.backends.mkldnn.enabled
+            and not torch.is_grad_enabled() and not is_tracing()
+            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and weight.dtype == x.dtype and not torch.is_autocast_enabled("cpu")
+            and type(layer) is nn.Linear and type(weight) is nn.Parameter
+            and (layer.bias is None or layer.bias.dtype == x.dtype)
+            and not _hooked(layer)
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == (*x.shape[:-1], weight.shape[0]))))
+
+
+def _hooked(layer: nn.Module) -> bool:
+    """Whether calling `layer` would run more than its forward: its own hooks, global module hooks, or a replaced
+    `forward` (accelerate's offloading hooks replace it)."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(layer._forward_hooks or layer._forward_pre_hooks or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks or "forward" in vars(layer))

@@ -1,0 +1,136 @@
+"""`fused_linear`: oneDNN's fused kernel in CPU inference, the module's own call everywhere else, the same result."""
+
+import pytest
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from roformer_hf import fused
+from roformer_hf.fused import fused_linear
+
+pytestmark = pytest.mark.skipif(fused._KERNEL is None, reason="this torch has no oneDNN linear kernel")
+
+
+class CountingKernel:
+    """Stands in for `fused._KERNEL`: counts the calls and runs the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __call__(self, *args):
+        self.calls.append(args[3])  # the activation's name
+        return self.kernel(*args)
+
+    def binary(self, *args):
+        self.calls.append(args[4])  # "add"
+        return self.kernel.binary(*args)
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    counting = CountingKernel(fused._KERNEL)
+    monkeypatch.setattr(fused, "_KERNEL", counting)
+    return counting
+
+
+def reference(layer, x, activation=None, residual=None):
+    output = nn.functional.linear(x.double(), layer.weight.double(),
+                                  None if layer.bias is None else layer.bias.double())
+    if activation is not None:
+        output = activation(output)
+    return output if residual is None else residual.double() + output
+
+
+def layer_and_input(shape=(5, 8), bias=True):
+    torch.manual_seed(0)
+    return nn.Linear(8, 6, bias=bias), torch.randn(*shape)
+
+
+@pytest.mark.parametrize("shape", [(5, 8), (2, 5, 8), (0, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("case", ["plain", "gelu", "relu", "residual", "residual after inactive dropout"])
+def test_the_kernel_computes_what_the_module_would(kernel, shape, bias, case):
+    layer, x = layer_and_input(shape, bias)
+    activation = {"gelu": ACT2FN["gelu"], "relu": ACT2FN["relu"],
+                  "residual after inactive dropout": nn.Dropout(0.1).eval()}.get(case)
+    residual = torch.randn(*shape[:-1], 6) if case.startswith("residual") else None
+    with torch.inference_mode():
+        actual = fused_linear(layer, x, activation, residual)
+    expected = reference(layer, x, None if case.startswith("residual") else activation, residual)
+    torch.testing.assert_close(actual, expected.float(), atol=1e-5, rtol=1e-5)
+    assert kernel.calls == [{"gelu": "gelu", "relu": "relu"}.get(case, "add" if residual is not None else "none")]
+
+
+def test_bf16_is_fused_within_bf16_error(kernel):
+    layer, x = layer_and_input((64, 8))
+    with torch.no_grad():
+        actual = fused_linear(layer.bfloat16(), x.bfloat16(), ACT2FN["gelu"])
+    torch.testing.assert_close(actual.float(), reference(layer, x, ACT2FN["gelu"]).float(), atol=0.05, rtol=0.02)
+    assert kernel.calls == ["gelu"]
+
+
+def test_autograd_takes_the_module(kernel):
+    layer, x = layer_and_input()
+    output = fused_linear(layer, x, ACT2FN["gelu"])
+    output.sum().backward()
+    assert kernel.calls == [] and layer.weight.grad is not None
+    torch.testing.assert_close(output.detach(), reference(layer, x, ACT2FN["gelu"]).float())
+
+
+def test_hooks_see_their_calls(kernel):
+    layer, x = layer_and_input()
+    activation, seen = ACT2FN["gelu"], []
+    handle = activation.register_forward_hook(lambda module, args, output: seen.append("activation"))
+    with torch.no_grad():
+        fused_linear(layer, x, activation)
+    handle.remove()
+    layer.register_forward_pre_hook(lambda module, args: seen.append("layer"))
+    with torch.no_grad():
+        fused_linear(layer, x)
+    assert seen == ["activation", "layer"] and kernel.calls == []
+
+
+def test_global_hooks_and_replaced_forwards_see_their_calls(kernel):
+    layer, x = layer_and_input()
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, output: seen.append(type(module)))
+    try:
+        with torch.no_grad():
+            fused_linear(layer, x)
+    finally:
+        handle.remove()
+    layer.forward = lambda inputs: seen.append("replaced forward") or nn.Linear.forward(layer, inputs)
+    with torch.no_grad():
+        fused_linear(layer, x)
+    assert seen == [nn.Linear, "replaced forward"] and kernel.calls == []
+
+
+def test_what_the_kernel_cannot_compute_takes_the_module(kernel):
+    class Adapter(nn.Linear):  # e.g. LoRA's layer: a subclass with a forward of its own
+        def forward(self, inputs):
+            return super().forward(inputs) + 1
+
+    layer, x = layer_and_input()
+    adapter = Adapter(8, 6)
+    adapter.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fused_linear(adapter, x), reference(layer, x).float() + 1)
+        torch.testing.assert_close(fused_linear(layer.double(), x.double()), reference(layer, x))  # float64
+        torch.testing.assert_close(fused_linear(layer.float(), x, ACT2FN["silu"]),  # no fused form
+                                   reference(layer, x, ACT2FN["silu"]).float())
+        residual = torch.randn(5, 6)  # an activation and a residual: one fused step only
+        torch.testing.assert_close(fused_linear(layer, x, ACT2FN["gelu"], residual),
+                                   reference(layer, x, ACT2FN["gelu"], residual).float())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert fused_linear(layer, x).dtype == torch.bfloat16
+    assert kernel.calls == []
+
+
+def test_dropout_in_training_is_applied_not_fused(kernel):
+    layer, x = layer_and_input((200, 8))
+    residual = torch.zeros(200, 6)
+    with torch.no_grad():
+        output = fused_linear(layer, x, nn.Dropout(0.5).train(), residual)
+    dropped = output == 0
+    assert 0.3 < dropped.float().mean() < 0.7 and kernel.calls == []
+    torch.testing.assert_close(output[~dropped], 2 * reference(layer, x).float()[~dropped])
