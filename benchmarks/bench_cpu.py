@@ -48,6 +48,8 @@ from common import cpu_bf16_units, machine_lines, progress, spread, time_interle
 from workload import (DTYPES, add_size_arguments, allocator_line, forward_flops, infer, keep_freed_memory, load_model,
                       padded_batch, parse_args, size_of, sparse_head_forward_flops, train_step, transformers_config)
 
+from roformer_hf import fused  # after workload, which puts this checkout first on sys.path
+
 # Per dtype; the bf16 ones assume bf16 matrix units (AMX). "onnx speed-up": roformer_hf's forward over ONNX Runtime's
 # fp32 one (transformers' graph). A missing key: no target in that dtype.
 TARGETS = {
@@ -130,13 +132,22 @@ def onnx_contenders(models: dict, batch, folder: str, parity: dict) -> tuple[dic
 
 # ---------------------------------------------------------------------------------------------------- timing
 
-class Gemm:
-    """`torch.mm` of (M x K) @ (K x N) in `dtype`, repeated enough times per sample (~0.05 s) to time reliably."""
+GEMM_KERNELS = ("torch.mm", "oneDNN")  # MKL's GEMM, as nn.Linear runs it; oneDNN's, as roformer_hf's `fused_linear`
 
-    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype = torch.float32):
+
+class Gemm:
+    """(M x K) @ (K x N) in `dtype` with one of `GEMM_KERNELS`, repeated enough times per sample (~0.05 s) to time
+    reliably."""
+
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype = torch.float32, kernel: str = "torch.mm"):
         self.flops = 2 * m * k * n
         self.a, self.b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         self.out = torch.empty(m, n, dtype=dtype)
+        if kernel == "oneDNN":
+            weight = self.b.t().contiguous()  # (N, K), as a linear layer holds it
+            self.product = lambda: torch.ops.mkldnn._linear_pointwise(self.a, weight, None, "none", [], "")
+        else:
+            self.product = lambda: torch.mm(self.a, self.b, out=self.out)
         self.inner = 1
         while self.sample() * self.inner < 0.05:  # doubles as the warm-up
             self.inner *= 2
@@ -145,7 +156,7 @@ class Gemm:
         """Seconds per product."""
         start = time.perf_counter()
         for _ in range(self.inner):
-            torch.mm(self.a, self.b, out=self.out)
+            self.product()
         return (time.perf_counter() - start) / self.inner
 
     def gflops(self, samples: list[float]) -> float:
@@ -327,10 +338,13 @@ def report(args, size, flops, parity, low_precision, onnx, times, rates, referen
           + ("." if args.dense_prediction else
              f"; roformer_hf's training step runs the MLM head on the {labelled} labelled tokens only "
              f"(sparse_prediction), {train_total / 1e9:.1f} GFLOP per forward, and its rate is counted on that."))
-    print(f"\n{args.dtype} GEMM rate of the model's shapes with the real tokens as rows, torch.mm, median of repeats:\n")
-    print("| shape | GFLOP/s |\n|---|---|")
-    for name, rate in rates.items():
-        print(f"| {name} | {rate:.1f} |")
+    kernels = list(dict.fromkeys(kernel for _, kernel in rates))
+    print(f"\n{args.dtype} GEMM rate of the model's shapes with the real tokens as rows, GFLOP/s, median of repeats, "
+          "with MKL (torch.mm, what nn.Linear runs) and oneDNN (what roformer_hf's fused_linear runs in inference); "
+          "the reference rate above is the faster kernel's FFN up sampled between the model runs:\n")
+    print(f"| shape | {' | '.join(kernels)} |\n|---|{'---|' * len(kernels)}")
+    for name in dict.fromkeys(name for name, _ in rates):
+        print(f"| {name} | {' | '.join(f'{rates[name, kernel]:.1f}' for kernel in kernels)} |")
     if memory:
         method = next(iter(next(iter(memory.values())).values()))["method"]
         print(f"\nPeak memory: a fresh process per model and mode, peak resident memory ({method}) above the "
@@ -452,14 +466,15 @@ def main() -> None:
                   f"({tokens} x {i}) @ ({i} x {h}), FFN down": (tokens, i, h),
                   f"({tokens} x {h}) @ ({h} x {h}), q/k/v/output": (tokens, h, h),
                   f"({tokens} x {h}) @ ({h} x {v}), decoder": (tokens, h, v)}
-        gemms = {name: Gemm(*shape, dtype=dtype) for name, shape in shapes.items()}
-        rates = {name: gemm.gflops([gemm.sample() for _ in range(max(10, args.repeats))])
-                 for name, gemm in gemms.items()}
-        # The reference rate (FFN up, the model's largest GEMM) is also sampled between the model runs below, so
-        # that it sees the same machine load as they do.
-        reference = gemms[next(iter(shapes))]
+        kernels = GEMM_KERNELS if fused._KERNEL is not None else GEMM_KERNELS[:1]
+        gemms = {(name, kernel): Gemm(*shape, dtype=dtype, kernel=kernel)
+                 for name, shape in shapes.items() for kernel in kernels}
+        rates = {key: gemm.gflops([gemm.sample() for _ in range(max(10, args.repeats))]) for key, gemm in gemms.items()}
+        # The reference rate: FFN up (the model's largest GEMM) with the faster kernel, each sampled between the model
+        # runs below so that it sees the same machine load as they do.
+        references = {f"gemm {kernel}": gemms[next(iter(shapes)), kernel] for kernel in kernels}
 
-        times, gemm_samples = {}, []
+        times, gemm_samples = {}, {name: [] for name in references}
         modes = {"infer": infer} if args.skip_train else {"infer": infer, "train": train_step}
         for mode, step in modes.items():
             progress(f"timing {'inference forward' if mode == 'infer' else 'training step'}")
@@ -469,10 +484,13 @@ def main() -> None:
             if mode == "infer":
                 runners.update({name: (lambda session=session: session.timed(batch))
                                 for name, session in sessions.items()})
-            times[mode] = time_interleaved({**runners, "gemm": reference.sample}, args.warmup, args.repeats)
-            gemm_samples += times[mode].pop("gemm")
-        reference_gemm = reference.gflops(gemm_samples)
-        rates["FFN up again, sampled between the model runs: the reference"] = reference_gemm
+            samplers = {name: gemm.sample for name, gemm in references.items()}
+            times[mode] = time_interleaved({**runners, **samplers}, args.warmup, args.repeats)
+            for name in references:
+                gemm_samples[name] += times[mode].pop(name)
+        for (name, gemm), kernel in zip(references.items(), kernels):
+            rates["FFN up again, sampled between the model runs", kernel] = gemm.gflops(gemm_samples[name])
+        reference_gemm = max(rates["FFN up again, sampled between the model runs", kernel] for kernel in kernels)
         del models, sessions
         gc.collect()
 

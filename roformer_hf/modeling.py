@@ -482,12 +482,13 @@ class RoFormerLMPredictions(nn.Module):
 
 
 def logits_in_padded_layout(head: RoFormerLMPredictions, hidden_states: torch.Tensor, layout: BatchLayout,
-                            min_rows: int = 64) -> torch.Tensor:
+                            min_rows: int = 64, max_rows: int = 512) -> torch.Tensor:
     """``layout.to_padded(head(hidden_states))`` for the MLM head, whose output is wide: ``(B, L, vocab_size)``.
 
     On CPU, with contiguous sequences of ``min_rows`` tokens on average or more, the head runs one sequence at a
-    time and its logits are copied into their rows of the padded output: no packed ``(N, vocab)`` intermediate,
-    only one sequence's logits at a time, whose memory the allocator reuses. Shorter sequences would make each GEMM too
+    time, at most ``max_rows`` tokens per call, and its logits are copied into their rows of the padded output: no
+    packed ``(N, vocab)`` intermediate, only ``max_rows`` tokens' logits at a time (25 MB at 12000 words in fp32),
+    whose memory the allocator reuses. Shorter sequences would make each GEMM too
     small (re-reading the whole decoder weight), so they, other devices and masks with holes take
     ``to_padded(head(x))``.
     """
@@ -498,7 +499,10 @@ def logits_in_padded_layout(head: RoFormerLMPredictions, hidden_states: torch.Te
     padded, end = no_rows.new_empty(layout.batch_size * layout.seq_len, no_rows.shape[-1]), 0
     for packed_start, padded_start, length in blocks:
         padded[end:padded_start] = 0
-        padded[padded_start:padded_start + length] = head(hidden_states[packed_start:packed_start + length])
+        for offset in range(0, length, max_rows):
+            rows = min(max_rows, length - offset)
+            padded[padded_start + offset:padded_start + offset + rows] = head(
+                hidden_states[packed_start + offset:packed_start + offset + rows])
         end = padded_start + length
     padded[end:] = 0
     return padded.view(layout.batch_size, layout.seq_len, -1)

@@ -85,8 +85,7 @@ def mlm_head(**overrides) -> RoFormerLMPredictions:
 @pytest.mark.parametrize("v2", [False, True], ids=["RoFormer", "RoFormer-V2 (no transform, no bias)"])
 def test_logits_in_padded_layout_equals_unpack_of_the_mapped_tokens(v2):
     """The per-sequence path (contiguous sequences) and the fallback (holes) both give unpack(head(x)), values and
-    gradients, with zeros at the padding; without autograd the decoder writes straight into the padded logits,
-    with the same values."""
+    gradients, with zeros at the padding; without autograd (oneDNN's kernel where it runs) the same values."""
     head = mlm_head(**(dict(use_bias=False, norm_type="rms_norm") if v2 else {}))
     for mask in (MASK, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]),
                  torch.tensor([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 1]])):
@@ -118,6 +117,9 @@ def test_logits_in_padded_layout_runs_the_head_per_sequence_only_for_long_enough
         calls.clear()
         torch.testing.assert_close(logits_in_padded_layout(head, x, batch, min_rows=4), expected)
         assert calls == [9]  # 9 tokens < 4 x 3 sequences: one call on all the packed tokens
+        calls.clear()
+        torch.testing.assert_close(logits_in_padded_layout(head, x, batch, min_rows=1, max_rows=2), expected)
+        assert [n for n in calls if n] == [2, 1, 2, 2, 2]  # at most max_rows logits at a time
 
 
 def test_a_batch_without_real_tokens_packs_to_nothing():
