@@ -24,7 +24,7 @@ from workload import (DTYPES, add_size_arguments, allocator_line, keep_freed_mem
 
 # Operator-name fragments -> the part of the model they stand for; the first match wins.
 CATEGORIES = (
-    ("GEMM (linear layers, decoder)", ("aten::mm", "aten::addmm", "aten::bmm")),
+    ("GEMM (linear layers, decoder)", ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")),
     ("attention kernel", ("scaled_dot_product", "aten::_softmax", "aten::_softmax_backward")),
     ("index ops (pack/unpack padding; embedding lookup and its backward)",
      ("aten::index", "aten::nonzero", "aten::masked_select", "aten::scatter", "aten::gather", "aten::embedding")),

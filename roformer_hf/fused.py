@@ -3,7 +3,7 @@
 `nn.Linear` on CPU runs MKL's GEMM (after copying the bias into its output), and the activation or residual add
 that follows is another pass over that output, into fresh memory. `torch.ops.mkldnn._linear_pointwise`, the kernel
 torch.compile's CPU backend emits for linear layers, applies either to the GEMM's result before it is stored; on the
-CPU benchmark's shapes its GEMM alone also ran 7-25% faster than MKL's (AMD EPYC with AVX-512, fp32;
+CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (AMD EPYC with AVX-512, fp32;
 `benchmarks/RESULTS.md`, session 6).
 
 It has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it only in eager
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 from transformers.activations import GELUActivation
 from transformers.utils.import_utils import is_tracing
 
@@ -24,7 +25,7 @@ _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends
 
 
 def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = None,
-           residual: Tensor | None = None) -> Tensor:
+                 residual: Tensor | None = None) -> Tensor:
     """``residual + activation(layer(x))`` (both optional): one oneDNN call where it applies (see above).
 
     Args:
@@ -66,14 +67,16 @@ def _kernel_applies(layer: nn.Linear, x: Tensor, residual: Tensor | None) -> boo
             and weight.dtype == x.dtype and not torch.is_autocast_enabled("cpu")
             and type(layer) is nn.Linear and type(weight) is nn.Parameter
             and (layer.bias is None or layer.bias.dtype == x.dtype)
-            and not _hooked(layer)
-            and (residual is None or (residual.dtype == x.dtype and residual.shape == (*x.shape[:-1], weight.shape[0]))))
+            and not _hooked(layer) and (residual is None or _fits(residual, x, weight.shape[0])))
+
+
+def _fits(residual: Tensor, x: Tensor, out_features: int) -> bool:
+    """The kernel adds `residual` as it is: no broadcasting, no type promotion."""
+    return residual.dtype == x.dtype and residual.device == x.device and residual.shape == (*x.shape[:-1], out_features)
 
 
 def _hooked(layer: nn.Module) -> bool:
     """Whether calling `layer` would run more than its forward: its own hooks, global module hooks, or a replaced
     `forward` (accelerate's offloading hooks replace it)."""
-    from torch.nn.modules import module as torch_module
-
     return bool(layer._forward_hooks or layer._forward_pre_hooks or torch_module._global_forward_hooks
                 or torch_module._global_forward_pre_hooks or "forward" in vars(layer))
