@@ -155,37 +155,90 @@ class BlockedDropoutAttention(torch.autograd.Function):
         batch, heads, length, _ = query.shape
         query = query * scaling
         output = query.new_empty(*query.shape[:-1], value.shape[-1])
-        dropped = torch.empty(batch, heads, length, _packed_length(length), dtype=torch.uint8, device=query.device)
+        kept_bits = torch.empty(batch, heads, length, _packed_length(length), dtype=torch.uint8, device=query.device)
+        block = _Block(min(block_rows, length), length, dtype, query.device)
         for b, h, rows in _blocks(batch, heads, length, block_rows):
-            weights = _softmax_block(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
-            drop = draw_dropout_mask(*weights.shape, dropout, device=weights.device)  # (rows, L up to 8 n)
-            dropped[b, h, rows] = _pack_bits(drop)
-            weights.masked_fill_(drop[:, :length], 0)
+            weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
+            kept = block.draw_kept(len(weights), dropout)  # (rows, L up to 8 n) uint8, 1 = kept
+            kept_bits[b, h, rows] = _pack_bits(kept)
+            weights.mul_(block.as_multiplier(kept))
             torch.addmm(output[b, h, rows], weights, value[b, h], beta=0, alpha=1 / (1 - dropout),
                         out=output[b, h, rows])
-        ctx.save_for_backward(query, key, value, output, dropped, attention_mask)
+        ctx.save_for_backward(query, key, value, output, kept_bits, attention_mask)
         ctx.dropout, ctx.block_rows, ctx.scaling = dropout, block_rows, scaling
         return output.to(ctx.input_dtype)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        query, key, value, output, dropped, attention_mask = ctx.saved_tensors
+        query, key, value, output, kept_bits, attention_mask = ctx.saved_tensors
         batch, heads, length, _ = query.shape
         grad_output = grad_output.to(query.dtype)
         row_dot = (grad_output * output).sum(-1, keepdim=True)  # (B, nh, L, 1): rowsum(dO * O) = rowsum(P * dP)
         grad_output = grad_output / (1 - ctx.dropout)
         grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        block = _Block(min(ctx.block_rows, length), length, query.dtype, query.device)
+        kept_weights, grad_scores = torch.empty_like(block.scores), torch.empty_like(block.scores)
         for b, h, rows in _blocks(batch, heads, length, ctx.block_rows):
-            weights = _softmax_block(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
-            kept = weights.masked_fill(_unpack_bits(dropped[b, h, rows])[:, :length], 0)
+            weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
+            n = len(weights)
+            kept = torch.mul(weights, block.unpack_kept(kept_bits[b, h, rows]), out=kept_weights[:n])
             grad_value[b, h].addmm_(kept.T, grad_output[b, h, rows])
-            grad_scores = torch.mm(grad_output[b, h, rows], value[b, h].T)  # dP, then dS = P * (dP - rowsum(P dP))
-            grad_scores.mul_(kept).addcmul_(weights, row_dot[b, h, rows], value=-1)
-            torch.addmm(grad_query[b, h, rows], grad_scores, key[b, h], beta=0, alpha=ctx.scaling,
+            torch.mm(grad_output[b, h, rows], value[b, h].T, out=grad_scores[:n])  # dP
+            grad_scores[:n].mul_(kept).addcmul_(weights, row_dot[b, h, rows], value=-1)  # dS = P * (dP - rowsum(P dP))
+            torch.addmm(grad_query[b, h, rows], grad_scores[:n], key[b, h], beta=0, alpha=ctx.scaling,
                         out=grad_query[b, h, rows])
-            grad_key[b, h].addmm_(grad_scores.T, query[b, h, rows])
+            grad_key[b, h].addmm_(grad_scores[:n].T, query[b, h, rows])
         grads = (g.to(ctx.input_dtype) for g in (grad_query, grad_key, grad_value))
         return *grads, None, None, None, None
+
+
+class _Block:
+    """The working memory of `BlockedDropoutAttention`: one block's weights and dropout mask, ``(rows, L)`` each,
+    reused by every block. Two things make the passes over a block cheap on CPU:
+
+    - no fresh memory per block: glibc hands blocks this large back to the system when they are freed, and the
+      next allocation's first touch of each page costs as much as a pass over the block;
+    - the mask as 0 / 1 in uint8 and float, applied by a multiplication: comparisons into bool, bool to float and
+      `masked_fill` are not vectorized, and each costs about as much as one of the block's matrix products.
+    """
+
+    def __init__(self, rows: int, length: int, dtype: torch.dtype, device: torch.device):
+        columns = 8 * _packed_length(length)  # the mask's columns: whole bytes of bits
+        self.length = length
+        self.scores = torch.empty(rows, length, dtype=dtype, device=device)
+        self.multiplier = torch.empty(rows, columns, dtype=dtype, device=device)
+        self.kept = torch.empty(rows, columns, dtype=torch.uint8, device=device)
+        self.random_words = torch.empty(rows, columns // 4, dtype=torch.int64, device=device)
+        self.spread_bits = torch.empty(rows, columns // 8, dtype=torch.int64, device=device)
+
+    def softmax(self, query: Tensor, key: Tensor, attention_mask: Tensor | None, b: int, h: int,
+                rows: slice) -> Tensor:
+        """``softmax(query key^T)`` of one block, ``(rows, L)``, masked as ``attention_mask[b, h, rows]`` says."""
+        scores = torch.mm(query, key.T, out=self.scores[:len(query)])
+        if attention_mask is not None:
+            mask = attention_mask[b % attention_mask.shape[0], h % attention_mask.shape[1]]  # (1 or L, L)
+            mask = mask[rows] if mask.shape[0] > 1 else mask
+            if mask.dtype == torch.bool:
+                scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+            else:
+                scores.add_(mask)
+        return torch.softmax(scores, dim=-1, out=scores)
+
+    def draw_kept(self, rows: int, dropout: float) -> Tensor:
+        """Which weights of a block to keep, drawn as `draw_dropout_mask` draws: ``(rows, L up to 8 n)`` uint8,
+        1 = kept."""
+        words = _random_int16(self.random_words[:rows])
+        return torch.ge(words, _drop_threshold(dropout), out=self.kept[:rows])
+
+    def as_multiplier(self, kept: Tensor) -> Tensor:
+        """``(rows, L)`` 0. / 1. from `kept`."""
+        return self.multiplier[:len(kept)].copy_(kept)[:, :self.length]
+
+    def unpack_kept(self, bits: Tensor) -> Tensor:
+        """The inverse of `_pack_bits`, ``(rows, n)`` uint8 -> ``(rows, L)`` 0. / 1."""
+        spread = self.spread_bits[:len(bits)]
+        spread.copy_(bits).mul_(_SPREAD_BITS).bitwise_right_shift_(7).bitwise_and_(_LOW_BIT_OF_EVERY_BYTE)
+        return self.as_multiplier(spread.view(torch.uint8))
 
 
 def draw_dropout_mask(rows: int, columns: int, dropout: float, device: torch.device | None = None) -> Tensor:
@@ -195,14 +248,24 @@ def draw_dropout_mask(rows: int, columns: int, dropout: float, device: torch.dev
     Each 64-bit draw of the generator gives four 16-bit numbers: the cost of `Tensor.bernoulli_` (one draw per
     weight, and on CPU about 4x slower) matters when every one of the ``L x L`` weights needs one.
     """
-    columns = -(-columns // 8) * 8
-    words = torch.empty(rows, columns // 4, dtype=torch.int64, device=device)
-    words.random_(torch.iinfo(torch.int64).min, None)  # the full 64-bit range
-    return words.view(torch.int16) < round(dropout * 65536) - 32768  # (rows, columns)
+    words = torch.empty(rows, _packed_length(columns) * 2, dtype=torch.int64, device=device)
+    return _random_int16(words) < _drop_threshold(dropout)  # (rows, columns)
 
 
-_GATHER_BITS = 0x0102040810204080  # moves bit 0 of byte i of an int64 to bit 56 + i, without carries
-_BIT_I_OF_BYTE_I = 0x8040201008040201 - (1 << 64)  # as a signed int64
+def _random_int16(words: Tensor) -> Tensor:
+    """`words` ``(rows, n)`` int64 filled with random bits, seen as ``(rows, 4 n)`` uniform int16."""
+    return words.random_(torch.iinfo(torch.int64).min, None).view(torch.int16)  # the full 64-bit range
+
+
+def _drop_threshold(dropout: float) -> int:
+    """A uniform int16 below this is dropped: probability `dropout` to 2**-16."""
+    return round(dropout * 65536) - 32768
+
+
+# One multiplication, without carries, moves bit 0 of byte i of an int64 to bit 63 - i (packing: 8 flags to a
+# byte, flag i in bit 7 - i) and, shifted right by 7, bit 7 - i of the lowest byte to bit 0 of byte i (unpacking).
+_SPREAD_BITS = 0x8040201008040201 - (1 << 64)  # as a signed int64
+_LOW_BIT_OF_EVERY_BYTE = 0x0101010101010101
 
 
 def _packed_length(columns: int) -> int:
@@ -210,14 +273,8 @@ def _packed_length(columns: int) -> int:
 
 
 def _pack_bits(flags: Tensor) -> Tensor:
-    """``(rows, 8 n)`` bool -> ``(rows, n)`` uint8, bit i of byte j = flag ``8 j + i``."""
-    return (flags.view(torch.int64) * _GATHER_BITS).bitwise_right_shift_(56).to(torch.uint8)
-
-
-def _unpack_bits(bits: Tensor) -> Tensor:
-    """The inverse of `_pack_bits`: each byte copied to the 8 bytes of an int64, byte i keeping bit i."""
-    spread = bits.to(torch.int64).mul_(0x0101010101010101).bitwise_and_(_BIT_I_OF_BYTE_I)
-    return spread.view(torch.uint8) != 0  # (rows, 8 n)
+    """``(rows, 8 n)`` 0 / 1 (bool or uint8) -> ``(rows, n)`` uint8, bit 7 - i of byte j = flag ``8 j + i``."""
+    return (flags.view(torch.int64) * _SPREAD_BITS).bitwise_right_shift_(56).to(torch.uint8)
 
 
 def _blocks(batch: int, heads: int, length: int, block_rows: int):
@@ -226,19 +283,6 @@ def _blocks(batch: int, heads: int, length: int, block_rows: int):
         for h in range(heads):
             for start in range(0, length, block_rows):
                 yield b, h, slice(start, start + block_rows)
-
-
-def _softmax_block(query: Tensor, key: Tensor, attention_mask: Tensor | None, b: int, h: int, rows: slice) -> Tensor:
-    """``softmax(query key^T)`` of one block, ``(rows, L)``, masked as ``attention_mask[b, h, rows]`` says."""
-    scores = torch.mm(query, key.T)
-    if attention_mask is not None:
-        mask = attention_mask[b % attention_mask.shape[0], h % attention_mask.shape[1]]  # (1 or L, L)
-        mask = mask[rows] if mask.shape[0] > 1 else mask
-        if mask.dtype == torch.bool:
-            scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
-        else:
-            scores.add_(mask)
-    return torch.softmax(scores, dim=-1, out=scores)
 
 
 AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention_forward)
