@@ -20,6 +20,8 @@ convention: ``B = 1``, ``L = N`` real tokens, sequence boundaries in ``cu_seq_le
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -37,7 +39,7 @@ from .padding import BatchLayout
 
 SDPA_VARLEN = "roformer_sdpa_varlen"
 SDPA_DROPOUT = "roformer_sdpa_dropout"
-DROPOUT_BLOCK_ROWS = 512  # queries per block of `BlockedDropoutAttention`, used beyond two blocks
+DROPOUT_BLOCK_ROWS = 256  # queries per block of `BlockedDropoutAttention`, used beyond two blocks
 
 
 def eager_attention_forward(
@@ -144,6 +146,10 @@ class BlockedDropoutAttention(torch.autograd.Function):
     dropout mask packed in bits (``B * nh * L * L / 8`` bytes: 25 MB for 12 heads at 4096 tokens) instead of the
     weights; the backward pass recomputes each block's weights and reads its mask back, so it draws no random
     numbers and its gradients are those of the forward's mask. Half and bfloat16 inputs are computed in float32.
+
+    The heads are shared out among torch's threads (`_for_each_head`), as the fused kernel does: each head's mask
+    is drawn from its own generator, seeded from the default one, so the masks do not depend on the number of
+    threads and `torch.manual_seed` repeats them.
     """
 
     @staticmethod
@@ -151,19 +157,24 @@ class BlockedDropoutAttention(torch.autograd.Function):
                 dropout: float, block_rows: int) -> Tensor:
         ctx.input_dtype = query.dtype
         dtype = torch.promote_types(query.dtype, torch.float32)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
+        query, key, value = (t.to(dtype).contiguous() for t in (query, key, value))  # rows of each head side by side
         batch, heads, length, _ = query.shape
         query = query * scaling
         output = query.new_empty(*query.shape[:-1], value.shape[-1])
         kept_bits = torch.empty(batch, heads, length, _packed_length(length), dtype=torch.uint8, device=query.device)
-        block = _Block(min(block_rows, length), length, dtype, query.device)
-        for b, h, rows in _blocks(batch, heads, length, block_rows):
-            weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
-            kept = block.draw_kept(len(weights), dropout)  # (rows, L up to 8 n) uint8, 1 = kept
-            kept_bits[b, h, rows] = _pack_bits(kept)
-            weights.mul_(block.as_multiplier(kept))
-            torch.addmm(output[b, h, rows], weights, value[b, h], beta=0, alpha=1 / (1 - dropout),
-                        out=output[b, h, rows])
+        seeds = torch.randint(1 << 62, (batch, heads)).tolist()  # from the default generator
+
+        def attend_head(b: int, h: int, block: _Block) -> None:
+            generator = torch.Generator(query.device).manual_seed(seeds[b][h])
+            for rows in _row_blocks(length, block_rows):
+                weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
+                kept = block.draw_kept(len(weights), dropout, generator)  # (rows, L up to 8 n) uint8, 1 = kept
+                kept_bits[b, h, rows] = _pack_bits(kept)
+                weights.mul_(block.as_multiplier(kept))
+                torch.addmm(output[b, h, rows], weights, value[b, h], beta=0, alpha=1 / (1 - dropout),
+                            out=output[b, h, rows])
+
+        _for_each_head(attend_head, batch, heads, min(block_rows, length), length, dtype, query.device)
         ctx.save_for_backward(query, key, value, output, kept_bits, attention_mask)
         ctx.dropout, ctx.block_rows, ctx.scaling = dropout, block_rows, scaling
         return output.to(ctx.input_dtype)
@@ -174,22 +185,58 @@ class BlockedDropoutAttention(torch.autograd.Function):
         batch, heads, length, _ = query.shape
         grad_output = grad_output.to(query.dtype)
         row_dot = (grad_output * output).sum(-1, keepdim=True)  # (B, nh, L, 1): rowsum(dO * O) = rowsum(P * dP)
-        grad_output = grad_output / (1 - ctx.dropout)
+        grad_output = grad_output / (1 - ctx.dropout)  # contiguous, like the gradients below
         grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
-        block = _Block(min(ctx.block_rows, length), length, query.dtype, query.device)
-        kept_weights, grad_scores = torch.empty_like(block.scores), torch.empty_like(block.scores)
-        for b, h, rows in _blocks(batch, heads, length, ctx.block_rows):
-            weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
-            n = len(weights)
-            kept = torch.mul(weights, block.unpack_kept(kept_bits[b, h, rows]), out=kept_weights[:n])
-            grad_value[b, h].addmm_(kept.T, grad_output[b, h, rows])
-            torch.mm(grad_output[b, h, rows], value[b, h].T, out=grad_scores[:n])  # dP
-            grad_scores[:n].mul_(kept).addcmul_(weights, row_dot[b, h, rows], value=-1)  # dS = P * (dP - rowsum(P dP))
-            torch.addmm(grad_query[b, h, rows], grad_scores[:n], key[b, h], beta=0, alpha=ctx.scaling,
-                        out=grad_query[b, h, rows])
-            grad_key[b, h].addmm_(grad_scores[:n].T, query[b, h, rows])
+
+        def differentiate_head(b: int, h: int, block: _Block) -> None:
+            for rows in _row_blocks(length, ctx.block_rows):
+                weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
+                kept = block.kept_weights(weights, kept_bits[b, h, rows])  # 0 where dropped
+                grad_value[b, h].addmm_(kept.T, grad_output[b, h, rows])
+                grad_scores = block.product(grad_output[b, h, rows], value[b, h].T)  # dP
+                grad_scores.mul_(kept).addcmul_(weights, row_dot[b, h, rows], value=-1)  # dS = P (dP - rowsum(P dP))
+                torch.addmm(grad_query[b, h, rows], grad_scores, key[b, h], beta=0, alpha=ctx.scaling,
+                            out=grad_query[b, h, rows])
+                grad_key[b, h].addmm_(grad_scores.T, query[b, h, rows])
+
+        _for_each_head(differentiate_head, batch, heads, min(ctx.block_rows, length), length, query.dtype,
+                       query.device)
         grads = (g.to(ctx.input_dtype) for g in (grad_query, grad_key, grad_value))
         return *grads, None, None, None, None
+
+
+def _for_each_head(work, batch: int, heads: int, *block_shape) -> None:
+    """Calls ``work(b, h, block)`` for every head of every sequence, the heads shared out among
+    `torch.get_num_threads()` Python threads, each with its own `_Block(*block_shape)` and running torch ops on
+    one thread.
+
+    A block's operations are too short to split well between threads (each is a parallel region of its own, and
+    drawing random numbers runs on one thread anyway), so the threads take whole heads instead, as SDPA's fused
+    kernel does. torch's thread count is global: 1 while the heads run, restored after.
+    """
+    torch_threads = torch.get_num_threads()
+    threads = min(torch_threads, batch * heads)
+    everything = [(b, h) for b in range(batch) for h in range(heads)]
+
+    def work_through(share: list[tuple[int, int]]) -> None:
+        block = _Block(*block_shape)
+        with torch.no_grad():  # autograd's mode is per thread: ops with out= refuse to run under it
+            for b, h in share:
+                work(b, h, block)
+
+    if threads == 1:
+        return work_through(everything)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for done in [pool.submit(_single_threaded, work_through, everything[i::threads]) for i in range(threads)]:
+                done.result()  # raises what the thread raised
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
+def _single_threaded(function, *args):
+    torch.set_num_threads(1)
+    return function(*args)
 
 
 class _Block:
@@ -210,6 +257,8 @@ class _Block:
         self.kept = torch.empty(rows, columns, dtype=torch.uint8, device=device)
         self.random_words = torch.empty(rows, columns // 4, dtype=torch.int64, device=device)
         self.spread_bits = torch.empty(rows, columns // 8, dtype=torch.int64, device=device)
+        self.dropped_weights = torch.empty_like(self.scores)  # the backward pass's two
+        self.grad_scores = torch.empty_like(self.scores)
 
     def softmax(self, query: Tensor, key: Tensor, attention_mask: Tensor | None, b: int, h: int,
                 rows: slice) -> Tensor:
@@ -224,10 +273,10 @@ class _Block:
                 scores.add_(mask)
         return torch.softmax(scores, dim=-1, out=scores)
 
-    def draw_kept(self, rows: int, dropout: float) -> Tensor:
+    def draw_kept(self, rows: int, dropout: float, generator: torch.Generator | None = None) -> Tensor:
         """Which weights of a block to keep, drawn as `draw_dropout_mask` draws: ``(rows, L up to 8 n)`` uint8,
         1 = kept."""
-        words = _random_int16(self.random_words[:rows])
+        words = _random_int16(self.random_words[:rows], generator)
         return torch.ge(words, _drop_threshold(dropout), out=self.kept[:rows])
 
     def as_multiplier(self, kept: Tensor) -> Tensor:
@@ -239,6 +288,14 @@ class _Block:
         spread = self.spread_bits[:len(bits)]
         spread.copy_(bits).mul_(_SPREAD_BITS).bitwise_right_shift_(7).bitwise_and_(_LOW_BIT_OF_EVERY_BYTE)
         return self.as_multiplier(spread.view(torch.uint8))
+
+    def kept_weights(self, weights: Tensor, bits: Tensor) -> Tensor:
+        """`weights` ``(rows, L)`` with the dropped ones 0, as `bits` (`_pack_bits`) say."""
+        return torch.mul(weights, self.unpack_kept(bits), out=self.dropped_weights[:len(weights)])
+
+    def product(self, left: Tensor, right: Tensor) -> Tensor:
+        """``left @ right``, ``(rows, L)``, in the block's gradient buffer."""
+        return torch.mm(left, right, out=self.grad_scores[:len(left)])
 
 
 def draw_dropout_mask(rows: int, columns: int, dropout: float, device: torch.device | None = None) -> Tensor:
@@ -252,9 +309,9 @@ def draw_dropout_mask(rows: int, columns: int, dropout: float, device: torch.dev
     return _random_int16(words) < _drop_threshold(dropout)  # (rows, columns)
 
 
-def _random_int16(words: Tensor) -> Tensor:
+def _random_int16(words: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """`words` ``(rows, n)`` int64 filled with random bits, seen as ``(rows, 4 n)`` uniform int16."""
-    return words.random_(torch.iinfo(torch.int64).min, None).view(torch.int16)  # the full 64-bit range
+    return words.random_(torch.iinfo(torch.int64).min, None, generator=generator).view(torch.int16)  # all 64 bits
 
 
 def _drop_threshold(dropout: float) -> int:
@@ -277,12 +334,9 @@ def _pack_bits(flags: Tensor) -> Tensor:
     return (flags.view(torch.int64) * _SPREAD_BITS).bitwise_right_shift_(56).to(torch.uint8)
 
 
-def _blocks(batch: int, heads: int, length: int, block_rows: int):
-    """(batch index, head index, slice of query rows) of every block, in the order the masks are drawn."""
-    for b in range(batch):
-        for h in range(heads):
-            for start in range(0, length, block_rows):
-                yield b, h, slice(start, start + block_rows)
+def _row_blocks(length: int, block_rows: int) -> list[slice]:
+    """The query rows of each block of one head."""
+    return [slice(start, start + block_rows) for start in range(0, length, block_rows)]
 
 
 AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention_forward)
