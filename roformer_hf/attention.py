@@ -157,7 +157,7 @@ class BlockedDropoutAttention(torch.autograd.Function):
                 dropout: float, block_rows: int) -> Tensor:
         ctx.input_dtype = query.dtype
         dtype = torch.promote_types(query.dtype, torch.float32)
-        query, key, value = (t.to(dtype).contiguous() for t in (query, key, value))  # rows of each head side by side
+        query, key, value = (t.to(dtype) for t in (query, key, value))
         batch, heads, length, _ = query.shape
         query = query * scaling
         output = query.new_empty(*query.shape[:-1], value.shape[-1])
