@@ -21,6 +21,7 @@ convention: ``B = 1``, ``L = N`` real tokens, sequence boundaries in ``cu_seq_le
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -169,12 +170,12 @@ class BlockedDropoutAttention(torch.autograd.Function):
             for rows in _row_blocks(length, block_rows):
                 weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
                 kept = block.draw_kept(len(weights), dropout, generator)  # (rows, L up to 8 n) uint8, 1 = kept
-                kept_bits[b, h, rows] = _pack_bits(kept)
+                kept_bits[b, h, rows] = block.pack(kept)
                 weights.mul_(block.as_multiplier(kept))
                 torch.addmm(output[b, h, rows], weights, value[b, h], beta=0, alpha=1 / (1 - dropout),
                             out=output[b, h, rows])
 
-        _for_each_head(attend_head, batch, heads, min(block_rows, length), length, dtype, query.device)
+        _for_each_head(attend_head, batch, heads, partial(_Block, min(block_rows, length), length, dtype, query.device))
         ctx.save_for_backward(query, key, value, output, kept_bits, attention_mask)
         ctx.dropout, ctx.block_rows, ctx.scaling = dropout, block_rows, scaling
         return output.to(ctx.input_dtype)
@@ -199,15 +200,15 @@ class BlockedDropoutAttention(torch.autograd.Function):
                             out=grad_query[b, h, rows])
                 grad_key[b, h].addmm_(grad_scores.T, query[b, h, rows])
 
-        _for_each_head(differentiate_head, batch, heads, min(ctx.block_rows, length), length, query.dtype,
-                       query.device)
+        _for_each_head(differentiate_head, batch, heads,
+                       partial(_Block, min(ctx.block_rows, length), length, query.dtype, query.device, backward=True))
         grads = (g.to(ctx.input_dtype) for g in (grad_query, grad_key, grad_value))
         return *grads, None, None, None, None
 
 
-def _for_each_head(work, batch: int, heads: int, *block_shape) -> None:
+def _for_each_head(work, batch: int, heads: int, new_block) -> None:
     """Calls ``work(b, h, block)`` for every head of every sequence, the heads shared out among
-    `torch.get_num_threads()` Python threads, each with its own `_Block(*block_shape)` and running torch ops on
+    `torch.get_num_threads()` Python threads, each with its own block from ``new_block()`` and running torch ops on
     one thread.
 
     A block's operations are too short to split well between threads (each is a parallel region of its own, and
@@ -218,17 +219,19 @@ def _for_each_head(work, batch: int, heads: int, *block_shape) -> None:
     threads = min(torch_threads, batch * heads)
     everything = [(b, h) for b in range(batch) for h in range(heads)]
 
-    def work_through(share: list[tuple[int, int]]) -> None:
-        block = _Block(*block_shape)
+    def work_through(share: list[tuple[int, int]], block: _Block) -> None:
         with torch.no_grad():  # autograd's mode is per thread: ops with out= refuse to run under it
             for b, h in share:
                 work(b, h, block)
 
+    blocks = [new_block() for _ in range(threads)]  # from this thread's memory: reused by the next call's threads
     if threads == 1:
-        return work_through(everything)
+        return work_through(everything, blocks[0])
     try:
         with ThreadPoolExecutor(threads) as pool:
-            for done in [pool.submit(_single_threaded, work_through, everything[i::threads]) for i in range(threads)]:
+            shares = [pool.submit(_single_threaded, work_through, everything[i::threads], blocks[i])
+                      for i in range(threads)]
+            for done in shares:
                 done.result()  # raises what the thread raised
     finally:
         torch.set_num_threads(torch_threads)
@@ -249,7 +252,7 @@ class _Block:
       `masked_fill` are not vectorized, and each costs about as much as one of the block's matrix products.
     """
 
-    def __init__(self, rows: int, length: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, rows: int, length: int, dtype: torch.dtype, device: torch.device, backward: bool = False):
         columns = 8 * _packed_length(length)  # the mask's columns: whole bytes of bits
         self.length = length
         self.scores = torch.empty(rows, length, dtype=dtype, device=device)
@@ -257,8 +260,8 @@ class _Block:
         self.kept = torch.empty(rows, columns, dtype=torch.uint8, device=device)
         self.random_words = torch.empty(rows, columns // 4, dtype=torch.int64, device=device)
         self.spread_bits = torch.empty(rows, columns // 8, dtype=torch.int64, device=device)
-        self.dropped_weights = torch.empty_like(self.scores)  # the backward pass's two
-        self.grad_scores = torch.empty_like(self.scores)
+        if backward:
+            self.dropped_weights, self.grad_scores = torch.empty_like(self.scores), torch.empty_like(self.scores)
 
     def softmax(self, query: Tensor, key: Tensor, attention_mask: Tensor | None, b: int, h: int,
                 rows: slice) -> Tensor:
@@ -278,6 +281,10 @@ class _Block:
         1 = kept."""
         words = _random_int16(self.random_words[:rows], generator)
         return torch.ge(words, _drop_threshold(dropout), out=self.kept[:rows])
+
+    def pack(self, kept: Tensor) -> Tensor:
+        """`_pack_bits` of `kept`: ``(rows, n)`` int64, each holding a byte of bits."""
+        return _pack_bits(kept, out=self.spread_bits[:len(kept)])
 
     def as_multiplier(self, kept: Tensor) -> Tensor:
         """``(rows, L)`` 0. / 1. from `kept`."""
@@ -329,9 +336,10 @@ def _packed_length(columns: int) -> int:
     return -(-columns // 8)
 
 
-def _pack_bits(flags: Tensor) -> Tensor:
-    """``(rows, 8 n)`` 0 / 1 (bool or uint8) -> ``(rows, n)`` uint8, bit 7 - i of byte j = flag ``8 j + i``."""
-    return (flags.view(torch.int64) * _SPREAD_BITS).bitwise_right_shift_(56).to(torch.uint8)
+def _pack_bits(flags: Tensor, out: Tensor) -> Tensor:
+    """``(rows, 8 n)`` 0 / 1 (bool or uint8) -> ``(rows, n)`` bytes, bit 7 - i of byte j = flag ``8 j + i``, each the
+    lowest byte of an int64 of `out` (a copy to uint8 keeps just that byte)."""
+    return torch.mul(flags.view(torch.int64), _SPREAD_BITS, out=out).bitwise_right_shift_(56)
 
 
 def _row_blocks(length: int, block_rows: int) -> list[slice]:
