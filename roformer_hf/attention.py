@@ -220,11 +220,11 @@ def _for_each_head(work, batch: int, heads: int, new_block) -> None:
     everything = [(b, h) for b in range(batch) for h in range(heads)]
 
     def work_through(share: list[tuple[int, int]], block: _Block) -> None:
-        with torch.no_grad():  # autograd's mode is per thread: ops with out= refuse to run under it
+        with torch.no_grad():  # grad mode is per thread, on in new ones, and ops with out= refuse it
             for b, h in share:
                 work(b, h, block)
 
-    blocks = [new_block() for _ in range(threads)]  # from this thread's memory: reused by the next call's threads
+    blocks = [new_block() for _ in range(threads)]  # here: from the threads' own glibc arenas they raised peak memory
     if threads == 1:
         return work_through(everything, blocks[0])
     try:
