@@ -8,8 +8,10 @@ Three settings of roformer_hf's RoFormerForMaskedLM (MLM training step: forward 
 of the tokens, sparse prediction), each in a fresh process so that its peak memory (`ru_maxrss`) is its own:
 
 - dropout 0 (hidden and attention): SDPA's fused CPU kernel;
+- hidden dropout 0.1 (`nn.Dropout` on the hidden states), attention dropout 0: what hidden dropout alone costs;
 - dropout 0.1: `BlockedDropoutAttention` (through `blocked_dropout_attention_forward`), one block of queries of one
-  head at a time, the dropout mask kept as bits and the weights recomputed in the backward pass;
+  head at a time, the heads shared out among the threads, the dropout mask kept as bits and the weights recomputed
+  in the backward pass;
 - dropout 0.1 through SDPA's math kernel, which keeps the (heads, L, L) weights: what roformer_hf did before
   blocks.
 
@@ -31,7 +33,9 @@ import torch
 
 from workload import add_size_arguments, parse_args, size_of
 
-SETTINGS = {"dropout 0": (0.0, True), "dropout 0.1, blocked": (0.1, True), "dropout 0.1, math kernel": (0.1, False)}
+# name -> (hidden dropout, attention dropout, attention dropout in blocks)
+SETTINGS = {"dropout 0": (0.0, 0.0, True), "hidden dropout 0.1, attention dropout 0": (0.1, 0.0, True),
+            "dropout 0.1, blocked": (0.1, 0.1, True), "dropout 0.1, math kernel": (0.1, 0.1, False)}
 
 
 def worker(args) -> None:
@@ -39,14 +43,14 @@ def worker(args) -> None:
     import roformer_hf
     from roformer_hf import attention
 
-    dropout, blocked = SETTINGS[args.setting]
+    hidden_dropout, attention_dropout, blocked = SETTINGS[args.setting]
     if not blocked:
         attention.DROPOUT_BLOCK_ROWS = 1 << 30  # never in blocks: SDPA with dropout, i.e. its math kernel
     size = size_of(args)
     config = roformer_hf.RoFormerConfig(
         vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=size.layers,
-        num_attention_heads=size.heads, intermediate_size=size.intermediate, hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout, sparse_prediction=True)
+        num_attention_heads=size.heads, intermediate_size=size.intermediate, hidden_dropout_prob=hidden_dropout,
+        attention_probs_dropout_prob=attention_dropout, sparse_prediction=True)
     torch.manual_seed(args.seed)
     model = roformer_hf.RoFormerForMaskedLM(config).train()
     generator = torch.Generator().manual_seed(args.seed)
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{size.hidden}, {size.heads} heads, intermediate {size.intermediate}, vocabulary {size.vocab}; fp32, "
           f"CPU, {torch.get_num_threads()} threads; median of {args.repeats} after {args.warmup} warm-up; peak "
           "memory = the process's maximum resident set\n")
-    print("| dropout (hidden and attention) | step | peak memory | time / dropout 0 | memory / dropout 0 |")
+    print("| dropout (hidden, attention) | step | peak memory | time / dropout 0 | memory / dropout 0 |")
     print("| --- | --- | --- | --- | --- |")
     for setting, result in results.items():
         print(f"| {setting} | {result['seconds']:.2f} s ({result['min']:.2f}-{result['max']:.2f}) "

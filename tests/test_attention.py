@@ -190,3 +190,23 @@ def test_models_in_training_use_blocked_dropout_on_cpu(unpad, monkeypatch):
     calls.clear()
     model.eval()(ids, attention_mask=mask)
     assert not calls
+
+
+def test_blocked_dropout_masks_are_repeated_by_the_seed_whatever_the_thread_count(monkeypatch):
+    """Heads run in parallel, each drawing from its own generator seeded from the default one: the same seed gives
+    the same output and gradients with 1 thread or 3, and torch's thread count is as it was afterwards."""
+    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 16)
+    query, key, value = qkv(batch=2, heads=3, length=50, dim=8)
+    grad = torch.randn(2, 50, 3, 8, generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    results = []
+    for count in (1, 3, 3):
+        torch.set_num_threads(count)
+        torch.manual_seed(0 if len(results) < 2 else 1)
+        output, _ = blocked_dropout_attention_forward(Training().train(), query, key, value, None, 0.3, dropout=0.5)
+        results.append((output, *torch.autograd.grad(output, (query, key, value), grad)))
+        assert torch.get_num_threads() == count
+    torch.set_num_threads(threads)
+    for one_thread, three_threads in zip(*results[:2]):
+        torch.testing.assert_close(one_thread, three_threads, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(results[1][0], results[2][0])  # another seed, another mask
