@@ -60,3 +60,16 @@ def test_benchmark_without_onnxruntime_skips_the_section():
     assert "Skipped: not installed: onnxruntime" in result.stdout
     assert "inference forward, fp32" in result.stdout
     assert "speed-up bound" in result.stdout  # what transformers' time in this run allowed at 100% of the GEMM rate
+
+
+def test_attention_benchmark_reports_both_kernels_in_both_dtypes():
+    """`bench_attention.py --quick` times SDPA and the explicit form in fp32 and bf16; in fp32 both agree with the
+    float64 computation to fp32 rounding, in bf16 both are off by bf16 rounding (so the error column is measured)."""
+    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_attention.py"), "--quick"], capture_output=True,
+                            text=True, timeout=300, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): float(line.split("|")[6])
+            for line in result.stdout.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))}
+    assert set(rows) == {(dtype, kernel) for dtype in ("fp32", "bf16") for kernel in ("SDPA", "explicit (eager)")}
+    assert all(rows["fp32", kernel] < 1e-5 for kernel in ("SDPA", "explicit (eager)"))
+    assert all(1e-4 < rows["bf16", kernel] < 5e-2 for kernel in ("SDPA", "explicit (eager)"))
