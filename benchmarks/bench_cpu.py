@@ -264,7 +264,8 @@ class Judge:
         return verdict(ok) if self.applies else f"n/a (no AMX; {'met' if ok else 'not met'} here)"
 
 
-def report(args, size, flops, parity, low_precision, onnx, times, rates, reference_gemm, memory) -> None:
+def report(args, size, flops, parity, low_precision, onnx, times, rates, reference_gemm, memory,
+           compile_seconds) -> None:
     tokens, padded = sum(args.lengths), len(args.lengths) * max(args.lengths)
     total = sum(flops.values())
     units = cpu_bf16_units()
@@ -275,7 +276,8 @@ def report(args, size, flops, parity, low_precision, onnx, times, rates, referen
           f"{' (bf16 weights, no autocast; training updates bf16 gradients)' if args.dtype == 'bf16' else ''}. "
           f"Batch: {len(args.lengths)} sequences of "
           f"{'/'.join(map(str, args.lengths))} tokens, right-padded to {max(args.lengths)} "
-          f"({tokens} real of {padded}, {tokens / padded:.0%}). roformer_hf attention: {args.attn}. "
+          f"({tokens} real of {padded}, {tokens / padded:.0%}). roformer_hf attention: {args.attn}"
+          f"{compiled_line(compile_seconds)}. "
           f"Allocator: {allocator_line(args)}. CPU bf16 matrix units: {units}"
           f"{'' if judge.applies else ' (the bf16 targets assume AMX: not applicable here)'}.\n")
     print("| measurement | transformers | roformer_hf | ratio | target | met |")
@@ -368,6 +370,15 @@ def report(args, size, flops, parity, low_precision, onnx, times, rates, referen
     print("\n".join(machine_lines()))
 
 
+def compiled_line(compile_seconds: dict[str, float]) -> str:
+    """What the header says of `--compile`: the first call of each step, compilation included."""
+    if not compile_seconds:
+        return ""
+    calls = ", ".join(f"{'inference' if mode == 'infer' else 'training step'} {seconds:.1f} s"
+                      for mode, seconds in compile_seconds.items())
+    return f"; roformer_hf through torch.compile (inductor), first call with compilation: {calls}"
+
+
 def onnx_report(args, onnx: dict | str, times: dict, judge: Judge) -> None:
     """The ONNX Runtime section: `onnx` holds each session's facts, or says why the section was skipped."""
     print("\n### ONNX Runtime (fp32, the same padded batch)\n")
@@ -409,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dense-prediction", action="store_true",
                         help="roformer_hf's MLM head on every token in training too (default: labelled tokens only)")
     parser.add_argument("--skip-train", action="store_true", help="time the inference forward only")
+    parser.add_argument("--compile", action="store_true",
+                        help="time roformer_hf through torch.compile (inductor); reports each step's first call, "
+                             "compilation included")
     parser.add_argument("--skip-memory", action="store_true", help="skip the long-sequence memory measurement")
     parser.add_argument("--skip-memory-train", action="store_true", help="measure inference memory only")
     parser.add_argument("--memory-length", type=int, default=4096)
@@ -486,12 +500,16 @@ def main() -> None:
         # runs below so that it sees the same machine load as they do.
         references = {f"gemm {kernel}": gemms[next(iter(shapes)), kernel] for kernel in kernels}
 
-        times, gemm_samples = {}, {name: [] for name in references}
+        times, gemm_samples, compile_seconds = {}, {name: [] for name in references}, {}
+        if args.compile:  # opt-in path: the ONNX export and the parity checks above used the eager model
+            models["roformer_hf"] = torch.compile(models["roformer_hf"])
         modes = {"infer": infer} if args.skip_train else {"infer": infer, "train": train_step}
         for mode, step in modes.items():
             progress(f"timing {'inference forward' if mode == 'infer' else 'training step'}")
             for model in models.values():
                 model.train(mode == "train")
+            if args.compile:  # the first call of each step compiles it
+                compile_seconds[mode] = timed_step(models["roformer_hf"], step, batch)
             runners = {side: (lambda side=side: timed_step(models[side], step, batch)) for side in SIDES}
             if mode == "infer":
                 runners.update({name: (lambda session=session: session.timed(batch))
@@ -517,7 +535,7 @@ def main() -> None:
                 memory[mode] = {side: measure_memory(side, mode, folder, args) for side in SIDES}
 
     progress("done")
-    report(args, size, flops, parity, low_precision, onnx, times, rates, reference_gemm, memory)
+    report(args, size, flops, parity, low_precision, onnx, times, rates, reference_gemm, memory, compile_seconds)
 
 
 if __name__ == "__main__":

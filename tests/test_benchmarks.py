@@ -73,3 +73,12 @@ def test_attention_benchmark_reports_both_kernels_in_both_dtypes():
     assert set(rows) == {(dtype, kernel) for dtype in ("fp32", "bf16") for kernel in ("SDPA", "explicit (eager)")}
     assert all(rows["fp32", kernel] < 1e-5 for kernel in ("SDPA", "explicit (eager)"))
     assert all(1e-4 < rows["bf16", kernel] < 5e-2 for kernel in ("SDPA", "explicit (eager)"))
+
+
+def test_benchmark_compile_option_times_the_compiled_model_and_reports_its_compilation():
+    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_cpu.py"), "--quick", "--compile", "--skip-train",
+                             "--skip-memory", "--skip-onnx", "--repeats", "1", "--warmup", "0"],
+                            capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "roformer_hf through torch.compile (inductor), first call with compilation: inference " in result.stdout
+    assert "inference forward, fp32" in result.stdout
