@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny smoke configuration (seconds)")
     args = parse_args(parser, lengths=(64, 48, 32), heads=2, head_dim=16, repeats=2)
+    if unknown := set(args.dtypes.split(",")) - set(DTYPES):
+        parser.error(f"--dtypes {args.dtypes}: unknown {sorted(unknown)}; expected some of {', '.join(DTYPES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
