@@ -26,18 +26,7 @@ ROPE_KEYS = {
 REQUIRED_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
                       "longrope": ("short_factor", "long_factor"), "llama3": ("factor", "low_freq_factor",
                                                                               "high_freq_factor")}
-DECODER_SWITCHES = ("is_decoder", "add_cross_attention")  # transformers' RoFormer has them; this encoder does not
 TRANSFORMERS_MODEL_TYPE = "roformer"  # transformers' own RoFormer, whose checkpoints we load
-
-
-def refuse_decoder_switches(values) -> None:
-    """transformers' RoFormer configs carry decoder switches (`is_decoder`, `add_cross_attention`) that this
-    bidirectional encoder does not implement: refuse them wherever they are set (a mapping, or a config)."""
-    get = values.get if hasattr(values, "get") else lambda name: getattr(values, name, None)
-    for switch in DECODER_SWITCHES:
-        if get(switch):
-            raise ValueError(f"{switch}=True is not supported: roformer_hf builds bidirectional encoders (no causal "
-                             "mask, no cross-attention, no cache)")
 
 
 def _copied_rope_parameters(given, name: str) -> dict | None:
@@ -78,7 +67,17 @@ class RoFormerConfig(PreTrainedConfig):
       RMS norm `x / sqrt(mean(x^2) + layer_norm_eps)` (no gain, bias or centring) in the same places. With it, the MLM
       head is the tied decoder alone (no transform, norm or bias), so `embedding_size` must equal `hidden_size`.
       RoFormer-V2 is `use_bias=False, norm_type="rms_norm", hidden_act="relu"`, as its config.json says.
-    - `pooler_activation`: read and saved for RoFormer-V2 configs (its causal-LM pooler); no model here uses it.
+    - `is_decoder`: causal self-attention with a cache of keys and values (`RoFormerForCausalLM`, `generate()`), as
+      in transformers; `use_cache` (default True) lets decoders return the cache outside training.
+    - `add_cross_attention`: decoders only: a cross-attention sublayer in every layer, on an encoder's states
+      (`EncoderDecoderModel`), named as in transformers' RoFormer (`crossattention`).
+    - `prefix_lm`: decoders only: the UniLM mask of RoFormer-Sim: tokens of segment 0 (`token_type_ids`) see each
+      other bidirectionally, tokens of segment 1 the prefix and the tokens before them. A row's segments must go 0
+      then 1. A folder of JunnYu's `RoFormerForCausalLM` (RoFormer-Sim; its config.json has `is_decoder` and
+      `pooler_activation`) loads with it and `add_pooling_layer` on, since that model reads its prompt
+      bidirectionally and generates with the prompt as its prefix.
+    - `add_pooling_layer`: BERT's pooler (`roformer.pooler.dense`): `pooler_output` = `pooler_activation(dense(first
+      token))`, for sentence embeddings (RoFormer-Sim ranks its generations by it).
     - `rotary_layout`: which dimensions rotate together. `"interleaved"` pairs (2i, 2i+1), the layout of
       RoFormer and of its published checkpoints; `"half"` pairs (i, i + head_dim/2), the "rotate-half" layout of
       GPT-NeoX, Llama-HF and ModernBERT.
@@ -138,6 +137,11 @@ class RoFormerConfig(PreTrainedConfig):
     use_bias: bool = True
     norm_type: str = LAYER_NORM
     pooler_activation: str = "tanh"
+    is_decoder: bool = False
+    add_cross_attention: bool = False
+    use_cache: bool = True
+    prefix_lm: bool = False
+    add_pooling_layer: bool = False
     rotary_layout: Literal["interleaved", "half"] = "interleaved"
     norm_position: Literal["post", "pre"] = "post"
     unpad_inputs: bool = True
@@ -149,10 +153,6 @@ class RoFormerConfig(PreTrainedConfig):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         self._take_rope_parameters(kwargs)
-        refuse_decoder_switches(kwargs)
-        for switch in DECODER_SWITCHES:
-            kwargs.pop(switch, None)
-        kwargs.pop("use_cache", None)
         super().__post_init__(**kwargs)
         self._check()
 
@@ -179,9 +179,13 @@ class RoFormerConfig(PreTrainedConfig):
         for name in ("hidden_act", "pooler_activation"):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in ACT2FN:
                 fail(name, f"one of transformers' activations ({', '.join(sorted(ACT2FN))})")
-        for name in ("use_bias", "rotary_value"):
+        for name in ("use_bias", "rotary_value", "is_decoder", "add_cross_attention", "use_cache", "prefix_lm",
+                     "add_pooling_layer"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "True or False")
+        for name in ("add_cross_attention", "prefix_lm"):
+            if getattr(self, name) and not self.is_decoder:
+                fail(name, "False unless is_decoder=True (it describes a decoder's attention)")
         if not isinstance(self.norm_type, str) or not self.norm_type:
             fail("norm_type", f"{LAYER_NORM!r}, or another name (e.g. 'rms_norm') for the parameter-free RMS norm")
         if self.pad_token_id is not None and not (isinstance(self.pad_token_id, int)
@@ -303,6 +307,11 @@ class RoFormerConfig(PreTrainedConfig):
         if config_dict.get("model_type") == TRANSFORMERS_MODEL_TYPE:
             # A checkpoint of transformers' RoFormer: its fields are a subset of ours, with the same meaning.
             config_dict = {**config_dict, "model_type": cls.model_type}
+            if config_dict.get("is_decoder") and "pooler_activation" in config_dict:
+                # JunnYu's RoFormerForCausalLM (RoFormer-Sim), whose config class alone writes pooler_activation: a
+                # pooler, and the prompt read bidirectionally as the prefix of what it generates.
+                config_dict.setdefault("prefix_lm", True)
+                config_dict.setdefault("add_pooling_layer", True)
         return config_dict, kwargs
 
     @property

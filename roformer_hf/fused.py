@@ -22,6 +22,9 @@ from transformers.activations import GELUActivation
 from transformers.utils.import_utils import is_tracing
 
 _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+# oneDNN has bf16 GEMMs only on CPUs with AVX-512 (or AMX); elsewhere it cannot build the primitive at all.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _KERNEL is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported() \
+    else (torch.float32,)
 
 
 def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = None,
@@ -63,7 +66,7 @@ def _kernel_applies(layer: nn.Linear, x: Tensor, residual: Tensor | None) -> boo
     weight = layer.weight
     return (_KERNEL is not None and torch.backends.mkldnn.enabled
             and not torch.is_grad_enabled() and not is_tracing()
-            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
             and weight.dtype == x.dtype and not torch.is_autocast_enabled("cpu")
             and type(layer) is nn.Linear and type(weight) is nn.Parameter
             and (layer.bias is None or layer.bias.dtype == x.dtype)

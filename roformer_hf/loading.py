@@ -18,7 +18,6 @@ import os
 from safetensors import SafetensorError
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, has_file
 
-from .configuration import refuse_decoder_switches
 from .hub import push_to_hub_with_card, write_model_card
 
 
@@ -32,7 +31,6 @@ class CheckpointPolicy:
                         **kwargs):
         """transformers' `from_pretrained` with the guarantees of this module."""
         name = os.fspath(pretrained_model_name_or_path)
-        refuse_decoder_switches(kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         if kwargs.setdefault("use_safetensors", True) is not True:
             raise ValueError("use_safetensors must be True: roformer_hf never unpickles weights (pickle can run code)")

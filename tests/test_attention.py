@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from roformer_hf import attention
+from roformer_hf import attention, blocked_dropout
 from roformer_hf.attention import blocked_dropout_attention_forward, eager_attention_forward
 
 
@@ -132,12 +132,12 @@ def test_dropout_masks_drop_a_fraction_p_of_the_weights_independently():
     """Each weight is dropped with probability p (to 2**-16): over 2**22 draws the fraction is p within 5 standard
     errors, and neighbouring weights are independent (dropped together as often as p**2)."""
     for p in (0.1, 0.5, 0.9):
-        dropped = attention.draw_dropout_mask(1024, 4096, p)
+        dropped = blocked_dropout.draw_dropout_mask(1024, 4096, p)
         n, fraction = dropped.numel(), dropped.double().mean().item()
         assert abs(fraction - p) < 5 * (p * (1 - p) / n) ** 0.5
         together = (dropped[:, 1:] & dropped[:, :-1]).double().mean().item()
         assert abs(together - p * p) < 5 * (p * p * (1 - p * p) / n) ** 0.5
-    assert attention.draw_dropout_mask(3, 77, 0.1).shape == (3, 80)  # columns up to a multiple of 8
+    assert blocked_dropout.draw_dropout_mask(3, 77, 0.1).shape == (3, 80)  # columns up to a multiple of 8
 
 
 def test_the_dropped_output_is_the_undropped_one_on_average(monkeypatch):
