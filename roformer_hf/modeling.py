@@ -738,15 +738,21 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                encoder_hidden_states=None, encoder_attention_mask=None, past_key_values=None, use_cache=None,
                 labels=None, logits_to_keep: int | torch.Tensor = 0, **kwargs) -> RoFormerCausalLMOutput:
         r"""
+        encoder_hidden_states, encoder_attention_mask (`(B, Lk, H)`, `(B, Lk)`, optional): what cross-attention
+            reads (`config.add_cross_attention`), as `EncoderDecoderModel` passes them.
+        past_key_values, use_cache: the cache of keys and values (see `RoFormerModel.encode`).
         labels (`(B, L)`, optional): the tokens to predict, -100 where nothing is; the logits at token `t` are scored
             against `labels[:, t + 1]`, so `labels=input_ids` (with -100 at padding) trains next-token prediction.
         logits_to_keep: compute the logits of the last `n` positions only (`0`: all), as generation asks.
         """
         loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KWARGS if name in kwargs}
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                      position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
+                      position_ids=position_ids, inputs_embeds=inputs_embeds,
+                      encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask,
+                      past_key_values=past_key_values, use_cache=use_cache, **kwargs)
         return self.encode_and_predict(inputs, labels, logits_to_keep=logits_to_keep, **loss_kwargs)
 
     def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, logits_to_keep: int | torch.Tensor = 0,
