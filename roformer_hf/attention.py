@@ -136,14 +136,14 @@ def causal_unless_masked(module: nn.Module, query: Tensor, key: Tensor, attentio
                          is_causal: bool | None = None) -> Tensor | None:
     """The mask a kernel applies: the one given, else, for a causal module (``is_causal``, or ``module.is_causal``, as
     transformers' kernels read it), query ``i`` of ``Lq`` sees the keys up to ``Lk - Lq + i`` (the queries are the
-    last ``Lq`` of the ``Lk`` keys, as after a cache): ``(Lq, Lk)`` bool."""
+    last ``Lq`` of the ``Lk`` keys, as after a cache): ``(1, 1, Lq, Lk)`` bool."""
     if attention_mask is not None:
         return attention_mask
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
     if not causal or query.shape[2] == 1:
         return None
     queries, keys = query.shape[2], key.shape[2]
-    return torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
+    return torch.ones(1, 1, queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
 
 
 def key_value_heads_for_every_query_head(module: nn.Module, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
