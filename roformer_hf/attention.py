@@ -187,14 +187,14 @@ def attend_padded(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     layout = attention_mask.layout
     keys_are_queries = attention_mask.key_padding is None  # else: a cache, or an encoder's keys, already (B, Lk)
-    query = layout.unpack(query).transpose(1, 2)  # (B, nh, L, d)
-    key, value = ((layout.unpack(t) if keys_are_queries else t).transpose(1, 2) for t in (key, value))
+    query = layout.scatter_tokens(query).transpose(1, 2)  # (B, nh, L, d)
+    key, value = ((layout.scatter_tokens(t) if keys_are_queries else t).transpose(1, 2) for t in (key, value))
     if is_flash_attention_requested(requested_attention_implementation=implementation):
         mask = flash_padding_mask(attention_mask)
     else:
         mask = attention_mask.dense()
     output, weights = attention(module, query, key, value, mask, dropout=dropout, scaling=scaling)
-    return layout.pack(output), weights
+    return layout.gather_tokens(output), weights
 
 
 def flash_padding_mask(attention_mask: AttentionMask) -> Tensor | None:
@@ -203,7 +203,7 @@ def flash_padding_mask(attention_mask: AttentionMask) -> Tensor | None:
     if attention_mask.prefix is not None:
         raise ValueError("flash-attn cannot apply a bidirectional prefix (prefix_lm): use attn_implementation='sdpa' "
                          "or 'eager'")
-    if attention_mask.layout.is_packed:
+    if attention_mask.layout.has_packed_rows:
         raise ValueError("flash-attn on the padded layout cannot keep packed sequences apart; let the model skip "
                          "padding (config.unpad_inputs=True) and do not trace it")
     return attention_mask.key_padding_2d()

@@ -297,7 +297,7 @@ class RoFormerEncoding(ModelOutput):
 
     Attributes:
         last_hidden_state: `(*T, H)`, in the batch's layout: only the real tokens when padding is skipped.
-        layout: where those tokens sit in the `(B, L)` batch (`layout.unpack` puts them back).
+        layout: where those tokens sit in the `(B, L)` batch (`layout.scatter_tokens` puts them back).
         pooler_output: `(B, H)`, the pooler on each sequence's first token (`config.add_pooling_layer`).
         past_key_values: the cache, updated with this forward's keys and values (decoders with `use_cache`).
         hidden_states: `(B, L, H)` each, the embeddings' output and every layer's, when requested.
@@ -457,11 +457,11 @@ class RoFormerModel(RoFormerPreTrainedModel):
         mask = AttentionMask(layout, device, causal=self.config.is_decoder, past_length=past_length,
                              key_padding=attention_mask if past_key_values is not None else None, prefix=prefix)
 
-        # Token-wise from here on: pack first so nothing is computed for padding.
+        # Token-wise from here on: gather the real tokens first so nothing is computed for padding.
         hidden_states = self.embeddings(
-            layout.pack(input_ids) if input_ids is not None else None,
-            layout.pack(token_type_ids),
-            layout.pack(inputs_embeds) if inputs_embeds is not None else None,
+            layout.gather_tokens(input_ids) if input_ids is not None else None,
+            layout.gather_tokens(token_type_ids),
+            layout.gather_tokens(inputs_embeds) if inputs_embeds is not None else None,
         )
         if hasattr(self, "embeddings_project"):
             hidden_states = self.embeddings_project(hidden_states)
@@ -490,7 +490,7 @@ class RoFormerModel(RoFormerPreTrainedModel):
             real = position_ids if layout.token_mask is None else position_ids.masked_fill(~layout.token_mask, 0)
             longest = real.max() + 1
         inv_freq, attention_factor = rope_frequencies(self.config, position_ids.device, longest)
-        phases = rotary_phases(layout.pack(position_ids), inv_freq).unsqueeze(-3)  # (*T, 1, d/2, 2)
+        phases = rotary_phases(layout.gather_tokens(position_ids), inv_freq).unsqueeze(-3)  # (*T, 1, d/2, 2)
         return Rotation(phases, attention_factor)
 
     @can_return_tuple
@@ -678,7 +678,7 @@ class RoFormerForMaskedLM(RoFormerLanguageModel):
         hidden_states, layout = encoding.last_hidden_state, encoding.layout  # (*T, H)
         if labels is not None:
             check_token_labels(labels, (layout.batch_size, layout.seq_len), self.config.vocab_size)
-            labels = layout.pack(labels).long()  # int32 labels too (cross-entropy wants int64)
+            labels = layout.gather_tokens(labels).long()  # int32 labels too (cross-entropy wants int64)
         sparse = labels is not None and self.training and self.config.sparse_prediction
         if sparse:  # the head only where there is something to predict (~15% of tokens)
             labelled = (labels.flatten() != -100).nonzero().squeeze(-1)
@@ -764,7 +764,7 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
             next_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # (B, L): the label after each token
             logits = self.cls.predictions(hidden_states)  # (*T, V)
             loss = self.loss_function(logits, None, vocab_size=self.config.vocab_size,
-                                      shift_labels=layout.pack(next_labels).long().contiguous(), **kwargs)
+                                      shift_labels=layout.gather_tokens(next_labels).long().contiguous(), **kwargs)
             logits = layout.to_padded(logits)
         elif isinstance(logits_to_keep, int) and logits_to_keep == 0:
             logits = logits_in_padded_layout(self.cls.predictions, hidden_states, layout)  # (B, L, V)
@@ -866,7 +866,7 @@ class RoFormerForTokenClassification(RoFormerHeadModel):
         loss = None
         if labels is not None:
             check_token_labels(labels, (layout.batch_size, layout.seq_len), self.num_labels)
-            loss = self.loss_function(logits, layout.pack(labels).long(), self.config)
+            loss = self.loss_function(logits, layout.gather_tokens(labels).long(), self.config)
         return TokenClassifierOutput(loss=loss, logits=layout.to_padded(logits))
 
 
@@ -901,7 +901,7 @@ class RoFormerForQuestionAnswering(RoFormerHeadModel):
     def predict(self, encoding: RoFormerEncoding, spans: tuple[torch.Tensor, torch.Tensor] | None,
                 **kwargs) -> QuestionAnsweringModelOutput:
         layout = encoding.layout
-        logits = layout.unpack(self.qa_outputs(encoding.last_hidden_state))  # (B, L, 2)
+        logits = layout.scatter_tokens(self.qa_outputs(encoding.last_hidden_state))  # (B, L, 2)
         # Padding must never win the argmax of a span.
         if layout.token_mask is not None:
             logits = logits.masked_fill(~layout.token_mask.unsqueeze(-1), torch.finfo(logits.dtype).min)
