@@ -7,7 +7,12 @@ import pytest
 import torch
 from helpers import BLOCK_ROFORMER_HF, PYTHON, padded_batch, tiny_config
 
-from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification, RoFormerForTokenClassification
+from roformer_hf import (
+    RoFormerForCausalLM,
+    RoFormerForMaskedLM,
+    RoFormerForSequenceClassification,
+    RoFormerForTokenClassification,
+)
 from roformer_hf.modeling import RoFormerPreTrainedModel
 
 LOAD_AND_RUN = BLOCK_ROFORMER_HF + """
@@ -25,15 +30,18 @@ print(json.dumps({"module": type(model).__module__, "output": out.tolist()}))
     (RoFormerForSequenceClassification, "AutoModelForSequenceClassification"),
     (RoFormerForMaskedLM, "AutoModelForMaskedLM"),
     (RoFormerForTokenClassification, "AutoModelForTokenClassification"),
+    (RoFormerForCausalLM, "AutoModelForCausalLM"),
 ])
 def test_remote_code_loading_without_the_package(tmp_path, cls, auto):
     torch.manual_seed(0)
-    model = cls(tiny_config(num_labels=3, norm_position="pre", rotary_layout="half")).eval()
+    decoder = {"is_decoder": True} if cls is RoFormerForCausalLM else {}
+    model = cls(tiny_config(num_labels=3, norm_position="pre", rotary_layout="half", **decoder)).eval()
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["auto_map"] == RoFormerPreTrainedModel.auto_map
-    assert len(config["auto_map"]) == 7  # AutoConfig and the six model classes
-    for code_file in ("configuration.py", "modeling.py", "attention.py", "rotary.py", "padding.py", "loading.py"):
+    assert len(config["auto_map"]) == 8  # AutoConfig and the seven model classes
+    for code_file in ("configuration.py", "modeling.py", "attention.py", "blocked_dropout.py", "masks.py", "rotary.py",
+                      "padding.py", "loading.py"):
         assert (tmp_path / code_file).exists(), code_file
 
     ids, mask = padded_batch([7, 4])
