@@ -83,22 +83,30 @@ def sdpa_varlen_attention_forward(
     scaling: float,
     dropout: float = 0.0,
     *,
-    cu_seq_lens_q: torch.Tensor,  # (S + 1,) offsets of the sequences among the N tokens
-    cu_seq_lens_k: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor,  # (S + 1,) offsets of the sequences among the N query tokens
+    cu_seq_lens_k: torch.Tensor | None = None,  # (S + 1,) among the key tokens; default: those of the queries
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA on packed tokens, one sequence at a time: no work and no mask for padding.
+    """transformers' SDPA on packed tokens, one sequence at a time: no work and no mask for padding. Sequence ``s``
+    attends its queries ``cu_seq_lens_q[s]:cu_seq_lens_q[s + 1]`` to its keys ``cu_seq_lens_k[s]:...`` (as flash-attn's
+    varlen kernel), causally when ``module.is_causal``, which needs as many keys as queries in every sequence.
 
     Meant for the CPU, where a loop over sequences costs nothing next to the attention itself; `split` (not
     indexing) lets the backward pass join the gradients with one `cat`.
     """
-    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q,
-                                                                                              cu_seq_lens_k):
-        raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q: self-attention needs the same boundaries")
-    lengths = [n for n in cu_seq_lens_q.diff().tolist() if n]  # sequences without tokens hold no rows
+    query_lengths = cu_seq_lens_q.diff().tolist()
+    key_lengths = query_lengths if cu_seq_lens_k is None else cu_seq_lens_k.diff().tolist()
+    if len(key_lengths) != len(query_lengths):
+        raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k delimit {len(query_lengths)} and {len(key_lengths)} "
+                         "sequences; expected the same number")
+    if getattr(module, "is_causal", False) and key_lengths != query_lengths:
+        raise ValueError("causal attention on packed sequences needs as many keys as queries in each sequence "
+                         f"(cu_seq_lens_q {cu_seq_lens_q.tolist()}, cu_seq_lens_k {cu_seq_lens_k.tolist()})")
     sdpa = ALL_ATTENTION_FUNCTIONS[SDPA_DROPOUT if dropout and module.training else "sdpa"]
-    sequences = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))  # (1, nh, n, d) each
-    outputs = [sdpa(module, q, k, v, None, dropout=dropout, scaling=scaling)[0] for q, k, v in sequences]
+    queries = query.split(query_lengths, dim=2)  # (1, nh, n, d) each
+    keys, values = (t.split(key_lengths, dim=2) for t in (key, value))
+    outputs = [sdpa(module, q, k, v, None, dropout=dropout, scaling=scaling)[0]
+               for q, k, v in zip(queries, keys, values) if q.shape[2]]  # sequences without queries hold no rows
     return torch.cat(outputs, dim=1), None  # (1, N, nh, d)
 
 

@@ -263,3 +263,20 @@ def test_blocked_dropout_kernel_is_causal_in_training(monkeypatch):
     dropped, _ = blocked_dropout_attention_forward(Causal().train(), query, key, value, None, 0.25, dropout=0.2)
     weights = dropped[0, :, 0]  # (L, L)
     assert (weights.triu(1) == 0).all() and (weights.tril() != 0).any()
+
+
+def test_varlen_kernel_attends_each_sequence_to_its_own_keys():
+    """Queries and keys delimited apart (as flash-attn's varlen kernel takes them): each sequence's queries see
+    exactly its keys; causality with unequal lengths is refused."""
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 2, 5, 4, generator=generator)  # sequences of 3 and 2 queries
+    key, value = (torch.randn(1, 2, 7, 4, generator=generator) for _ in range(2))  # ... of 4 and 3 keys
+    offsets = dict(cu_seq_lens_q=torch.tensor([0, 3, 5]), cu_seq_lens_k=torch.tensor([0, 4, 7]))
+    output, _ = attention.sdpa_varlen_attention_forward(Bidirectional().eval(), query, key, value, None, 0.5,
+                                                        **offsets)
+    for (q0, q1), (k0, k1) in (((0, 3), (0, 4)), ((3, 5), (4, 7))):
+        q, k, v = (t.double() for t in (query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1]))
+        expected = ((q @ k.transpose(-1, -2) * 0.5).softmax(-1) @ v).transpose(1, 2)
+        torch.testing.assert_close(output[:, q0:q1].double(), expected, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="causal attention on packed sequences needs as many keys as queries"):
+        attention.sdpa_varlen_attention_forward(Causal().eval(), query, key, value, None, 0.5, **offsets)
