@@ -3,6 +3,7 @@ generation, cross-attention, and the prefix-LM (UniLM) mask against its definiti
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,13 @@ def test_roformer_sim_matches_junnyus_roformer():
         generated = model.generate(refs["input_ids"][row:row + 1, :n], max_new_tokens=new_tokens,
                                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         assert generated[0].tolist() == expected.tolist()
+
+
+def test_the_decoder_page_examples_run(monkeypatch):
+    """Every Python block of docs/decoder.md runs as written, from the repository's root."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    blocks = re.findall(r"```python\n(.*?)```", (root / "docs" / "decoder.md").read_text(), flags=re.DOTALL)
+    assert len(blocks) >= 3
+    for block in blocks:
+        exec(compile(block, "docs/decoder.md", "exec"), {})
