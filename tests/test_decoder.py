@@ -303,3 +303,18 @@ def test_the_decoder_page_examples_run(monkeypatch):
     assert len(blocks) >= 3
     for block in blocks:
         exec(compile(block, "docs/decoder.md", "exec"), {})
+
+
+def test_num_items_in_batch_reaches_the_loss_and_only_the_loss():
+    """Trainer's `num_items_in_batch` (gradient accumulation) divides the summed token losses; the encoder never
+    sees it (it would be an unexpected input there)."""
+    torch.manual_seed(0)
+    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
+    ids, mask = padded_batch([6, 4])
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+        summed = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                   reduction="sum")
+        loss = model(ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(20)).loss
+    torch.testing.assert_close(loss, summed / 20, atol=1e-6, rtol=1e-6)
