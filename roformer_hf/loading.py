@@ -31,7 +31,8 @@ class CheckpointPolicy:
     def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_missing_encoder_weights: bool = False,
                         **kwargs):
         """transformers' `from_pretrained` with the guarantees of this module."""
-        name = os.fspath(pretrained_model_name_or_path)
+        # None: transformers' way to build from `config` and `state_dict` alone (no folder, no Hub repository)
+        name = "state_dict" if pretrained_model_name_or_path is None else os.fspath(pretrained_model_name_or_path)
         refuse_decoder_switches(kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         if kwargs.setdefault("use_safetensors", True) is not True:
@@ -43,7 +44,7 @@ class CheckpointPolicy:
             raise OSError(f"The safetensors weights of {name!r} are truncated or corrupted and cannot be read "
                           f"({error}); re-download or re-save them") from error
         except OSError as error:
-            pickled = _pickled_weights_only(name, kwargs)
+            pickled = None if pretrained_model_name_or_path is None else _pickled_weights_only(name, kwargs)
             if pickled is None:
                 raise
             raise OSError(
