@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import tiny_config
-from test_flash_contract import STAND_IN, stand_in_flash  # noqa: F401  (fixture)
+from helpers import STAND_IN, tiny_config
 
 import roformer_hf
 from roformer_hf import RoFormerForMaskedLM, RoFormerForTokenClassification, RoFormerModel
@@ -119,7 +118,7 @@ def test_hidden_states_and_attentions_of_packed_rows():
 
 @pytest.mark.parametrize("with_offsets", [True, False])
 @pytest.mark.parametrize("head, field", HEADS, ids=lambda x: getattr(x, "__name__", x))
-def test_flash_varlen_kernel_reads_packed_rows(stand_in_flash, head, field, with_offsets):  # noqa: F811
+def test_flash_varlen_kernel_reads_packed_rows(stand_in_flash, head, field, with_offsets):
     torch.manual_seed(0)
     model = head(tiny_config(num_labels=3)).eval()
     run = per_token_outputs(model, field)

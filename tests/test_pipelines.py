@@ -2,11 +2,9 @@
 
 import torch
 import transformers
-from helpers import tiny_config
+from helpers import WORDS, tiny_config
 
 from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification, RoFormerTokenizerFast
-
-WORDS = "the king queen speaks and dies loves a crown sword night day".split()
 
 
 def _tokenizer(folder):
