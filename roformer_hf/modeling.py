@@ -360,6 +360,12 @@ class RoFormerModel(RoFormerPreTrainedModel):
         Rows may hold several sequences back to back (`DataCollatorWithFlattening`): their offsets come from
         `cu_seq_lens_q`/`cu_seq_lens_k` in `kwargs`, or, without an attention mask, from `position_ids` that
         restart. Requested hidden states are those the model computed with: they keep the padded layout.
+
+        `position_ids` `(B, L)`, default `arange(L)`: the positions the rotation reads. Without an attention mask, a
+        position that does not follow its predecessor by exactly 1 starts a new sequence (transformers'
+        `find_packed_sequence_indices` rule), so positions that skip (e.g. `2 * arange(L)`) make every token attend
+        alone. Pass `attention_mask` (ones where there is no padding) and they are read as positions only; to
+        stretch positions for long inputs, use `config.rope_parameters` (e.g. `"linear"`) instead.
         """
         check_encoder_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         refuse_decoder_inputs(kwargs)
