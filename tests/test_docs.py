@@ -13,7 +13,8 @@ from helpers import PYTHON
 import roformer_hf
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "examples" / "README.md",
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", ROOT / "examples" / "README.md",
+         ROOT / "benchmarks" / "RESULTS.md",
          *sorted((ROOT / "docs").glob("*.md"))]
 PUBLIC = [roformer_hf.RoFormerConfig, *(head.model_class for head in roformer_hf.modeling.HEADS)]
 
