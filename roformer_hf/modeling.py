@@ -61,7 +61,7 @@ def linear(config: RoFormerConfig, in_features: int, out_features: int) -> nn.Li
 
 def norm(config: RoFormerConfig, size: int) -> nn.Module:
     """Every normalisation layer of the encoder and its heads: LayerNorm (RoFormer, BERT), or RoFormer-V2's
-    parameter-free RMS norm ``x / sqrt(mean(x^2) + eps)`` for any other `config.norm_type`."""
+    parameter-free RMS norm ``x / sqrt(mean(x^2) + eps)`` for `config.norm_type="rms_norm"`."""
     if config.uses_layer_norm:
         return nn.LayerNorm(size, eps=config.layer_norm_eps)
     return nn.RMSNorm(size, eps=config.layer_norm_eps, elementwise_affine=False)

@@ -13,8 +13,8 @@ import subprocess
 
 import pytest
 import run_classification
-import safetensors.torch
 import run_mlm
+import safetensors.torch
 import torch
 import transformers
 from config_overrides import parse_overrides
