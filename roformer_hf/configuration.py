@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import numbers
 from typing import Literal
 
@@ -10,8 +11,16 @@ from transformers.activations import ACT2FN
 
 from .rotary import ROTARY_LAYOUTS, check_head_dim
 
+logger = logging.getLogger(__name__)
+
 NORM_POSITIONS = ("post", "pre")
-LAYER_NORM = "layer_norm"  # `norm_type`: LayerNorm (RoFormer); any other value, the parameter-free RMS norm (V2)
+# `norm_type`: the two spellings RoFormer configs are published with. JunnYu's `roformer` (whose V2 checkpoints carry
+# the field; transformers' RoFormer has none) builds LayerNorm for "layer_norm" and its RMS norm otherwise, and its
+# V2 configs say "rms_norm". Other spellings ("layernorm", "LayerNorm", "rmsnorm") appear in no published RoFormer
+# config, so they are refused rather than guessed: a typo must not silently build the other model.
+LAYER_NORM = "layer_norm"  # LayerNorm (RoFormer)
+RMS_NORM = "rms_norm"  # RoFormer-V2's parameter-free RMS norm
+NORM_TYPES = (LAYER_NORM, RMS_NORM)
 # `rope_parameters`: the keys each rope type reads besides `rope_type`, `rope_theta` and `partial_rotary_factor`, then
 # those it cannot do without. Frequencies come from transformers' `ROPE_INIT_FUNCTIONS`.
 ROPE_KEYS = {
@@ -63,8 +72,8 @@ class RoFormerConfig(PreTrainedConfig):
       num_key_value_heads` query heads (default: `num_attention_heads`, plain multi-head attention; 1: multi-query).
     - `use_bias`: whether the encoder's dense layers (attention projections, feed-forward) have biases. The
       embedding projection and the task heads always have them, as in RoFormer-V2.
-    - `norm_type`: `"layer_norm"` (RoFormer), or any other value, e.g. `"rms_norm"`, for RoFormer-V2's parameter-free
-      RMS norm `x / sqrt(mean(x^2) + layer_norm_eps)` (no gain, bias or centring) in the same places. With it, the MLM
+    - `norm_type`: `"layer_norm"` (RoFormer), or `"rms_norm"` for RoFormer-V2's parameter-free RMS norm `x /
+      sqrt(mean(x^2) + layer_norm_eps)` (no gain, bias or centring) in the same places. With it, the MLM
       head is the tied decoder alone (no transform, norm or bias), so `embedding_size` must equal `hidden_size`.
       RoFormer-V2 is `use_bias=False, norm_type="rms_norm", hidden_act="relu"`, as its config.json says.
     - `is_decoder`: causal self-attention with a cache of keys and values (`RoFormerForCausalLM`, `generate()`), as
@@ -186,8 +195,8 @@ class RoFormerConfig(PreTrainedConfig):
         for name in ("add_cross_attention", "prefix_lm"):
             if getattr(self, name) and not self.is_decoder:
                 fail(name, "False unless is_decoder=True (it describes a decoder's attention)")
-        if not isinstance(self.norm_type, str) or not self.norm_type:
-            fail("norm_type", f"{LAYER_NORM!r}, or another name (e.g. 'rms_norm') for the parameter-free RMS norm")
+        if not isinstance(self.norm_type, str) or self.norm_type not in NORM_TYPES:
+            fail("norm_type", f"one of {NORM_TYPES} (LayerNorm, or RoFormer-V2's parameter-free RMS norm)")
         if self.pad_token_id is not None and not (isinstance(self.pad_token_id, int)
                                                   and 0 <= self.pad_token_id < self.vocab_size):
             fail("pad_token_id", f"None or an id in [0, vocab_size={self.vocab_size})")
@@ -255,11 +264,11 @@ class RoFormerConfig(PreTrainedConfig):
         rope_type = params.get("rope_type")
         if not isinstance(rope_type, str) or rope_type not in ROPE_KEYS:
             fail("rope_type", f"one of {tuple(ROPE_KEYS)}")
-        known = {"rope_type", "rope_theta", "partial_rotary_factor", *ROPE_KEYS[rope_type]}
-        for key in params:
-            if key not in known:
-                raise ValueError(f"RoFormerConfig.rope_parameters has {key!r}, which rope_type={rope_type!r} does not "
-                                 f"read; expected keys among {sorted(known)}")
+        read = {"rope_type", "rope_theta", "partial_rotary_factor", *ROPE_KEYS[rope_type]}
+        unread = sorted(set(params) - read)
+        if unread:  # as transformers' rope validation: kept in the config, warned about, and never read
+            logger.warning("RoFormerConfig.rope_parameters has %s, which rope_type=%r does not read: ignored (it reads "
+                           "%s)", unread, rope_type, sorted(read))
         for key in (*REQUIRED_ROPE_KEYS.get(rope_type, ()), "rope_theta"):
             if params.get(key) is None:
                 fail(key, f"a value: rope_type={rope_type!r} needs it")
@@ -284,7 +293,7 @@ class RoFormerConfig(PreTrainedConfig):
             "partial_rotary_factor": (lambda v: v == 1, "1.0: roformer_hf rotates whole heads"),
         }
         for key, (valid, expected) in checks.items():
-            if params.get(key) is not None and not valid(params[key]):
+            if key in read and params.get(key) is not None and not valid(params[key]):
                 fail(key, expected)
 
     @property
@@ -298,7 +307,7 @@ class RoFormerConfig(PreTrainedConfig):
 
     @property
     def uses_layer_norm(self) -> bool:
-        """LayerNorm (RoFormer), or RoFormer-V2's parameter-free RMS norm (any other `norm_type`)."""
+        """LayerNorm (RoFormer), or RoFormer-V2's parameter-free RMS norm (`norm_type="rms_norm"`)."""
         return self.norm_type == LAYER_NORM
 
     @classmethod

@@ -4,7 +4,7 @@
 that follows is another pass over that output, into fresh memory. `torch.ops.mkldnn._linear_pointwise`, the kernel
 torch.compile's CPU backend emits for linear layers, applies either to the GEMM's result before it is stored; on the
 CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (AMD EPYC with AVX-512, fp32;
-`benchmarks/RESULTS.md`, session 6).
+`benchmarks/RESULTS.md`, 2026-11-23, at d290e68).
 
 It has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it only in eager
 forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module

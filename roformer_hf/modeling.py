@@ -66,7 +66,7 @@ def linear(config: RoFormerConfig, in_features: int, out_features: int) -> nn.Li
 
 def norm(config: RoFormerConfig, size: int) -> nn.Module:
     """Every normalisation layer of the encoder and its heads: LayerNorm (RoFormer, BERT), or RoFormer-V2's
-    parameter-free RMS norm ``x / sqrt(mean(x^2) + eps)`` for any other `config.norm_type`."""
+    parameter-free RMS norm ``x / sqrt(mean(x^2) + eps)`` for `config.norm_type="rms_norm"`."""
     if config.uses_layer_norm:
         return nn.LayerNorm(size, eps=config.layer_norm_eps)
     return nn.RMSNorm(size, eps=config.layer_norm_eps, elementwise_affine=False)
@@ -421,6 +421,12 @@ class RoFormerModel(RoFormerPreTrainedModel):
         `cu_seq_lens_q`/`cu_seq_lens_k` in `kwargs`, or, without an attention mask, from `position_ids` that
         restart. Requested hidden states are those the model computed with: they keep the padded layout.
 
+        `position_ids` `(B, L)`, default `arange(L)` (after a cache: from its length): the positions the rotation
+        reads. Without an attention mask, a position that does not follow its predecessor by exactly 1 starts a new
+        sequence (transformers' `find_packed_sequence_indices` rule), so positions that skip (e.g. `2 * arange(L)`)
+        make every token attend alone. Pass `attention_mask` (ones where there is no padding) and they are read as
+        positions only; to stretch positions for long inputs, use `config.rope_parameters` (e.g. `"linear"`) instead.
+
         Decoders (`config.is_decoder`) attend causally, or, with `config.prefix_lm`, bidirectionally within the
         prefix (`token_type_ids` 0) and causally after it. With a cache (`past_key_values`, created when `use_cache`,
         which defaults to `config.use_cache` outside training) the keys of earlier forwards come first:
@@ -497,11 +503,8 @@ class RoFormerModel(RoFormerPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 **kwargs) -> BaseModelOutputWithPoolingAndCrossAttentions:
         """`encode` with the last hidden state in the padded layout `(B, L, H)`, zeros at the padding (the
-        `hidden_states`, when requested, are the tensors the model computed with, padding included).
-
-        `position_ids` default to `0, 1, ...` in each row (after a cache: from its length). Without an
-        `attention_mask`, positions that do not step by exactly one mark the start of a new sequence in the row
-        (packed rows, transformers' rule); pass the attention mask to use other positions on unpacked rows."""
+        `hidden_states`, when requested, are the tensors the model computed with, padding included). Inputs as in
+        `encode`, whose docstring says how `position_ids` are read."""
         encoding = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                return_dict=True, **kwargs)
         return BaseModelOutputWithPoolingAndCrossAttentions(

@@ -2,7 +2,7 @@
 
 import torch
 import transformers
-from helpers import tiny_config
+from helpers import WORDS, tiny_config
 
 from roformer_hf import (
     RoFormerForCausalLM,
@@ -10,8 +10,6 @@ from roformer_hf import (
     RoFormerForSequenceClassification,
     RoFormerTokenizerFast,
 )
-
-WORDS = "the king queen speaks and dies loves a crown sword night day".split()
 
 
 def _tokenizer(folder):

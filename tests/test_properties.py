@@ -3,8 +3,7 @@
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from rope_reference import apply_rotary, rotary_cos_sin
+from helpers import apply_rotary, rotary_cos_sin
 
 from roformer_hf import RoFormerConfig, RoFormerModel
 

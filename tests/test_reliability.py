@@ -71,6 +71,25 @@ def test_save_and_reload_keep_outputs(saved):
         assert torch.equal(model(ids, attention_mask=mask).logits, reloaded(ids, attention_mask=mask).logits)
 
 
+def test_from_a_config_and_a_state_dict_without_a_folder(saved):
+    """transformers' `from_pretrained(None, config=..., state_dict=...)` builds the model the state dict describes,
+    as building it and calling `load_state_dict` does, with the same guarantees as a folder."""
+    model, _ = saved
+    config, state = model.config, model.state_dict()
+    loaded = RoFormerForMaskedLM.from_pretrained(None, config=config, state_dict=state).eval()
+    built = RoFormerForMaskedLM(config).eval()
+    built.load_state_dict(state)
+    assert loaded.state_dict().keys() == built.state_dict().keys()
+    for name, value in built.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    ids, mask = padded_batch([5, 3])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, attention_mask=mask).logits, built(ids, attention_mask=mask).logits)
+    partial = {name: value for name, value in state.items() if ".layer.1." not in name}
+    with pytest.raises(ValueError, match=r"'state_dict' lacks 16 encoder weight\(s\)"):
+        RoFormerForMaskedLM.from_pretrained(None, config=config, state_dict=partial)
+
+
 def test_training_steps_are_deterministic_on_cpu():
     """Same seed, same data: bit-identical losses and weights after a few optimiser steps (dropout on)."""
     ids, mask = padded_batch([9, 6, 3])
