@@ -38,6 +38,7 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attention import attend
+from .cache import GrowingCache
 from .configuration import RoFormerConfig
 from .fused import fused_linear
 from .loading import CheckpointPolicy
@@ -443,8 +444,8 @@ class RoFormerModel(RoFormerPreTrainedModel):
         if use_cache is None:
             use_cache = self.config.is_decoder and self.config.use_cache and not self.training
         if use_cache and past_key_values is None:
-            past_key_values = (EncoderDecoderCache(DynamicCache(), DynamicCache()) if self.config.add_cross_attention
-                               else DynamicCache())
+            past_key_values = (EncoderDecoderCache(GrowingCache(), DynamicCache()) if self.config.add_cross_attention
+                               else GrowingCache())
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
@@ -775,6 +776,18 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
             logits = self.cls.predictions(slice_logits_to_keep(layout.to_padded(hidden_states), logits_to_keep))
         return RoFormerCausalLMOutput(loss=loss, logits=logits, past_key_values=encoding.past_key_values,
                                       pooler_output=encoding.pooler_output)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """transformers' cache for `generate()`, except that its default `DynamicCache` becomes a `GrowingCache`, whose
+        appends do not copy the whole cache at every step."""
+        given = model_kwargs.get("past_key_values") is not None
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if not given and generation_config.cache_implementation in (None, "dynamic"):
+            if type(cache) is DynamicCache:
+                model_kwargs["past_key_values"] = GrowingCache()
+            elif isinstance(cache, EncoderDecoderCache) and type(cache.self_attention_cache) is DynamicCache:
+                model_kwargs["past_key_values"] = EncoderDecoderCache(GrowingCache(), cache.cross_attention_cache)
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None, **kwargs):
         """transformers' preparation; with `config.prefix_lm`, the generated tokens (every step after the first,

@@ -318,3 +318,42 @@ def test_num_items_in_batch_reaches_the_loss_and_only_the_loss():
                                                    reduction="sum")
         loss = model(ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(20)).loss
     torch.testing.assert_close(loss, summed / 20, atol=1e-6, rtol=1e-6)
+
+
+def test_generation_appends_to_the_cache_without_copying_it():
+    """`generate()` gets a `GrowingCache`: each step's keys land in a buffer with room to spare (no copy of the whole
+    cache per token), and the tokens are those of transformers' `DynamicCache`."""
+    from roformer_hf.cache import GrowingCache
+
+    torch.manual_seed(0)
+    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
+    prompts, mask = padded_batch([6, 4], left=True)
+    settings = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                    return_dict_in_generate=True)
+    growing = model.generate(prompts, **settings)
+    assert type(growing.past_key_values) is GrowingCache
+    layer = growing.past_key_values.layers[0]
+    assert layer.keys.data_ptr() == layer.key_buffer.data_ptr() and layer.key_buffer.shape[2] > layer.keys.shape[2]
+    dynamic = model.generate(prompts, past_key_values=DynamicCache(), **settings)
+    assert type(dynamic.past_key_values) is DynamicCache
+    assert torch.equal(growing.sequences, dynamic.sequences)
+    torch.testing.assert_close(layer.keys, dynamic.past_key_values.layers[0].keys, atol=0, rtol=0)
+
+
+def test_growing_cache_survives_what_replaces_its_tensors():
+    """Beam search reorders, cropping shortens: the next append still gives the concatenation."""
+    from roformer_hf.cache import GrowingCache
+
+    cache, reference = GrowingCache(), DynamicCache()
+    generator = torch.Generator().manual_seed(0)
+    for step in range(70):  # past the first buffer's 64 tokens
+        keys, values = (torch.randn(3, 2, 1 + step % 2, 4, generator=generator) for _ in range(2))
+        got, expected = cache.update(keys, values, 0), reference.update(keys, values, 0)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        if step == 30:
+            for c in (cache, reference):
+                c.reorder_cache(torch.tensor([2, 0, 1]))
+        if step == 50:
+            for c in (cache, reference):
+                c.crop(-5)
+    assert cache.get_seq_length() == reference.get_seq_length()
