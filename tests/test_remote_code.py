@@ -45,8 +45,8 @@ def test_remote_code_loading_without_the_package(tmp_path, cls, auto):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["auto_map"] == RoFormerPreTrainedModel.auto_map
     assert len(config["auto_map"]) == 8  # AutoConfig and the seven model classes
-    for code_file in ("configuration.py", "modeling.py", "attention.py", "blocked_dropout.py", "masks.py", "rotary.py",
-                      "padding.py", "loading.py"):
+    for code_file in ("configuration.py", "modeling.py", "attention.py", "blocked_dropout.py", "cache.py", "masks.py",
+                      "rotary.py", "padding.py", "loading.py"):
         assert (tmp_path / code_file).exists(), code_file
     # The model's code and nothing else: what modeling.py imports, without the card and upload code (hub.py).
     code = {path.name for path in tmp_path.glob("*.py")}
