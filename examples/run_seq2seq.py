@@ -57,7 +57,8 @@ def tokenize(raw, tokenizer, data: DataArguments, seq2seq: Seq2SeqArguments, tra
     """`[CLS] source [SEP] target [SEP]`, the source segment 0 and the target segment 1 (the tokenizer's pair
     encoding); labels are the target's tokens, -100 on the source, which the model reads but does not predict."""
     def encode(batch):
-        sources = tokenizer(batch["source"], truncation=True, max_length=data.max_seq_length - seq2seq.max_target_length)
+        sources = tokenizer(batch["source"], truncation=True,
+                            max_length=data.max_seq_length - seq2seq.max_target_length)
         targets = tokenizer(batch["target"], truncation=True, max_length=seq2seq.max_target_length + 1,
                             add_special_tokens=False)
         rows = {"input_ids": [], "token_type_ids": [], "labels": []}

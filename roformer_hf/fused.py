@@ -23,8 +23,8 @@ from transformers.utils.import_utils import is_tracing
 
 _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 # oneDNN has bf16 GEMMs only on CPUs with AVX-512 (or AMX); elsewhere it cannot build the primitive at all.
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _KERNEL is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported() \
-    else (torch.float32,)
+_BF16_GEMMS = _KERNEL is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _BF16_GEMMS else (torch.float32,)
 
 
 def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = None,

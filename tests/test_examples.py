@@ -275,8 +275,9 @@ def test_independent_cpu_processes_are_refused(text_files, tmp_path):
 
 
 def test_summary_example_prints_layers(tmp_path):
-    result = subprocess.run([PYTHON, str(EXAMPLES / "model_summary.py"), "--config_overrides", TINY_MODEL + ",vocab_size=100",
-                             "--seq_len", "16"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([PYTHON, str(EXAMPLES / "model_summary.py"), "--config_overrides",
+                             TINY_MODEL + ",vocab_size=100", "--seq_len", "16"], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RoFormerLayer" in result.stdout
     model = roformer_hf.RoFormerForMaskedLM(roformer_hf.RoFormerConfig(
