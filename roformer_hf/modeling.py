@@ -747,12 +747,15 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
         r"""
         encoder_hidden_states, encoder_attention_mask (`(B, Lk, H)`, `(B, Lk)`, optional): what cross-attention
             reads (`config.add_cross_attention`), as `EncoderDecoderModel` passes them.
-        past_key_values, use_cache: the cache of keys and values (see `RoFormerModel.encode`).
+        past_key_values, use_cache: the cache of keys and values (see `RoFormerModel.encode`); with `labels`,
+            `use_cache` defaults to False (a loss needs no cache, and without one padding is skipped).
         labels (`(B, L)`, optional): the tokens to predict, -100 where nothing is; the logits at token `t` are scored
             against `labels[:, t + 1]`, so `labels=input_ids` (with -100 at padding) trains next-token prediction.
         logits_to_keep: compute the logits of the last `n` positions only (`0`: all), as generation asks.
         """
         loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KWARGS if name in kwargs}
+        if use_cache is None and labels is not None:
+            use_cache = False
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                       position_ids=position_ids, inputs_embeds=inputs_embeds,
                       encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask,

@@ -76,7 +76,9 @@ stand_in_calls: list[str] = []  # what varlen_stand_in was called with: "varlen"
 
 
 def varlen_stand_in(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """A flash-attn kernel for CPU: attends with SDPA, asserting what transformers' flash-attn wrapper requires."""
+    """A flash-attn kernel for CPU: attends with SDPA, asserting what transformers' flash-attn wrapper requires, and
+    causal when `module.is_causal`, as flash-attn is (the queries aligned to the last keys, as after a cache)."""
+    causal = getattr(module, "is_causal", False)
     if "cu_seq_lens_q" in kwargs:  # packed: (1, nh, N, d), one run of tokens per sequence
         offsets = kwargs["cu_seq_lens_q"]
         assert attention_mask is None and query.shape[0] == 1 and query.shape[2] > 0
@@ -84,12 +86,17 @@ def varlen_stand_in(module, query, key, value, attention_mask, dropout=0.0, scal
         assert isinstance(kwargs["max_length_q"], int) and kwargs["max_length_q"] == offsets.diff().max().item()
         bounds = offsets.tolist()
         output = torch.cat([F.scaled_dot_product_attention(*(t[:, :, start:end] for t in (query, key, value)),
-                                                           scale=scaling) for start, end in zip(bounds, bounds[1:])],
-                           dim=2)
+                                                           scale=scaling, is_causal=causal)
+                            for start, end in zip(bounds, bounds[1:])], dim=2)
         stand_in_calls.append("varlen")
     else:  # padded: (B, nh, L, d) with the (B, L) mask flash-attn unpads by itself
         assert attention_mask is None or attention_mask.dim() == 2
-        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool)
+        if causal:
+            mask = mask.tril(key.shape[2] - query.shape[2])
+        if attention_mask is not None:
+            mask = mask & attention_mask[:, None, None, :].bool()
+        mask = mask | mask.logical_not().all(-1, keepdim=True)  # a query with no key (padding) attends to all
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
         stand_in_calls.append("padded")
     return output.transpose(1, 2), None  # (B, L, nh, d), as transformers' attention functions return
