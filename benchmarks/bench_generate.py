@@ -9,9 +9,10 @@ Two measurements, both fp32, dropout 0, greedy decoding with the cache (transfor
   prompt, interleaved between the two models; new tokens per second of each, and the ratio. transformers' RoFormer
   counts the left padding in its positions, so the two generate different tokens from padded rows; the work per
   step is the same.
-- the cost of one decoding step as the prefix grows: the batch's cache filled with `P` tokens per row, then the mean
-  time of `--steps` one-token forwards, for each `P` in `--prefixes`. With a cache this should stay nearly flat (each
-  step attends to `P` keys, but its GEMMs are those of one token per row).
+- the cost of one decoding step as the prefix grows: the batch's cache (the one each model makes: transformers'
+  `DynamicCache`, roformer_hf's `GrowingCache`) filled with `P` tokens per row, then the mean time of `--steps`
+  one-token forwards, for each `P` in `--prefixes`. The GEMMs are those of one token per row whatever `P`; what grows
+  with `P` is attention reading the cache, and, in a `DynamicCache`, the copy of the whole cache at every step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from statistics import median
 
 import torch
 import transformers
-from transformers.cache_utils import DynamicCache
 
 import roformer_hf
 from common import machine_lines, progress
@@ -82,9 +82,8 @@ def step_time(model, batch_size: int, prefix: int, steps: int, vocab: int) -> fl
     """Mean seconds of a one-token forward after a cache of `prefix` tokens per row."""
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(1, vocab, (batch_size, prefix + steps), generator=generator)
-    cache = DynamicCache()
     with torch.inference_mode():
-        model(ids[:, :prefix], past_key_values=cache, use_cache=True)
+        cache = model(ids[:, :prefix], use_cache=True).past_key_values  # the cache each model makes for itself
         start = time.perf_counter()
         for step in range(steps):
             model(ids[:, prefix + step:prefix + step + 1], past_key_values=cache, use_cache=True)
