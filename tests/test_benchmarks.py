@@ -82,3 +82,16 @@ def test_benchmark_compile_option_times_the_compiled_model_and_reports_its_compi
     assert result.returncode == 0, result.stderr[-3000:]
     assert "roformer_hf through torch.compile (inductor), first call with compilation: inference " in result.stdout
     assert "inference forward, fp32" in result.stdout
+
+
+def test_generation_benchmark_reports_throughput_and_step_cost():
+    """`bench_generate.py --quick`: both models generate on the same weights; the report has their tokens per second,
+    the ratio, and the step cost at each prefix length."""
+    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_generate.py"), "--quick"], capture_output=True,
+                            text=True, timeout=300, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("| transformers |", "| roformer_hf |"))]
+    assert len(rows) == 2 and all(float(row.split("|")[3]) > 0 for row in rows)
+    assert "roformer_hf / transformers tokens per second:" in result.stdout
+    assert [line.split("|")[1].strip() for line in result.stdout.splitlines()
+            if line.startswith(("| 8 |", "| 32 |"))] == ["8", "32"]
