@@ -59,15 +59,17 @@ def _fused_activation(activation: nn.Module | None) -> tuple[str, str] | None:
     return None
 
 
-def _kernel_applies(layer: nn.Linear, x: Tensor, residual: Tensor | None) -> bool:
+def _kernel_applies(layer: nn.Module, x: Tensor, residual: Tensor | None) -> bool:
+    # The layer's type first: a replacement (quantized, adapted) may hold anything under `weight`, or nothing.
+    if type(layer) is not nn.Linear or type(layer.weight) is not nn.Parameter or _hooked(layer):
+        return False
     weight = layer.weight
     return (_KERNEL is not None and torch.backends.mkldnn.enabled
             and not torch.is_grad_enabled() and not is_tracing()
             and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and weight.dtype == x.dtype and not torch.is_autocast_enabled("cpu")
-            and type(layer) is nn.Linear and type(weight) is nn.Parameter
             and (layer.bias is None or layer.bias.dtype == x.dtype)
-            and not _hooked(layer) and (residual is None or _fits(residual, x, weight.shape[0])))
+            and (residual is None or _fits(residual, x, weight.shape[0])))
 
 
 def _fits(residual: Tensor, x: Tensor, out_features: int) -> bool:
