@@ -225,3 +225,17 @@ def test_mlm_head_is_never_called_on_an_empty_tensor():
         torch.testing.assert_close(head_outputs(model, lengths), head_outputs(reference, lengths))
     assert calls and min(calls) > 0
     assert 512 in calls  # the above-chunk batch ran in 512-token chunks
+
+
+@needs_int8_kernel
+def test_module_docstring_example_runs():
+    import doctest
+    import re
+
+    import roformer_hf.quantization
+
+    blocks = re.findall(r"```python\n(.*?)```", roformer_hf.quantization.__doc__, flags=re.DOTALL)
+    test = doctest.DocTestParser().get_doctest("".join(blocks), {}, "roformer_hf.quantization", None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert blocks and runner.summarize(verbose=False).failed == 0
