@@ -35,6 +35,7 @@ True
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -75,7 +76,6 @@ class Int8Linear(nn.Module):
             raise ValueError(f"Int8Linear runs on CPU; the layer's weight is on {weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.reduce_range = not _cpu_has_vnni() if reduce_range is None else reduce_range
-        self.activation_levels = 255
         levels = 63 if self.reduce_range else 127
         scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / levels  # (out,)
         self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).to(torch.int8))  # (out, in)
@@ -104,7 +104,7 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features).float()
         if rows.shape[0] == 0:
             return rows.new_empty(*x.shape[:-1], self.out_features)
-        quantized, scale, zero_point = quantize_activations(rows, self.activation_levels)
+        quantized, scale, zero_point = quantize_activations(rows)
         inputs = (quantized, scale, zero_point, self._packed, self.weight_scale, self._weight_zero_point)
         if residual is None:
             output = torch.ops.onednn.qlinear_pointwise(*inputs, self.bias, 1.0, 0, torch.float32, activation, [],
@@ -118,9 +118,16 @@ class Int8Linear(nn.Module):
         return output.view(*x.shape[:-1], self.out_features)
 
 
-def quantize_activations(x: Tensor, levels: int) -> tuple[Tensor, float, int]:
+def quantize_activations(x: Tensor, levels: int = 255) -> tuple[Tensor, float, int]:
     """`x` as uint8 in ``[0, levels]``, with the scale and zero point that map ``[min(x, 0), max(x, 0)]`` onto that
     range (zero exactly representable): ``x ~ scale * (q - zero_point)``."""
+    if levels == 255 and hasattr(torch, "quantize_per_tensor_dynamic"):
+        # One vectorized pass for min and max, one to quantize (fbgemm's kernels). PyTorch deprecates its quantized
+        # tensors (the wrapper here); until they go, this is 3-4x faster than the composite below.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            quantized = torch.quantize_per_tensor_dynamic(x, torch.quint8, False)
+        return quantized.int_repr(), quantized.q_scale(), quantized.q_zero_point()
     low, high = (float(value) for value in x.aminmax())  # one host sync: the kernel takes them as numbers
     low, high = min(low, 0.0), max(high, 0.0)
     scale = max((high - low) / levels, torch.finfo(torch.float32).tiny)

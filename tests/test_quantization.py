@@ -136,7 +136,7 @@ def test_quantize_int8_heads_stay_close_to_fp32(cls, batch):
 def exact_product(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     """What the kernel must compute: the integer product of the quantized input and weights in int64 (no
     saturation), rescaled, plus the bias."""
-    quantized, scale, zero_point = quantize_activations(x, layer.activation_levels)
+    quantized, scale, zero_point = quantize_activations(x)
     product = (quantized.long() - zero_point) @ layer.weight_int8.long().T  # (rows, out)
     return product.double() * scale * layer.weight_scale.double() + layer.bias.double()
 
@@ -159,6 +159,25 @@ def test_int8_linear_computes_the_exact_integer_product(reduce_range):
         actual = layer(x)
     torch.testing.assert_close(actual.double(), exact_product(layer, x), rtol=1e-5, atol=1e-4)
     assert (actual - linear(x)).abs().max() <= 0.05 * linear(x).abs().max()
+
+
+def test_both_ways_of_quantizing_activations_agree(monkeypatch):
+    """fbgemm's kernel (while PyTorch keeps its quantized tensors) and the composite of plain ops that replaces it:
+    the same value to within one quantization step, and both within half a step of the input."""
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(50, 16) * 3, torch.rand(50, 16)])
+
+    def dequantized():
+        quantized, scale, zero_point = quantize_activations(x)
+        assert quantized.dtype == torch.uint8
+        return (quantized.float() - zero_point) * scale, scale
+
+    kernel, scale = dequantized()
+    monkeypatch.delattr(torch, "quantize_per_tensor_dynamic")
+    composite, _ = dequantized()
+    assert (kernel - composite).abs().max() <= scale * 1.001
+    for value in (kernel, composite):
+        assert (value - x).abs().max() <= scale * 0.501
 
 
 @needs_int8_kernel
