@@ -69,7 +69,7 @@ def worker(args) -> None:
 
 def attention_only(args) -> None:
     """Times one layer's attention, forward + backward, with and without dropout, interleaved."""
-    from roformer_hf.attention import DROPOUT_BLOCK_ROWS, BlockedDropoutAttention
+    from roformer_hf.blocked_dropout import DROPOUT_BLOCK_ROWS, BlockedDropoutAttention
 
     generator = torch.Generator().manual_seed(args.seed)
     shape = (1, args.heads, args.length, args.hidden // args.heads)

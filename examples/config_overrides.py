@@ -1,6 +1,6 @@
 """`--config_overrides` of the example scripts, parsed into typed config fields.
 
-Kept apart from example_utils.py (which needs `datasets`) so that summary.py runs with torchinfo alone.
+Kept apart from example_utils.py (which needs `datasets`) so that model_summary.py runs with torchinfo alone.
 """
 
 from __future__ import annotations

@@ -436,6 +436,33 @@ def mlm_corpus_splits(
     return datasets.DatasetDict(splits)
 
 
+def next_line_splits(seed: int = 0, genres: Sequence[str] = GENRES, validation_fraction: float = 0.1,
+                     min_words: int = 3):
+    """Pairs of consecutive spoken lines of one speech, `source` then `target` (the line that follows it), for
+    sequence-to-sequence training: given a line of a play, write the next one. Whole plays are held out for
+    validation.
+
+    Returns:
+        A `datasets.DatasetDict` with splits train/validation and columns `source`, `target` and `play`.
+    """
+    import datasets
+
+    plays = list_plays(genres)
+    by_split = split_plays(plays, seed, validation_fraction=validation_fraction, test_fraction=0.0, stratify=False)
+    splits = {}
+    for split in ("train", "validation"):
+        rows = []
+        for play in by_split[split]:
+            previous_speech, previous_line = None, None
+            for speech, _, line in parse_play(read_play(play)):
+                if speech == previous_speech and min(len(previous_line.split()), len(line.split())) >= min_words:
+                    rows.append((previous_line, line, play.name))
+                previous_speech, previous_line = speech, line
+        splits[split] = datasets.Dataset.from_dict({name: [row[i] for row in rows]
+                                                    for i, name in enumerate(("source", "target", "play"))})
+    return datasets.DatasetDict(splits)
+
+
 __all__ = [
     "DEFAULT_GENRES",
     "GENRES",
@@ -446,6 +473,7 @@ __all__ = [
     "genre_classification_test_plays",
     "list_plays",
     "mlm_corpus_splits",
+    "next_line_splits",
     "parse_play",
     "read_play",
     "speeches",

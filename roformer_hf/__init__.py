@@ -1,12 +1,13 @@
 """RoFormer (rotary position embeddings) as a first-class Hugging Face transformers model.
 
 Importing the package registers `model_type="roformer_hf"` with AutoConfig, AutoTokenizer and every Auto model
-class it implements (`modeling.HEADS`); transformers' own `model_type="roformer"` is left untouched.
+class it implements (`modeling.HEADS`); transformers' own `model_type="roformer"` is left untouched. It also gives
+the models their model cards (`hub.py`), which the modeling code, copied into every saved folder, does not import.
 """
 
 import transformers
 
-from . import modeling
+from . import hub, modeling
 from .configuration import RoFormerConfig
 from .modeling import *  # noqa: F403  (the classes of modeling.HEADS, see modeling.__all__)
 from .summary import summary
@@ -14,6 +15,7 @@ from .tokenization import RoFormerTokenizerFast, train_tokenizer
 
 __version__ = "0.3.0.dev0"
 
+modeling.RoFormerPreTrainedModel.hub = hub
 transformers.AutoConfig.register(RoFormerConfig.model_type, RoFormerConfig, exist_ok=True)
 for _head in modeling.HEADS:
     getattr(transformers, _head.auto_class).register(RoFormerConfig, _head.model_class, exist_ok=True)

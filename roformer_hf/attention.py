@@ -1,27 +1,26 @@
-"""Ways of attending: functions on tensors and a batch layout (`padding.BatchLayout`), no modules.
+"""Ways of attending: functions on tensors, a batch layout and a mask description (`masks.AttentionMask`), no modules.
 
 Every function follows transformers' attention interface: ``fn(module, query, key, value, attention_mask,
-scaling, dropout, **kwargs) -> (output, weights)`` with ``query`` of shape ``(B, nh, L, d)``, ``key`` and ``value``
-of shape ``(B, nkv, L, d)`` and ``output`` of shape ``(B, L, nh, d)``; ``module`` tells train from eval and, as
-``module.num_key_value_groups = nh / nkv``, how many query heads share each key/value head (grouped-query attention;
-transformers' kernels read it too). Packed tokens use flash-attn's varlen
-convention: ``B = 1``, ``L = N`` real tokens, sequence boundaries in ``cu_seq_lens_q``/``cu_seq_lens_k``.
+scaling, dropout, **kwargs) -> (output, weights)`` with ``query`` of shape ``(B, nh, Lq, d)``, ``key`` and ``value``
+of shape ``(B, nkv, Lk, d)`` and ``output`` of shape ``(B, Lq, nh, d)``; ``module`` tells train from eval, causal
+from not (``module.is_causal``, which every kernel here honours, as transformers' own do, when it is given no mask)
+and, as ``module.num_key_value_groups = nh / nkv``, how many query heads share each key/value head (grouped-query
+attention; transformers' kernels read it too). Packed tokens use flash-attn's varlen convention: ``B = 1``,
+``L = N`` real tokens, sequence boundaries in ``cu_seq_lens_q``/``cu_seq_lens_k``.
 
-`attend` picks the way for a layout and a kernel:
+`attend` takes the same arguments, with an `AttentionMask` as the mask and the tokens in the layout's shape
+``(*T, n, d)``, and picks the way for the mask and the kernel (``module.config._attn_implementation``):
 
-- sequence offsets known (real tokens side by side, or packed rows), flash-attn: its varlen kernel reads the
-  tokens directly;
+- the layout says everything (no cache, no prefix; `AttentionMask.is_layout_only`) and the sequence offsets are
+  known (real tokens side by side, or packed rows), flash-attn: its varlen kernel reads the tokens directly;
 - the same with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its own slice (no padding, no mask);
-  with attention dropout in training, `blocked_dropout_attention_forward` (`BlockedDropoutAttention`) keeps only
-  the dropout mask, as bits;
-- otherwise the padded layout ``(B, nh, L, d)`` with the key mask (`attend_padded`): padding masked, and packed
-  rows masked block-diagonally.
+  with attention dropout in training, `blocked_dropout_attention_forward` (`blocked_dropout.BlockedDropoutAttention`)
+  keeps only the dropout mask, as bits;
+- otherwise the padded layout ``(B, nh, L, d)`` with the dense mask (`attend_padded`): padding, packed rows,
+  causality after a cache, a bidirectional prefix.
 """
 
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -36,11 +35,11 @@ except ImportError:  # transformers releases before it: the same test
     def is_flash_attention_requested(requested_attention_implementation: str | None = None) -> bool:
         return "flash" in (requested_attention_implementation or "")
 
-from .padding import BatchLayout
+from .blocked_dropout import DROPOUT_BLOCK_ROWS, BlockedDropoutAttention
+from .masks import AttentionMask
 
 SDPA_VARLEN = "roformer_sdpa_varlen"
 SDPA_DROPOUT = "roformer_sdpa_dropout"
-DROPOUT_BLOCK_ROWS = 256  # queries per block of `BlockedDropoutAttention`, used beyond two blocks
 
 
 def eager_attention_forward(
@@ -48,20 +47,22 @@ def eager_attention_forward(
     query: torch.Tensor,  # (B, nh, L, d)
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,  # (B, 1, 1, L) bool, True = may attend
+    attention_mask: torch.Tensor | None,  # (B, 1, 1 or Lq, Lk) bool, True = may attend
     scaling: float,
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain attention that also returns its weights ``(B, nh, L, L)`` (see `softmax_attention`)."""
+    """Plain attention that also returns its weights ``(B, nh, Lq, Lk)`` (see `softmax_attention`)."""
     key, value = key_value_heads_for_every_query_head(module, key, value)
+    attention_mask = causal_unless_masked(module, query, key, attention_mask, kwargs.get("is_causal"))
     output, weights = softmax_attention(query, key, value, attention_mask, scaling, dropout, module.training)
     return output.transpose(1, 2).contiguous(), weights  # (B, L, nh, d)
 
 
 def softmax_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float,
                       dropout: float, training: bool) -> tuple[Tensor, Tensor]:
-    """``softmax(q k^T * scaling)``, dropped out, times ``v``: ``(B, nh, Lq, d)`` and the weights ``(B, nh, Lq, Lk)``.
+    """``softmax(q k^T * scaling)``, dropped out, times ``v``: ``(B, nh, Lq, d)`` and the weights ``(B, nh, Lq, Lk)``;
+    `attention_mask` ``(B, 1 or nh, 1 or Lq, Lk)`` (bool, True = may attend) or ``None``: every key.
 
     The softmax runs in float32 whatever the input dtype, and masked keys are filled with `masked_fill` rather than
     by adding `finfo.min`, which overflows in float16.
@@ -82,22 +83,30 @@ def sdpa_varlen_attention_forward(
     scaling: float,
     dropout: float = 0.0,
     *,
-    cu_seq_lens_q: torch.Tensor,  # (S + 1,) offsets of the sequences among the N tokens
-    cu_seq_lens_k: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor,  # (S + 1,) offsets of the sequences among the N query tokens
+    cu_seq_lens_k: torch.Tensor | None = None,  # (S + 1,) among the key tokens; default: those of the queries
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA on packed tokens, one sequence at a time: no work and no mask for padding.
+    """transformers' SDPA on packed tokens, one sequence at a time: no work and no mask for padding. Sequence ``s``
+    attends its queries ``cu_seq_lens_q[s]:cu_seq_lens_q[s + 1]`` to its keys ``cu_seq_lens_k[s]:...`` (as flash-attn's
+    varlen kernel), causally when ``module.is_causal``, which needs as many keys as queries in every sequence.
 
     Meant for the CPU, where a loop over sequences costs nothing next to the attention itself; `split` (not
     indexing) lets the backward pass join the gradients with one `cat`.
     """
-    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q,
-                                                                                              cu_seq_lens_k):
-        raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q: self-attention needs the same boundaries")
-    lengths = [n for n in cu_seq_lens_q.diff().tolist() if n]  # sequences without tokens hold no rows
+    query_lengths = cu_seq_lens_q.diff().tolist()
+    key_lengths = query_lengths if cu_seq_lens_k is None else cu_seq_lens_k.diff().tolist()
+    if len(key_lengths) != len(query_lengths):
+        raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k delimit {len(query_lengths)} and {len(key_lengths)} "
+                         "sequences; expected the same number")
+    if getattr(module, "is_causal", False) and key_lengths != query_lengths:
+        raise ValueError("causal attention on packed sequences needs as many keys as queries in each sequence "
+                         f"(cu_seq_lens_q {cu_seq_lens_q.tolist()}, cu_seq_lens_k {cu_seq_lens_k.tolist()})")
     sdpa = ALL_ATTENTION_FUNCTIONS[SDPA_DROPOUT if dropout and module.training else "sdpa"]
-    sequences = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))  # (1, nh, n, d) each
-    outputs = [sdpa(module, q, k, v, None, dropout=dropout, scaling=scaling)[0] for q, k, v in sequences]
+    queries = query.split(query_lengths, dim=2)  # (1, nh, n, d) each
+    keys, values = (t.split(key_lengths, dim=2) for t in (key, value))
+    outputs = [sdpa(module, q, k, v, None, dropout=dropout, scaling=scaling)[0]
+               for q, k, v in zip(queries, keys, values) if q.shape[2]]  # sequences without queries hold no rows
     return torch.cat(outputs, dim=1), None  # (1, N, nh, d)
 
 
@@ -114,6 +123,7 @@ def blocked_dropout_attention_forward(module: nn.Module, query: Tensor, key: Ten
     are small) take SDPA's math kernel as they are.
     """
     dropout = dropout if module.training else 0.0
+    attention_mask = causal_unless_masked(module, query, key, attention_mask, kwargs.get("is_causal"))
     if not dropout or query.shape[2] <= 2 * DROPOUT_BLOCK_ROWS:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling)
@@ -130,6 +140,20 @@ def _attend_block(query, key, value, attention_mask, scaling, dropout):
     return softmax_attention(query, key, value, attention_mask, scaling, dropout, training=True)[0]
 
 
+def causal_unless_masked(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Tensor | None,
+                         is_causal: bool | None = None) -> Tensor | None:
+    """The mask a kernel applies: the one given, else, for a causal module (``is_causal``, or ``module.is_causal``, as
+    transformers' kernels read it), query ``i`` of ``Lq`` sees the keys up to ``Lk - Lq + i`` (the queries are the
+    last ``Lq`` of the ``Lk`` keys, as after a cache): ``(1, 1, Lq, Lk)`` bool."""
+    if attention_mask is not None:
+        return attention_mask
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+    if not causal or query.shape[2] == 1:
+        return None
+    queries, keys = query.shape[2], key.shape[2]
+    return torch.ones(1, 1, queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
+
+
 def key_value_heads_for_every_query_head(module: nn.Module, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
     """Grouped-query attention for kernels that want as many key/value heads as query heads: each of the ``nkv``
     heads repeated for its ``module.num_key_value_groups`` query heads, ``(B, nkv, L, d) -> (B, nh, L, d)``."""
@@ -137,224 +161,16 @@ def key_value_heads_for_every_query_head(module: nn.Module, key: Tensor, value: 
     return repeat_kv(key, groups), repeat_kv(value, groups)
 
 
-class BlockedDropoutAttention(torch.autograd.Function):
-    """``dropout(softmax(q k^T * scaling, masked)) v`` one block of queries of one head at a time, flash-attention
-    style in plain torch ops: query, key, value ``(B, nh, L, d)``, attention_mask ``(B, 1 or nh, 1 or L, L)``
-    (bool, True = may attend; or additive) or ``None``; returns ``(B, nh, L, d)``.
-
-    Each weight is dropped with probability `dropout` (`draw_dropout_mask`) and each kept one scaled by
-    ``1 / (1 - dropout)``, as `nn.functional.dropout` does. The forward pass keeps q, k, v, the output and the
-    dropout mask packed in bits (``B * nh * L * L / 8`` bytes: 25 MB for 12 heads at 4096 tokens) instead of the
-    weights; the backward pass recomputes each block's weights and reads its mask back, so it draws no random
-    numbers and its gradients are those of the forward's mask. Half and bfloat16 inputs are computed in float32.
-
-    The heads are shared out among torch's threads (`_for_each_head`), as the fused kernel does: each head's mask
-    is drawn from its own generator, seeded from the default one, so the masks do not depend on the number of
-    threads and `torch.manual_seed` repeats them.
-    """
-
-    @staticmethod
-    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float,
-                dropout: float, block_rows: int) -> Tensor:
-        ctx.input_dtype = query.dtype
-        dtype = torch.promote_types(query.dtype, torch.float32)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
-        batch, heads, length, _ = query.shape
-        query = query * scaling
-        output = query.new_empty(*query.shape[:-1], value.shape[-1])
-        kept_bits = torch.empty(batch, heads, length, _packed_length(length), dtype=torch.uint8, device=query.device)
-        seeds = torch.randint(1 << 62, (batch, heads)).tolist()  # from the default generator
-
-        def attend_head(b: int, h: int, block: _Block) -> None:
-            generator = torch.Generator(query.device).manual_seed(seeds[b][h])
-            for rows in _row_blocks(length, block_rows):
-                weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
-                kept = block.draw_kept(len(weights), dropout, generator)  # (rows, L up to 8 n) uint8, 1 = kept
-                kept_bits[b, h, rows] = block.pack(kept)
-                weights.mul_(block.as_multiplier(kept))
-                torch.addmm(output[b, h, rows], weights, value[b, h], beta=0, alpha=1 / (1 - dropout),
-                            out=output[b, h, rows])
-
-        _for_each_head(attend_head, batch, heads, partial(_Block, min(block_rows, length), length, dtype, query.device))
-        ctx.save_for_backward(query, key, value, output, kept_bits, attention_mask)
-        ctx.dropout, ctx.block_rows, ctx.scaling = dropout, block_rows, scaling
-        return output.to(ctx.input_dtype)
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        query, key, value, output, kept_bits, attention_mask = ctx.saved_tensors
-        batch, heads, length, _ = query.shape
-        grad_output = grad_output.to(query.dtype)
-        row_dot = (grad_output * output).sum(-1, keepdim=True)  # (B, nh, L, 1): rowsum(dO * O) = rowsum(P * dP)
-        grad_output = grad_output / (1 - ctx.dropout)  # contiguous, like the gradients below
-        grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
-
-        def differentiate_head(b: int, h: int, block: _Block) -> None:
-            for rows in _row_blocks(length, ctx.block_rows):
-                weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
-                kept = block.kept_weights(weights, kept_bits[b, h, rows])  # 0 where dropped
-                grad_value[b, h].addmm_(kept.T, grad_output[b, h, rows])
-                grad_scores = block.product(grad_output[b, h, rows], value[b, h].T)  # dP
-                grad_scores.mul_(kept).addcmul_(weights, row_dot[b, h, rows], value=-1)  # dS = P (dP - rowsum(P dP))
-                torch.addmm(grad_query[b, h, rows], grad_scores, key[b, h], beta=0, alpha=ctx.scaling,
-                            out=grad_query[b, h, rows])
-                grad_key[b, h].addmm_(grad_scores.T, query[b, h, rows])
-
-        _for_each_head(differentiate_head, batch, heads,
-                       partial(_Block, min(ctx.block_rows, length), length, query.dtype, query.device, backward=True))
-        grads = (g.to(ctx.input_dtype) for g in (grad_query, grad_key, grad_value))
-        return *grads, None, None, None, None
-
-
-def _for_each_head(work, batch: int, heads: int, new_block) -> None:
-    """Calls ``work(b, h, block)`` for every head of every sequence, the heads shared out among
-    `torch.get_num_threads()` Python threads, each with its own block from ``new_block()`` and running torch ops on
-    one thread.
-
-    A block's operations are too short to split well between threads (each is a parallel region of its own, and
-    drawing random numbers runs on one thread anyway), so the threads take whole heads instead, as SDPA's fused
-    kernel does. torch's thread count is global: 1 while the heads run, restored after.
-    """
-    torch_threads = torch.get_num_threads()
-    threads = min(torch_threads, batch * heads)
-    everything = [(b, h) for b in range(batch) for h in range(heads)]
-
-    def work_through(share: list[tuple[int, int]], block: _Block) -> None:
-        with torch.no_grad():  # grad mode is per thread, on in new ones, and ops with out= refuse it
-            for b, h in share:
-                work(b, h, block)
-
-    blocks = [new_block() for _ in range(threads)]  # here: from the threads' own glibc arenas they raised peak memory
-    if threads == 1:
-        return work_through(everything, blocks[0])
-    try:
-        with ThreadPoolExecutor(threads) as pool:
-            shares = [pool.submit(_single_threaded, work_through, everything[i::threads], blocks[i])
-                      for i in range(threads)]
-            for done in shares:
-                done.result()  # raises what the thread raised
-    finally:
-        torch.set_num_threads(torch_threads)
-
-
-def _single_threaded(function, *args):
-    torch.set_num_threads(1)
-    return function(*args)
-
-
-class _Block:
-    """The working memory of `BlockedDropoutAttention`: one block's weights and dropout mask, ``(rows, L)`` each,
-    reused by every block. Two things make the passes over a block cheap on CPU:
-
-    - no fresh memory per block: glibc hands blocks this large back to the system when they are freed, and the
-      next allocation's first touch of each page costs as much as a pass over the block;
-    - the mask as 0 / 1 in uint8 and float, applied by a multiplication: comparisons into bool, bool to float and
-      `masked_fill` are not vectorized, and each costs about as much as one of the block's matrix products.
-    """
-
-    def __init__(self, rows: int, length: int, dtype: torch.dtype, device: torch.device, backward: bool = False):
-        columns = 8 * _packed_length(length)  # the mask's columns: whole bytes of bits
-        self.length = length
-        self.scores = torch.empty(rows, length, dtype=dtype, device=device)
-        self.multiplier = torch.empty(rows, columns, dtype=dtype, device=device)
-        self.kept = torch.empty(rows, columns, dtype=torch.uint8, device=device)
-        self.random_words = torch.empty(rows, columns // 4, dtype=torch.int64, device=device)
-        self.spread_bits = torch.empty(rows, columns // 8, dtype=torch.int64, device=device)
-        if backward:
-            self.dropped_weights, self.grad_scores = torch.empty_like(self.scores), torch.empty_like(self.scores)
-
-    def softmax(self, query: Tensor, key: Tensor, attention_mask: Tensor | None, b: int, h: int,
-                rows: slice) -> Tensor:
-        """``softmax(query key^T)`` of one block, ``(rows, L)``, masked as ``attention_mask[b, h, rows]`` says."""
-        scores = torch.mm(query, key.T, out=self.scores[:len(query)])
-        if attention_mask is not None:
-            mask = attention_mask[b % attention_mask.shape[0], h % attention_mask.shape[1]]  # (1 or L, L)
-            mask = mask[rows] if mask.shape[0] > 1 else mask
-            if mask.dtype == torch.bool:
-                scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
-            else:
-                scores.add_(mask)
-        return torch.softmax(scores, dim=-1, out=scores)
-
-    def draw_kept(self, rows: int, dropout: float, generator: torch.Generator | None = None) -> Tensor:
-        """Which weights of a block to keep, drawn as `draw_dropout_mask` draws: ``(rows, L up to 8 n)`` uint8,
-        1 = kept."""
-        words = _random_int16(self.random_words[:rows], generator)
-        return torch.ge(words, _drop_threshold(dropout), out=self.kept[:rows])
-
-    def pack(self, kept: Tensor) -> Tensor:
-        """`_pack_bits` of `kept`: ``(rows, n)`` int64, each holding a byte of bits."""
-        return _pack_bits(kept, out=self.spread_bits[:len(kept)])
-
-    def as_multiplier(self, kept: Tensor) -> Tensor:
-        """``(rows, L)`` 0. / 1. from `kept`."""
-        return self.multiplier[:len(kept)].copy_(kept)[:, :self.length]
-
-    def unpack_kept(self, bits: Tensor) -> Tensor:
-        """The inverse of `_pack_bits`, ``(rows, n)`` uint8 -> ``(rows, L)`` 0. / 1."""
-        spread = self.spread_bits[:len(bits)]
-        spread.copy_(bits).mul_(_SPREAD_BITS).bitwise_right_shift_(7).bitwise_and_(_LOW_BIT_OF_EVERY_BYTE)
-        return self.as_multiplier(spread.view(torch.uint8))
-
-    def kept_weights(self, weights: Tensor, bits: Tensor) -> Tensor:
-        """`weights` ``(rows, L)`` with the dropped ones 0, as `bits` (`_pack_bits`) say."""
-        return torch.mul(weights, self.unpack_kept(bits), out=self.dropped_weights[:len(weights)])
-
-    def product(self, left: Tensor, right: Tensor) -> Tensor:
-        """``left @ right``, ``(rows, L)``, in the block's gradient buffer."""
-        return torch.mm(left, right, out=self.grad_scores[:len(left)])
-
-
-def draw_dropout_mask(rows: int, columns: int, dropout: float, device: torch.device | None = None) -> Tensor:
-    """Which attention weights to drop: ``(rows, columns)`` rounded up to a multiple of 8 columns, bool, each True
-    with probability `dropout` rounded to a multiple of 2**-16 (0.1: 0.100006).
-
-    Each 64-bit draw of the generator gives four 16-bit numbers: the cost of `Tensor.bernoulli_` (one draw per
-    weight, and on CPU about 4x slower) matters when every one of the ``L x L`` weights needs one.
-    """
-    words = torch.empty(rows, _packed_length(columns) * 2, dtype=torch.int64, device=device)
-    return _random_int16(words) < _drop_threshold(dropout)  # (rows, columns)
-
-
-def _random_int16(words: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """`words` ``(rows, n)`` int64 filled with random bits, seen as ``(rows, 4 n)`` uniform int16."""
-    return words.random_(torch.iinfo(torch.int64).min, None, generator=generator).view(torch.int16)  # all 64 bits
-
-
-def _drop_threshold(dropout: float) -> int:
-    """A uniform int16 below this is dropped: probability `dropout` to 2**-16."""
-    return round(dropout * 65536) - 32768
-
-
-# One multiplication, without carries, moves bit 0 of byte i of an int64 to bit 63 - i (packing: 8 flags to a
-# byte, flag i in bit 7 - i) and, shifted right by 7, bit 7 - i of the lowest byte to bit 0 of byte i (unpacking).
-_SPREAD_BITS = 0x8040201008040201 - (1 << 64)  # as a signed int64
-_LOW_BIT_OF_EVERY_BYTE = 0x0101010101010101
-
-
-def _packed_length(columns: int) -> int:
-    return -(-columns // 8)
-
-
-def _pack_bits(flags: Tensor, out: Tensor) -> Tensor:
-    """``(rows, 8 n)`` 0 / 1 (bool or uint8) -> ``(rows, n)`` bytes, bit 7 - i of byte j = flag ``8 j + i``, each the
-    lowest byte of an int64 of `out` (a copy to uint8 keeps just that byte)."""
-    return torch.mul(flags.view(torch.int64), _SPREAD_BITS, out=out).bitwise_right_shift_(56)
-
-
-def _row_blocks(length: int, block_rows: int) -> list[slice]:
-    """The query rows of each block of one head."""
-    return [slice(start, start + block_rows) for start in range(0, length, block_rows)]
-
 
 AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention_forward)
 AttentionInterface.register(SDPA_DROPOUT, blocked_dropout_attention_forward)
 
 
-def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: BatchLayout,
-                  implementation: str, scaling: float, dropout: float = 0.0) -> tuple[Tensor, None]:
+def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: AttentionMask,
+                  scaling: float, dropout: float = 0.0, *, implementation: str, **kwargs) -> tuple[Tensor, None]:
     """Attention on the layout's tokens ``(*T, nh, d)`` through a varlen kernel (flash-attn's, or `SDPA_VARLEN`),
-    sequence by sequence as `layout.cu_seqlens` delimits them."""
+    sequence by sequence as ``attention_mask.layout.cu_seqlens`` delimits them; causal when ``module.is_causal``."""
+    layout = attention_mask.layout
     if not layout.max_seqlen:  # not a single real token: nothing to attend, no kernel to call
         return torch.zeros_like(query), None
     attention = ALL_ATTENTION_FUNCTIONS[implementation]
@@ -368,39 +184,60 @@ def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     return output.squeeze(0).unflatten(0, tokens), None
 
 
-def attend_padded(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: BatchLayout,
-                  implementation: str, scaling: float, dropout: float = 0.0) -> tuple[Tensor, Tensor | None]:
-    """Attention on the padded layout ``(B, nh, L, d)`` with the key mask. Takes and returns the layout's tokens,
-    ``(*T, nh, d)``; returns the weights too when the kernel gives them (eager)."""
+def attend_padded(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: AttentionMask,
+                  scaling: float, dropout: float = 0.0, *, implementation: str,
+                  **kwargs) -> tuple[Tensor, Tensor | None]:
+    """Attention on the padded layout ``(B, nh, L, d)`` with the dense mask. Takes the queries in the layout's token
+    shape ``(*T, nh, d)`` and the keys and values in it too, or ``(B, Lk, nkv, d)`` (a cache, cross-attention);
+    returns the context in the queries' shape, and the weights when the kernel gives them (eager)."""
     if implementation == "sdpa" and dropout and module.training and query.device.type == "cpu":
         implementation = SDPA_DROPOUT
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-    query, key, value = (layout.unpack(t).transpose(1, 2) for t in (query, key, value))  # (B, nh, L, d)
-    mask = layout.key_mask
-    if mask is not None and is_flash_attention_requested(requested_attention_implementation=implementation):
-        if layout.is_packed:
-            raise ValueError("flash-attn on the padded layout cannot keep packed sequences apart; let the model "
-                             "skip padding (config.unpad_inputs=True) and do not trace it")
-        mask = layout.token_mask  # flash-attn unpads by itself from a (B, L) mask
+    layout = attention_mask.layout
+    keys_are_queries = attention_mask.key_padding is None  # else: a cache, or an encoder's keys, already (B, Lk)
+    query = layout.scatter_tokens(query).transpose(1, 2)  # (B, nh, L, d)
+    key, value = ((layout.scatter_tokens(t) if keys_are_queries else t).transpose(1, 2) for t in (key, value))
+    if is_flash_attention_requested(requested_attention_implementation=implementation):
+        mask = flash_padding_mask(attention_mask)
+    else:
+        mask = attention_mask.dense()
     output, weights = attention(module, query, key, value, mask, dropout=dropout, scaling=scaling)
-    return layout.pack(output), weights
+    return layout.gather_tokens(output), weights
 
 
-def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: BatchLayout,
-           implementation: str, scaling: float, dropout: float = 0.0) -> tuple[Tensor, Tensor | None]:
-    """Self-attention in the way that suits the layout and the kernel `implementation`.
+def flash_padding_mask(attention_mask: AttentionMask) -> Tensor | None:
+    """What flash-attn's padded interface takes: the keys' padding ``(B, Lk)``, with causality from ``module.is_causal``
+    (aligned to the last query, as after a cache). Refuses what it cannot express rather than drop it."""
+    if attention_mask.prefix is not None:
+        raise ValueError("flash-attn cannot apply a bidirectional prefix (prefix_lm): use attn_implementation='sdpa' "
+                         "or 'eager'")
+    if attention_mask.layout.has_packed_rows:
+        raise ValueError("flash-attn on the padded layout cannot keep packed sequences apart; let the model skip "
+                         "padding (config.unpad_inputs=True) and do not trace it")
+    return attention_mask.key_padding_2d()
+
+
+def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: AttentionMask,
+           scaling: float, dropout: float = 0.0, **kwargs) -> tuple[Tensor, Tensor | None]:
+    """Attention in the way that suits the mask and the kernel ``module.config._attn_implementation`` (``"eager"``
+    with ``output_attentions=True``).
 
     Args:
-        module: the attention module (train or eval decides dropout).
-        query, key, value: ``(*T, nh, d)`` with ``T = (N,)`` in varlen mode, else ``(B, L)``.
-        layout: where the tokens sit in the batch.
+        module: the attention module (train or eval decides dropout; ``is_causal`` causality).
+        query: ``(*T, nh, d)`` with ``T = (N,)`` in varlen mode, else ``(B, L)``.
+        key, value: the same shape with ``nkv`` heads, or ``(B, Lk, nkv, d)`` when they are not the queries' tokens
+            (a cache, cross-attention: ``attention_mask.key_padding`` is then set).
+        attention_mask: which keys each query may see.
 
     Returns:
-        The context ``(*T, nh, d)``, and the weights ``(B, nh, L, L)`` from the eager kernel (else ``None``).
+        The context ``(*T, nh, d)``, and the weights ``(B, nh, L, Lk)`` from the eager kernel (else ``None``).
     """
-    if layout.cu_seqlens is not None:
+    implementation = "eager" if kwargs.get("output_attentions") else module.config._attn_implementation
+    if attention_mask.layout.cu_seqlens is not None and attention_mask.is_layout_only:
         if is_flash_attention_requested(requested_attention_implementation=implementation):
-            return attend_varlen(module, query, key, value, layout, implementation, scaling, dropout)
+            return attend_varlen(module, query, key, value, attention_mask, scaling, dropout,
+                                 implementation=implementation)
         if implementation == "sdpa" and query.device.type == "cpu":
-            return attend_varlen(module, query, key, value, layout, SDPA_VARLEN, scaling, dropout)
-    return attend_padded(module, query, key, value, layout, implementation, scaling, dropout)
+            return attend_varlen(module, query, key, value, attention_mask, scaling, dropout,
+                                 implementation=SDPA_VARLEN)
+    return attend_padded(module, query, key, value, attention_mask, scaling, dropout, implementation=implementation)

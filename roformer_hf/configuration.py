@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import numbers
 from typing import Literal
 
@@ -10,8 +11,16 @@ from transformers.activations import ACT2FN
 
 from .rotary import ROTARY_LAYOUTS, check_head_dim
 
+logger = logging.getLogger(__name__)
+
 NORM_POSITIONS = ("post", "pre")
-LAYER_NORM = "layer_norm"  # `norm_type`: LayerNorm (RoFormer); any other value, the parameter-free RMS norm (V2)
+# `norm_type`: the two spellings RoFormer configs are published with. JunnYu's `roformer` (whose V2 checkpoints carry
+# the field; transformers' RoFormer has none) builds LayerNorm for "layer_norm" and its RMS norm otherwise, and its
+# V2 configs say "rms_norm". Other spellings ("layernorm", "LayerNorm", "rmsnorm") appear in no published RoFormer
+# config, so they are refused rather than guessed: a typo must not silently build the other model.
+LAYER_NORM = "layer_norm"  # LayerNorm (RoFormer)
+RMS_NORM = "rms_norm"  # RoFormer-V2's parameter-free RMS norm
+NORM_TYPES = (LAYER_NORM, RMS_NORM)
 # `rope_parameters`: the keys each rope type reads besides `rope_type`, `rope_theta` and `partial_rotary_factor`, then
 # those it cannot do without. Frequencies come from transformers' `ROPE_INIT_FUNCTIONS`.
 ROPE_KEYS = {
@@ -26,18 +35,7 @@ ROPE_KEYS = {
 REQUIRED_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
                       "longrope": ("short_factor", "long_factor"), "llama3": ("factor", "low_freq_factor",
                                                                               "high_freq_factor")}
-DECODER_SWITCHES = ("is_decoder", "add_cross_attention")  # transformers' RoFormer has them; this encoder does not
 TRANSFORMERS_MODEL_TYPE = "roformer"  # transformers' own RoFormer, whose checkpoints we load
-
-
-def refuse_decoder_switches(values) -> None:
-    """transformers' RoFormer configs carry decoder switches (`is_decoder`, `add_cross_attention`) that this
-    bidirectional encoder does not implement: refuse them wherever they are set (a mapping, or a config)."""
-    get = values.get if hasattr(values, "get") else lambda name: getattr(values, name, None)
-    for switch in DECODER_SWITCHES:
-        if get(switch):
-            raise ValueError(f"{switch}=True is not supported: roformer_hf builds bidirectional encoders (no causal "
-                             "mask, no cross-attention, no cache)")
 
 
 def _copied_rope_parameters(given, name: str) -> dict | None:
@@ -74,11 +72,21 @@ class RoFormerConfig(PreTrainedConfig):
       num_key_value_heads` query heads (default: `num_attention_heads`, plain multi-head attention; 1: multi-query).
     - `use_bias`: whether the encoder's dense layers (attention projections, feed-forward) have biases. The
       embedding projection and the task heads always have them, as in RoFormer-V2.
-    - `norm_type`: `"layer_norm"` (RoFormer), or any other value, e.g. `"rms_norm"`, for RoFormer-V2's parameter-free
-      RMS norm `x / sqrt(mean(x^2) + layer_norm_eps)` (no gain, bias or centring) in the same places. With it, the MLM
+    - `norm_type`: `"layer_norm"` (RoFormer), or `"rms_norm"` for RoFormer-V2's parameter-free RMS norm `x /
+      sqrt(mean(x^2) + layer_norm_eps)` (no gain, bias or centring) in the same places. With it, the MLM
       head is the tied decoder alone (no transform, norm or bias), so `embedding_size` must equal `hidden_size`.
       RoFormer-V2 is `use_bias=False, norm_type="rms_norm", hidden_act="relu"`, as its config.json says.
-    - `pooler_activation`: read and saved for RoFormer-V2 configs (its causal-LM pooler); no model here uses it.
+    - `is_decoder`: causal self-attention with a cache of keys and values (`RoFormerForCausalLM`, `generate()`), as
+      in transformers; `use_cache` (default True) lets decoders return the cache outside training.
+    - `add_cross_attention`: decoders only: a cross-attention sublayer in every layer, on an encoder's states
+      (`EncoderDecoderModel`), named as in transformers' RoFormer (`crossattention`).
+    - `prefix_lm`: decoders only: the UniLM mask of RoFormer-Sim: tokens of segment 0 (`token_type_ids`) see each
+      other bidirectionally, tokens of segment 1 the prefix and the tokens before them. A row's segments must go 0
+      then 1. A folder of JunnYu's `RoFormerForCausalLM` (RoFormer-Sim; its config.json has `is_decoder` and
+      `pooler_activation`) loads with it and `add_pooling_layer` on, since that model reads its prompt
+      bidirectionally and generates with the prompt as its prefix.
+    - `add_pooling_layer`: BERT's pooler (`roformer.pooler.dense`): `pooler_output` = `pooler_activation(dense(first
+      token))`, for sentence embeddings (RoFormer-Sim ranks its generations by it).
     - `rotary_layout`: which dimensions rotate together. `"interleaved"` pairs (2i, 2i+1), the layout of
       RoFormer and of its published checkpoints; `"half"` pairs (i, i + head_dim/2), the "rotate-half" layout of
       GPT-NeoX, Llama-HF and ModernBERT.
@@ -138,6 +146,11 @@ class RoFormerConfig(PreTrainedConfig):
     use_bias: bool = True
     norm_type: str = LAYER_NORM
     pooler_activation: str = "tanh"
+    is_decoder: bool = False
+    add_cross_attention: bool = False
+    use_cache: bool = True
+    prefix_lm: bool = False
+    add_pooling_layer: bool = False
     rotary_layout: Literal["interleaved", "half"] = "interleaved"
     norm_position: Literal["post", "pre"] = "post"
     unpad_inputs: bool = True
@@ -149,10 +162,6 @@ class RoFormerConfig(PreTrainedConfig):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         self._take_rope_parameters(kwargs)
-        refuse_decoder_switches(kwargs)
-        for switch in DECODER_SWITCHES:
-            kwargs.pop(switch, None)
-        kwargs.pop("use_cache", None)
         super().__post_init__(**kwargs)
         self._check()
 
@@ -179,11 +188,15 @@ class RoFormerConfig(PreTrainedConfig):
         for name in ("hidden_act", "pooler_activation"):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in ACT2FN:
                 fail(name, f"one of transformers' activations ({', '.join(sorted(ACT2FN))})")
-        for name in ("use_bias", "rotary_value"):
+        for name in ("use_bias", "rotary_value", "is_decoder", "add_cross_attention", "use_cache", "prefix_lm",
+                     "add_pooling_layer"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "True or False")
-        if not isinstance(self.norm_type, str) or not self.norm_type:
-            fail("norm_type", f"{LAYER_NORM!r}, or another name (e.g. 'rms_norm') for the parameter-free RMS norm")
+        for name in ("add_cross_attention", "prefix_lm"):
+            if getattr(self, name) and not self.is_decoder:
+                fail(name, "False unless is_decoder=True (it describes a decoder's attention)")
+        if not isinstance(self.norm_type, str) or self.norm_type not in NORM_TYPES:
+            fail("norm_type", f"one of {NORM_TYPES} (LayerNorm, or RoFormer-V2's parameter-free RMS norm)")
         if self.pad_token_id is not None and not (isinstance(self.pad_token_id, int)
                                                   and 0 <= self.pad_token_id < self.vocab_size):
             fail("pad_token_id", f"None or an id in [0, vocab_size={self.vocab_size})")
@@ -251,11 +264,11 @@ class RoFormerConfig(PreTrainedConfig):
         rope_type = params.get("rope_type")
         if not isinstance(rope_type, str) or rope_type not in ROPE_KEYS:
             fail("rope_type", f"one of {tuple(ROPE_KEYS)}")
-        known = {"rope_type", "rope_theta", "partial_rotary_factor", *ROPE_KEYS[rope_type]}
-        for key in params:
-            if key not in known:
-                raise ValueError(f"RoFormerConfig.rope_parameters has {key!r}, which rope_type={rope_type!r} does not "
-                                 f"read; expected keys among {sorted(known)}")
+        read = {"rope_type", "rope_theta", "partial_rotary_factor", *ROPE_KEYS[rope_type]}
+        unread = sorted(set(params) - read)
+        if unread:  # as transformers' rope validation: kept in the config, warned about, and never read
+            logger.warning("RoFormerConfig.rope_parameters has %s, which rope_type=%r does not read: ignored (it reads "
+                           "%s)", unread, rope_type, sorted(read))
         for key in (*REQUIRED_ROPE_KEYS.get(rope_type, ()), "rope_theta"):
             if params.get(key) is None:
                 fail(key, f"a value: rope_type={rope_type!r} needs it")
@@ -280,7 +293,7 @@ class RoFormerConfig(PreTrainedConfig):
             "partial_rotary_factor": (lambda v: v == 1, "1.0: roformer_hf rotates whole heads"),
         }
         for key, (valid, expected) in checks.items():
-            if params.get(key) is not None and not valid(params[key]):
+            if key in read and params.get(key) is not None and not valid(params[key]):
                 fail(key, expected)
 
     @property
@@ -294,7 +307,7 @@ class RoFormerConfig(PreTrainedConfig):
 
     @property
     def uses_layer_norm(self) -> bool:
-        """LayerNorm (RoFormer), or RoFormer-V2's parameter-free RMS norm (any other `norm_type`)."""
+        """LayerNorm (RoFormer), or RoFormer-V2's parameter-free RMS norm (`norm_type="rms_norm"`)."""
         return self.norm_type == LAYER_NORM
 
     @classmethod
@@ -303,6 +316,11 @@ class RoFormerConfig(PreTrainedConfig):
         if config_dict.get("model_type") == TRANSFORMERS_MODEL_TYPE:
             # A checkpoint of transformers' RoFormer: its fields are a subset of ours, with the same meaning.
             config_dict = {**config_dict, "model_type": cls.model_type}
+            if config_dict.get("is_decoder") and "pooler_activation" in config_dict:
+                # JunnYu's RoFormerForCausalLM (RoFormer-Sim), whose config class alone writes pooler_activation: a
+                # pooler, and the prompt read bidirectionally as the prefix of what it generates.
+                config_dict.setdefault("prefix_lm", True)
+                config_dict.setdefault("add_pooling_layer", True)
         return config_dict, kwargs
 
     @property

@@ -4,7 +4,7 @@
 that follows is another pass over that output, into fresh memory. `torch.ops.mkldnn._linear_pointwise`, the kernel
 torch.compile's CPU backend emits for linear layers, applies either to the GEMM's result before it is stored; on the
 CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (AMD EPYC with AVX-512, fp32;
-`benchmarks/RESULTS.md`, session 6).
+`benchmarks/RESULTS.md`, 2026-11-23, at d290e68).
 
 It has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it only in eager
 forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
@@ -25,6 +25,9 @@ from transformers.utils.import_utils import is_tracing
 from .quantization import Int8Linear
 
 _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+# oneDNN has bf16 GEMMs only on CPUs with AVX-512 (or AMX); elsewhere it cannot build the primitive at all.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _KERNEL is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported() \
+    else (torch.float32,)
 
 
 def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = None,
@@ -73,7 +76,7 @@ def _kernel_applies(layer: nn.Module, x: Tensor, residual: Tensor | None) -> boo
     weight = layer.weight
     return (_KERNEL is not None and torch.backends.mkldnn.enabled
             and not torch.is_grad_enabled() and not is_tracing()
-            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
             and weight.dtype == x.dtype and not torch.is_autocast_enabled("cpu")
             and (layer.bias is None or layer.bias.dtype == x.dtype)
             and (residual is None or _fits(residual, x, weight.shape[0])))

@@ -3,8 +3,9 @@
 `save_pretrained` writes a model card (README.md) next to the weights unless the folder already has one, and
 `push_to_hub` uploads it unless the Hub repository already has one: a card someone wrote is never replaced.
 
-It only reads the model it is given (its class's `heads` table names the Auto class and Hub task), and imports
-only packages that transformers itself needs: saved folders carry it as remote code.
+It only reads the model it is given (its class's `heads` table names the Auto class and Hub task). The package
+(`roformer_hf/__init__.py`) hands it to the models' `save_pretrained` and `push_to_hub`: the modeling code does not
+import it, so saved folders, which carry the modeling code, do not carry it.
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@
   under the model's `base_model_prefix`) raise, unless `allow_missing_encoder_weights=True`.
 - Weights that disagree with the config (`check_checkpoint_weights`: RoFormer's norm weights and biases under a
   RoFormer-V2 config, or their absence under a RoFormer config) raise, naming the mismatch.
-- A saved folder loads with every Auto class through `trust_remote_code=True` (`auto_map` in config.json) and
-  carries a model card (`hub.py`), unless it has one.
+- A saved folder loads with every Auto class through `trust_remote_code=True` (`auto_map` in config.json).
+- With the package imported, `save_pretrained` writes a model card unless the folder has one, and `push_to_hub`
+  uploads it (`hub.py`). This module does not import `hub.py`: transformers copies into a saved folder the files
+  that the modeling file imports relatively, and a model folder carries the model's code, not upload code. A model
+  loaded as remote code (without the package) saves and pushes as any transformers model does.
 """
 
 from __future__ import annotations
@@ -18,21 +21,20 @@ import os
 from safetensors import SafetensorError
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, has_file
 
-from .configuration import refuse_decoder_switches
-from .hub import push_to_hub_with_card, write_model_card
 
 
 class CheckpointPolicy:
     """Mixin for `PreTrainedModel` subclasses; `auto_map` (class attribute) is what `save_pretrained` writes."""
 
     auto_map: dict[str, str] = {}
+    hub = None  # the model-card and upload module (`roformer_hf.hub`), set when the package is imported
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_missing_encoder_weights: bool = False,
                         **kwargs):
         """transformers' `from_pretrained` with the guarantees of this module."""
-        name = os.fspath(pretrained_model_name_or_path)
-        refuse_decoder_switches(kwargs)
+        # None: transformers' way to build from `config` and `state_dict` alone (no folder, no Hub repository)
+        name = "state_dict" if pretrained_model_name_or_path is None else os.fspath(pretrained_model_name_or_path)
         want_info = kwargs.pop("output_loading_info", False)
         if kwargs.setdefault("use_safetensors", True) is not True:
             raise ValueError("use_safetensors must be True: roformer_hf never unpickles weights (pickle can run code)")
@@ -43,7 +45,7 @@ class CheckpointPolicy:
             raise OSError(f"The safetensors weights of {name!r} are truncated or corrupted and cannot be read "
                           f"({error}); re-download or re-save them") from error
         except OSError as error:
-            pickled = _pickled_weights_only(name, kwargs)
+            pickled = None if pretrained_model_name_or_path is None else _pickled_weights_only(name, kwargs)
             if pickled is None:
                 raise
             raise OSError(
@@ -72,15 +74,18 @@ class CheckpointPolicy:
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' `save_pretrained`; config.json maps every Auto class to this package's classes, and a model
-        card is written unless the folder has a README.md."""
+        card is written unless the folder has a README.md (`hub.write_model_card`)."""
         self.config.auto_map = dict(self.auto_map)
         super().save_pretrained(save_directory, *args, **kwargs)
-        write_model_card(self, save_directory)
+        if self.hub is not None:
+            self.hub.write_model_card(self, save_directory)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """transformers' `push_to_hub`, uploading this model's card unless the repository has one (see
         `hub.push_to_hub_with_card`)."""
-        return push_to_hub_with_card(self, repo_id, **kwargs)
+        if self.hub is None:
+            return super().push_to_hub(repo_id, **kwargs)
+        return self.hub.push_to_hub_with_card(self, repo_id, **kwargs)
 
 
 def _pickled_weights_only(name: str, kwargs: dict) -> str | None:

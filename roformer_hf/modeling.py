@@ -17,12 +17,14 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
-    BaseModelOutput,
+    BaseModelOutputWithPoolingAndCrossAttentions,
+    CausalLMOutputWithCrossAttentions,
     MaskedLMOutput,
     MultipleChoiceModelOutput,
     QuestionAnsweringModelOutput,
@@ -30,24 +32,27 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attention import attend
-from .configuration import RoFormerConfig, refuse_decoder_switches
+from .configuration import RoFormerConfig
 from .fused import fused_linear
 from .loading import CheckpointPolicy
+from .masks import AttentionMask
 from .padding import BatchLayout
 from .rotary import inverse_frequencies, rotary_phases, rotate
 from .validation import (
     check_choice_labels,
+    check_decoder_inputs,
     check_encoder_inputs,
     check_packed_offsets,
+    check_prefix_segments,
     check_sequence_labels,
     check_span_positions,
     check_token_labels,
-    refuse_decoder_inputs,
     sequence_problem_type,
 )
 
@@ -61,7 +66,7 @@ def linear(config: RoFormerConfig, in_features: int, out_features: int) -> nn.Li
 
 def norm(config: RoFormerConfig, size: int) -> nn.Module:
     """Every normalisation layer of the encoder and its heads: LayerNorm (RoFormer, BERT), or RoFormer-V2's
-    parameter-free RMS norm ``x / sqrt(mean(x^2) + eps)`` for any other `config.norm_type`."""
+    parameter-free RMS norm ``x / sqrt(mean(x^2) + eps)`` for `config.norm_type="rms_norm"`."""
     if config.uses_layer_norm:
         return nn.LayerNorm(size, eps=config.layer_norm_eps)
     return nn.RMSNorm(size, eps=config.layer_norm_eps, elementwise_affine=False)
@@ -107,21 +112,25 @@ class RoFormerEmbeddings(nn.Module):
 
 
 class RoFormerSelfAttention(nn.Module):
-    """Multi-head self-attention with rotary queries and keys (and values when `config.rotary_value`).
+    """Multi-head attention with rotary queries and keys (and values when `config.rotary_value`).
 
-    Project, rotate, attend (`attention.attend`, with the kernel of `config._attn_implementation`), reshape.
-    Returns the context `(*T, H)` and, from the eager kernel only, the weights `(B, nh, L, L)`.
+    Project, rotate, update the cache (`past_key_values.update(k, v, self.layer_idx)`), attend (`attention.attend`,
+    with the kernel of `config._attn_implementation`), reshape. As cross-attention (`is_cross_attention`, in decoders
+    with `config.add_cross_attention`) keys and values come from the encoder and nothing rotates, as in transformers'
+    RoFormer. Returns the context `(*T, H)` and, from the eager kernel only, the weights `(B, nh, L, Lk)`.
     """
 
-    def __init__(self, config: RoFormerConfig):
+    def __init__(self, config: RoFormerConfig, layer_idx: int | None = None, is_cross_attention: bool = False):
         super().__init__()
         self.config = config
+        self.layer_idx = layer_idx
+        self.is_cross_attention = is_cross_attention
+        self.is_causal = config.is_decoder and not is_cross_attention  # read by every attention kernel
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # query heads per key/value head
         self.head_dim = config.head_dim
         self.scaling = self.head_dim**-0.5
-        self.is_causal = False
         self.query = linear(config, config.hidden_size, config.hidden_size)
         self.key = linear(config, config.hidden_size, self.num_key_value_heads * self.head_dim)
         self.value = linear(config, config.hidden_size, self.num_key_value_heads * self.head_dim)
@@ -129,25 +138,46 @@ class RoFormerSelfAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,  # (*T, H)
-        rotation: Rotation,
-        layout: BatchLayout,
-        output_attentions: bool = False,
+        attention_mask: AttentionMask,
+        position_embeddings: Rotation | None = None,
+        past_key_values: Cache | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,  # (B, Lk, H), cross-attention
+        **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         query = fused_linear(self.query, hidden_states).unflatten(-1, (self.num_heads, self.head_dim))  # (*T, nh, d)
-        key, value = (fused_linear(proj, hidden_states).unflatten(-1, (self.num_key_value_heads, self.head_dim))
-                      for proj in (self.key, self.value))  # (*T, nkv, d)
-        rotary_layout, phases = self.config.rotary_layout, rotation.phases
-        query, key = rotate(query, phases, rotary_layout), rotate(key, phases, rotary_layout)
-        if self.config.rotary_value:
-            value = rotate(value, phases, rotary_layout)
+        cache = layer_cache(past_key_values, self.is_cross_attention)
+        if self.is_cross_attention and cache is not None and past_key_values.is_updated.get(self.layer_idx):
+            layer = cache.layers[self.layer_idx]  # the encoder's keys, projected once per generation
+            key, value = layer.keys.transpose(1, 2), layer.values.transpose(1, 2)  # (B, Lk, nkv, d)
+        else:
+            source = encoder_hidden_states if self.is_cross_attention else hidden_states
+            key, value = (fused_linear(proj, source).unflatten(-1, (self.num_key_value_heads, self.head_dim))
+                          for proj in (self.key, self.value))  # (*T, nkv, d)
+            if not self.is_cross_attention:
+                rotary_layout, phases = self.config.rotary_layout, position_embeddings.phases
+                query, key = rotate(query, phases, rotary_layout), rotate(key, phases, rotary_layout)
+                if self.config.rotary_value:
+                    value = rotate(value, phases, rotary_layout)
+            if cache is not None:  # (B, L, nkv, d) here: a cache keeps the padded layout
+                key, value = cache.update(key.transpose(1, 2), value.transpose(1, 2), self.layer_idx)
+                key, value = key.transpose(1, 2), value.transpose(1, 2)  # (B, past + L, nkv, d)
+                if self.is_cross_attention:
+                    past_key_values.is_updated[self.layer_idx] = True
 
-        implementation = "eager" if output_attentions else self.config._attn_implementation
         dropout = self.config.attention_probs_dropout_prob if self.training else 0.0
         # The attention factor scales rotated queries and keys alike, hence the scores by its square; applied here,
         # it leaves rotated values (`rotary_value`) unscaled.
-        scaling = self.scaling * rotation.attention_factor**2
-        output, weights = attend(self, query, key, value, layout, implementation, scaling, dropout)
+        factor = 1.0 if self.is_cross_attention else position_embeddings.attention_factor
+        output, weights = attend(self, query, key, value, attention_mask, self.scaling * factor**2, dropout, **kwargs)
         return output.flatten(-2), weights  # (*T, H)
+
+
+def layer_cache(past_key_values: Cache | None, cross_attention: bool) -> Cache | None:
+    """The part of a cache an attention module updates: an `EncoderDecoderCache` holds one for self-attention and one
+    for cross-attention; any other cache is self-attention's."""
+    if isinstance(past_key_values, EncoderDecoderCache):
+        return past_key_values.cross_attention_cache if cross_attention else past_key_values.self_attention_cache
+    return None if cross_attention else past_key_values
 
 
 class RoFormerResidual(nn.Module):
@@ -173,15 +203,15 @@ class RoFormerResidual(nn.Module):
 
 
 class RoFormerAttention(nn.Module):
-    """Self-attention sublayer: `self` (rotary attention) and `output` (projection, residual, norm)."""
+    """Attention sublayer: `self` (rotary attention) and `output` (projection, residual, norm)."""
 
-    def __init__(self, config: RoFormerConfig):
+    def __init__(self, config: RoFormerConfig, layer_idx: int | None = None, is_cross_attention: bool = False):
         super().__init__()
-        self.self = RoFormerSelfAttention(config)
+        self.self = RoFormerSelfAttention(config, layer_idx, is_cross_attention)
         self.output = RoFormerResidual(config, config.hidden_size)
 
-    def forward(self, hidden_states, rotation, layout, output_attentions=False) -> torch.Tensor:
-        context, _ = self.self(self.output.normalize_input(hidden_states), rotation, layout, output_attentions)
+    def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask, **kwargs) -> torch.Tensor:
+        context, _ = self.self(self.output.normalize_input(hidden_states), attention_mask, **kwargs)
         return self.output(context, hidden_states)
 
 
@@ -198,15 +228,18 @@ class RoFormerIntermediate(nn.Module):
 
 
 class RoFormerLayer(GradientCheckpointingLayer):
-    """One encoder block: attention sublayer, then feed-forward sublayer (`intermediate` + `output`).
+    """One block: attention sublayer, cross-attention sublayer (`crossattention`, decoders with
+    `config.add_cross_attention`), then feed-forward sublayer (`intermediate` + `output`).
 
     With `config.chunk_size_feed_forward = n > 0` the feed-forward runs on `n` tokens at a time (as in
     transformers): the same result, with the `intermediate_size`-wide activation only `n` tokens long.
     """
 
-    def __init__(self, config: RoFormerConfig):
+    def __init__(self, config: RoFormerConfig, layer_idx: int | None = None):
         super().__init__()
-        self.attention = RoFormerAttention(config)
+        self.attention = RoFormerAttention(config, layer_idx)
+        if config.add_cross_attention:
+            self.crossattention = RoFormerAttention(config, layer_idx, is_cross_attention=True)
         self.intermediate = RoFormerIntermediate(config)
         self.output = RoFormerResidual(config, config.intermediate_size)
         self.chunk_size_feed_forward = config.chunk_size_feed_forward
@@ -214,8 +247,13 @@ class RoFormerLayer(GradientCheckpointingLayer):
     def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # token-wise: (*T, H) -> (*T, H)
         return self.output(self.intermediate(self.output.normalize_input(hidden_states)), hidden_states)
 
-    def forward(self, hidden_states, rotation, layout, output_attentions=False) -> torch.Tensor:
-        hidden_states = self.attention(hidden_states, rotation, layout, output_attentions)
+    def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask,
+                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: AttentionMask | None = None,
+                **kwargs) -> torch.Tensor:
+        hidden_states = self.attention(hidden_states, attention_mask, **kwargs)
+        if encoder_hidden_states is not None:
+            hidden_states = self.crossattention(hidden_states, encoder_attention_mask,
+                                                encoder_hidden_states=encoder_hidden_states, **kwargs)
         chunk = self.chunk_size_feed_forward
         if chunk and hidden_states.shape[-2] > chunk:  # tokens are dim -2: (N, H) or (B, L, H)
             return torch.cat([self.feed_forward(part) for part in hidden_states.split(chunk, dim=-2)], dim=-2)
@@ -227,17 +265,30 @@ class RoFormerEncoder(nn.Module):
 
     def __init__(self, config: RoFormerConfig):
         super().__init__()
-        self.layer = nn.ModuleList(RoFormerLayer(config) for _ in range(config.num_hidden_layers))
+        self.layer = nn.ModuleList(RoFormerLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers))
         if config.norm_position == "pre":
             self.final_layer_norm = norm(config, config.hidden_size)
         self.gradient_checkpointing = False
 
-    def forward(self, hidden_states, rotation, layout, output_attentions=False) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask, **kwargs) -> torch.Tensor:
         for layer in self.layer:
-            hidden_states = layer(hidden_states, rotation, layout, output_attentions)
+            hidden_states = layer(hidden_states, attention_mask, **kwargs)
         if hasattr(self, "final_layer_norm"):
             hidden_states = self.final_layer_norm(hidden_states)
         return hidden_states
+
+
+class RoFormerPooler(nn.Module):
+    """BERT's pooler (`roformer.pooler.dense`): dense and `config.pooler_activation` on each sequence's first token,
+    `(B, H)`. RoFormer-Sim ranks the sentences it generates by it."""
+
+    def __init__(self, config: RoFormerConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = ACT2FN[config.pooler_activation]
+
+    def forward(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(first_tokens))
 
 
 @dataclass
@@ -246,15 +297,20 @@ class RoFormerEncoding(ModelOutput):
 
     Attributes:
         last_hidden_state: `(*T, H)`, in the batch's layout: only the real tokens when padding is skipped.
-        layout: where those tokens sit in the `(B, L)` batch (`layout.unpack` puts them back).
+        layout: where those tokens sit in the `(B, L)` batch (`layout.scatter_tokens` puts them back).
+        pooler_output: `(B, H)`, the pooler on each sequence's first token (`config.add_pooling_layer`).
+        past_key_values: the cache, updated with this forward's keys and values (decoders with `use_cache`).
         hidden_states: `(B, L, H)` each, the embeddings' output and every layer's, when requested.
-        attentions: `(B, nh, L, L)` each, when requested.
+        attentions: `(B, nh, L, Lk)` each, when requested; `cross_attentions` the same for cross-attention.
     """
 
     last_hidden_state: torch.Tensor | None = None
     layout: BatchLayout | None = None
+    pooler_output: torch.Tensor | None = None
+    past_key_values: Cache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+    cross_attentions: tuple[torch.Tensor, ...] | None = None
 
 
 class RoFormerPreTrainedModel(CheckpointPolicy, PreTrainedModel):
@@ -271,11 +327,11 @@ class RoFormerPreTrainedModel(CheckpointPolicy, PreTrainedModel):
     # transformers' RoFormer stores its frozen sinusoidal table; rotary angles are computed on the fly here.
     _keys_to_ignore_on_load_unexpected = [r"encoder\.embed_positions\.weight"]
     # transformers' output capture: every layer's output, and the weights the eager attention returns.
-    _can_record_outputs = {"hidden_states": RoFormerLayer, "attentions": RoFormerSelfAttention}
-
-    def __init__(self, config: RoFormerConfig, *inputs, **kwargs):
-        refuse_decoder_switches(config)
-        super().__init__(config, *inputs, **kwargs)
+    _can_record_outputs = {
+        "hidden_states": RoFormerLayer,
+        "attentions": OutputRecorder(RoFormerSelfAttention, index=1, layer_name="attention"),
+        "cross_attentions": OutputRecorder(RoFormerSelfAttention, index=1, layer_name="crossattention"),
+    }
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
@@ -343,6 +399,8 @@ class RoFormerModel(RoFormerPreTrainedModel):
         if config.embedding_size != config.hidden_size:
             self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size)
         self.encoder = RoFormerEncoder(config)
+        if config.add_pooling_layer:
+            self.pooler = RoFormerPooler(config)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -354,41 +412,81 @@ class RoFormerModel(RoFormerPreTrainedModel):
     @capture_outputs
     def encode(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-               inputs_embeds: torch.Tensor | None = None, **kwargs) -> RoFormerEncoding:
-        """Runs the encoder and leaves the last hidden state in the batch's layout, for the heads to consume.
+               inputs_embeds: torch.Tensor | None = None, past_key_values: Cache | None = None,
+               encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
+               use_cache: bool | None = None, **kwargs) -> RoFormerEncoding:
+        """Runs the model and leaves the last hidden state in the batch's layout, for the heads to consume.
 
         Rows may hold several sequences back to back (`DataCollatorWithFlattening`): their offsets come from
         `cu_seq_lens_q`/`cu_seq_lens_k` in `kwargs`, or, without an attention mask, from `position_ids` that
         restart. Requested hidden states are those the model computed with: they keep the padded layout.
+
+        `position_ids` `(B, L)`, default `arange(L)` (after a cache: from its length): the positions the rotation
+        reads. Without an attention mask, a position that does not follow its predecessor by exactly 1 starts a new
+        sequence (transformers' `find_packed_sequence_indices` rule), so positions that skip (e.g. `2 * arange(L)`)
+        make every token attend alone. Pass `attention_mask` (ones where there is no padding) and they are read as
+        positions only; to stretch positions for long inputs, use `config.rope_parameters` (e.g. `"linear"`) instead.
+
+        Decoders (`config.is_decoder`) attend causally, or, with `config.prefix_lm`, bidirectionally within the
+        prefix (`token_type_ids` 0) and causally after it. With a cache (`past_key_values`, created when `use_cache`,
+        which defaults to `config.use_cache` outside training) the keys of earlier forwards come first:
+        `attention_mask` then covers them too, `(B, past + L)`, and positions continue from the cache's length
+        unless `position_ids` say otherwise (generation derives them from the attention mask, so that left padding
+        takes no position).
         """
-        check_encoder_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        refuse_decoder_inputs(kwargs)
-        refuse_decoder_switches(self.config)  # also when set on the config after the model was built
+        check_decoder_inputs(self.config, past_key_values, encoder_hidden_states, encoder_attention_mask, use_cache,
+                             input_ids if input_ids is not None else inputs_embeds)
+        check_encoder_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                             past_key_values)
         batch_size, seq_len = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
+        if use_cache is None:
+            use_cache = self.config.is_decoder and self.config.use_cache and not self.training
+        if use_cache and past_key_values is None:
+            past_key_values = (EncoderDecoderCache(DynamicCache(), DynamicCache()) if self.config.add_cross_attention
+                               else DynamicCache())
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+        if position_ids is None and (past_length or kwargs.get("cache_position") is not None):
+            position_ids = kwargs.get("cache_position", torch.arange(past_length, past_length + seq_len, device=device))
         if position_ids is not None:
             position_ids = position_ids.expand(batch_size, seq_len)
         output_hidden_states = kwargs.get("output_hidden_states", self.config.output_hidden_states)
         offsets = check_packed_offsets(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-        layout = BatchLayout.from_inputs(batch_size, seq_len, attention_mask, position_ids, offsets,
-                                         unpad=self.config.unpad_inputs and not output_hidden_states)
+        prefix = check_prefix_segments(self.config, token_type_ids, attention_mask)
+        keys_beyond_queries = past_key_values is not None or encoder_hidden_states is not None
+        query_mask = attention_mask[:, -seq_len:] if attention_mask is not None else None
+        layout = BatchLayout.from_inputs(
+            batch_size, seq_len, query_mask, position_ids, offsets,
+            unpad=self.config.unpad_inputs and not output_hidden_states and not keys_beyond_queries and prefix is None)
+        mask = AttentionMask(layout, device, causal=self.config.is_decoder, past_length=past_length,
+                             key_padding=attention_mask if past_key_values is not None else None, prefix=prefix)
 
-        # Token-wise from here on: pack first so nothing is computed for padding.
+        # Token-wise from here on: gather the real tokens first so nothing is computed for padding.
         hidden_states = self.embeddings(
-            layout.pack(input_ids) if input_ids is not None else None,
-            layout.pack(token_type_ids),
-            layout.pack(inputs_embeds) if inputs_embeds is not None else None,
+            layout.gather_tokens(input_ids) if input_ids is not None else None,
+            layout.gather_tokens(token_type_ids),
+            layout.gather_tokens(inputs_embeds) if inputs_embeds is not None else None,
         )
         if hasattr(self, "embeddings_project"):
             hidden_states = self.embeddings_project(hidden_states)
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-        output_attentions = kwargs.get("output_attentions", self.config.output_attentions)
-        hidden_states = self.encoder(hidden_states, self.rotation(position_ids, layout), layout,
-                                     bool(output_attentions))
-        return RoFormerEncoding(last_hidden_state=hidden_states, layout=layout)
+        layer_inputs = {"position_embeddings": self.rotation(position_ids, layout),
+                        "past_key_values": past_key_values,
+                        "output_attentions": bool(kwargs.get("output_attentions", self.config.output_attentions))}
+        if encoder_hidden_states is not None:
+            encoder_padding = (torch.ones(encoder_hidden_states.shape[:2], dtype=torch.bool, device=device)
+                               if encoder_attention_mask is None else encoder_attention_mask.bool())
+            layer_inputs.update(encoder_hidden_states=encoder_hidden_states,
+                                encoder_attention_mask=AttentionMask(layout, device, key_padding=encoder_padding))
+        hidden_states = self.encoder(hidden_states, mask, **layer_inputs)
+        pooler_output = None
+        if hasattr(self, "pooler"):
+            pooler_output = self.pooler(layout.edge_tokens(hidden_states))
+        return RoFormerEncoding(last_hidden_state=hidden_states, layout=layout, pooler_output=pooler_output,
+                                past_key_values=past_key_values if use_cache else None)
 
     def rotation(self, position_ids: torch.Tensor, layout: BatchLayout) -> Rotation:
         """The rotary embedding of the batch's `(B, L)` positions, in the layout's token shape. Rope types that adapt
@@ -398,18 +496,25 @@ class RoFormerModel(RoFormerPreTrainedModel):
             real = position_ids if layout.token_mask is None else position_ids.masked_fill(~layout.token_mask, 0)
             longest = real.max() + 1
         inv_freq, attention_factor = rope_frequencies(self.config, position_ids.device, longest)
-        phases = rotary_phases(layout.pack(position_ids), inv_freq).unsqueeze(-3)  # (*T, 1, d/2, 2)
+        phases = rotary_phases(layout.gather_tokens(position_ids), inv_freq).unsqueeze(-3)  # (*T, 1, d/2, 2)
         return Rotation(phases, attention_factor)
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                **kwargs) -> BaseModelOutput:
+                **kwargs) -> BaseModelOutputWithPoolingAndCrossAttentions:
         """`encode` with the last hidden state in the padded layout `(B, L, H)`, zeros at the padding (the
-        `hidden_states`, when requested, are the tensors the model computed with, padding included)."""
+        `hidden_states`, when requested, are the tensors the model computed with, padding included). Inputs as in
+        `encode`, whose docstring says how `position_ids` are read."""
         encoding = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                return_dict=True, **kwargs)
-        return BaseModelOutput(last_hidden_state=encoding.layout.to_padded(encoding.last_hidden_state),
-                               hidden_states=encoding.hidden_states, attentions=encoding.attentions)
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=encoding.layout.to_padded(encoding.last_hidden_state),
+            pooler_output=encoding.pooler_output, past_key_values=encoding.past_key_values,
+            hidden_states=encoding.hidden_states, attentions=encoding.attentions,
+            cross_attentions=encoding.cross_attentions)
+
+
+LOSS_KWARGS = ("num_items_in_batch",)  # what Trainer passes to a loss that accepts it (`accepts_loss_kwargs`)
 
 
 class RoFormerHeadModel(RoFormerPreTrainedModel):
@@ -417,7 +522,7 @@ class RoFormerHeadModel(RoFormerPreTrainedModel):
     its output and loss."""
 
     # Tells Trainer that the loss is a plain batch mean (it then divides by the gradient-accumulation steps
-    # itself); only the MLM head uses Trainer's `num_items_in_batch` to average over the labelled tokens.
+    # itself); only the language-model heads use Trainer's `num_items_in_batch` to average over labelled tokens.
     accepts_loss_kwargs = False
 
     def __init__(self, config: RoFormerConfig):
@@ -427,17 +532,24 @@ class RoFormerHeadModel(RoFormerPreTrainedModel):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, **kwargs) -> ModelOutput:
-        encoding = self.roformer.encode(input_ids=input_ids, attention_mask=attention_mask,
-                                        token_type_ids=token_type_ids, position_ids=position_ids,
-                                        inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
-        output = self.predict(encoding, labels, **kwargs)
-        for name in ("hidden_states", "attentions"):
-            if encoding.get(name) is not None:
+        loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KWARGS if name in kwargs}
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                      position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
+        return self.encode_and_predict(inputs, labels, **loss_kwargs)
+
+    def encode_and_predict(self, inputs: dict, labels, **predict_kwargs) -> ModelOutput:
+        """The encoder on `inputs`, then `predict` with `predict_kwargs` only: each argument reaches the one that reads
+        it (Trainer's `num_items_in_batch` the loss, `cu_seq_lens_q` the encoder)."""
+        encoding = self.roformer.encode(**inputs, return_dict=True)
+        output = self.predict(encoding, labels, **predict_kwargs)
+        for name in ("hidden_states", "attentions", "cross_attentions"):
+            if encoding.get(name) is not None and name in output.__dataclass_fields__:
                 output[name] = encoding[name]
         return output
 
     def predict(self, encoding: RoFormerEncoding, labels, **kwargs) -> ModelOutput:
-        """The head's output (and loss, with `labels`) from the encoder's result."""
+        """The head's output (and loss, with `labels`) from the encoder's result; `kwargs`: the loss's (Trainer's
+        `num_items_in_batch`) and the head's own."""
         raise NotImplementedError
 
     def _dropout_probability(self) -> float:
@@ -509,26 +621,9 @@ def logits_in_padded_layout(head: RoFormerLMPredictions, hidden_states: torch.Te
     return padded.view(layout.batch_size, layout.seq_len, -1)
 
 
-class RoFormerForMaskedLM(RoFormerHeadModel):
-    """RoFormer with a masked-language-modelling head (`fill-mask` pipeline).
-
-    The head runs on real tokens only; `logits` come back padded to `(B, L, vocab_size)`. With
-    `config.sparse_prediction=True`, a training forward with labels runs the head only on the labelled tokens
-    and returns their logits, `(num_labelled, vocab_size)` (as ModernBERT does); evaluation is unaffected.
-
-    Example (only the labelled token counts in the loss):
-
-    ```python
-    >>> import torch
-    >>> from roformer_hf import RoFormerConfig, RoFormerForMaskedLM
-    >>> config = RoFormerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-    ...                         intermediate_size=64)
-    >>> labels = torch.tensor([[-100, -100, 7, -100]])  # only the masked token is scored
-    >>> out = RoFormerForMaskedLM(config)(torch.tensor([[2, 5, 4, 3]]), labels=labels)
-    >>> out.logits.shape, out.loss.ndim
-    (torch.Size([1, 4, 100]), 0)
-    ```
-    """
+class RoFormerLanguageModel(RoFormerHeadModel):
+    """Base of the language-model heads (masked and causal): the encoder and `cls.predictions`, the decoder tied to
+    the word embeddings; the loss averages over labelled tokens (Trainer's `num_items_in_batch` when given)."""
 
     accepts_loss_kwargs = True
     _tied_weights_keys = {"cls.predictions.decoder.weight": "roformer.embeddings.word_embeddings.weight"}
@@ -561,11 +656,33 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
         if new_embeddings.bias is not None:
             self.cls.predictions.bias = new_embeddings.bias
 
+
+class RoFormerForMaskedLM(RoFormerLanguageModel):
+    """RoFormer with a masked-language-modelling head (`fill-mask` pipeline).
+
+    The head runs on real tokens only; `logits` come back padded to `(B, L, vocab_size)`. With
+    `config.sparse_prediction=True`, a training forward with labels runs the head only on the labelled tokens
+    and returns their logits, `(num_labelled, vocab_size)` (as ModernBERT does); evaluation is unaffected.
+
+    Example (only the labelled token counts in the loss):
+
+    ```python
+    >>> import torch
+    >>> from roformer_hf import RoFormerConfig, RoFormerForMaskedLM
+    >>> config = RoFormerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                         intermediate_size=64)
+    >>> labels = torch.tensor([[-100, -100, 7, -100]])  # only the masked token is scored
+    >>> out = RoFormerForMaskedLM(config)(torch.tensor([[2, 5, 4, 3]]), labels=labels)
+    >>> out.logits.shape, out.loss.ndim
+    (torch.Size([1, 4, 100]), 0)
+    ```
+    """
+
     def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, **kwargs) -> MaskedLMOutput:
         hidden_states, layout = encoding.last_hidden_state, encoding.layout  # (*T, H)
         if labels is not None:
             check_token_labels(labels, (layout.batch_size, layout.seq_len), self.config.vocab_size)
-            labels = layout.pack(labels).long()  # int32 labels too (cross-entropy wants int64)
+            labels = layout.gather_tokens(labels).long()  # int32 labels too (cross-entropy wants int64)
         sparse = labels is not None and self.training and self.config.sparse_prediction
         if sparse:  # the head only where there is something to predict (~15% of tokens)
             labelled = (labels.flatten() != -100).nonzero().squeeze(-1)
@@ -578,6 +695,95 @@ class RoFormerForMaskedLM(RoFormerHeadModel):
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
             logits = logits if sparse else layout.to_padded(logits)
         return MaskedLMOutput(loss=loss, logits=logits)
+
+
+@dataclass
+class RoFormerCausalLMOutput(CausalLMOutputWithCrossAttentions):
+    """transformers' causal-LM output, with the pooler's output when the model has one (RoFormer-Sim).
+
+    Attributes:
+        pooler_output: `(B, H)`, `config.pooler_activation(dense(first token))` (`config.add_pooling_layer`).
+    """
+
+    pooler_output: torch.Tensor | None = None
+
+
+class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
+    """RoFormer as a decoder with a language-modelling head (`text-generation` pipeline, `generate()`), transformers'
+    `RoFormerForCausalLM`: its checkpoints load unchanged, and so do those of JunnYu's RoFormer-Sim.
+
+    Needs `config.is_decoder=True`: attention is causal, keys and values are cached (`past_key_values`, transformers'
+    `DynamicCache`) and positions continue from the cache. The loss is next-token cross-entropy: the logits at each
+    token against the label of the token after it (-100 ignored), as transformers computes it. With
+    `config.prefix_lm` (UniLM, RoFormer-Sim) the tokens of segment 0 (`token_type_ids`) see each other
+    bidirectionally and those of segment 1 are causal; `generate()` then gives the new tokens segment 1. With
+    `config.add_cross_attention` it is the decoder of an `EncoderDecoderModel`.
+
+    Example, greedy generation from a batch of two prompts, the shorter one left-padded:
+
+    ```python
+    >>> import torch
+    >>> from roformer_hf import RoFormerConfig, RoFormerForCausalLM
+    >>> model = RoFormerForCausalLM(RoFormerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+    ...                                            num_attention_heads=4, intermediate_size=64, is_decoder=True))
+    >>> prompts = torch.tensor([[0, 2, 5, 7], [2, 9, 4, 6]])
+    >>> mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    >>> out = model.generate(prompts, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    >>> out.shape
+    torch.Size([2, 9])
+    ```
+    """
+
+    def __init__(self, config: RoFormerConfig):
+        if not config.is_decoder:
+            raise ValueError("RoFormerForCausalLM needs RoFormerConfig.is_decoder=True (causal attention, a cache); "
+                             "got is_decoder=False. Set it in the config, or use RoFormerForMaskedLM for an encoder")
+        super().__init__(config)
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                encoder_hidden_states=None, encoder_attention_mask=None, past_key_values=None, use_cache=None,
+                labels=None, logits_to_keep: int | torch.Tensor = 0, **kwargs) -> RoFormerCausalLMOutput:
+        r"""
+        encoder_hidden_states, encoder_attention_mask (`(B, Lk, H)`, `(B, Lk)`, optional): what cross-attention
+            reads (`config.add_cross_attention`), as `EncoderDecoderModel` passes them.
+        past_key_values, use_cache: the cache of keys and values (see `RoFormerModel.encode`).
+        labels (`(B, L)`, optional): the tokens to predict, -100 where nothing is; the logits at token `t` are scored
+            against `labels[:, t + 1]`, so `labels=input_ids` (with -100 at padding) trains next-token prediction.
+        logits_to_keep: compute the logits of the last `n` positions only (`0`: all), as generation asks.
+        """
+        loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KWARGS if name in kwargs}
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                      position_ids=position_ids, inputs_embeds=inputs_embeds,
+                      encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask,
+                      past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+        return self.encode_and_predict(inputs, labels, logits_to_keep=logits_to_keep, **loss_kwargs)
+
+    def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs) -> RoFormerCausalLMOutput:
+        hidden_states, layout = encoding.last_hidden_state, encoding.layout  # (*T, H)
+        loss = None
+        if labels is not None:
+            check_token_labels(labels, (layout.batch_size, layout.seq_len), self.config.vocab_size)
+            next_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # (B, L): the label after each token
+            logits = self.cls.predictions(hidden_states)  # (*T, V)
+            loss = self.loss_function(logits, None, vocab_size=self.config.vocab_size,
+                                      shift_labels=layout.gather_tokens(next_labels).long().contiguous(), **kwargs)
+            logits = layout.to_padded(logits)
+        elif isinstance(logits_to_keep, int) and logits_to_keep == 0:
+            logits = logits_in_padded_layout(self.cls.predictions, hidden_states, layout)  # (B, L, V)
+        else:
+            logits = self.cls.predictions(slice_logits_to_keep(layout.to_padded(hidden_states), logits_to_keep))
+        return RoFormerCausalLMOutput(loss=loss, logits=logits, past_key_values=encoding.past_key_values,
+                                      pooler_output=encoding.pooler_output)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None, **kwargs):
+        """transformers' preparation; with `config.prefix_lm`, the generated tokens (every step after the first,
+        which reads the prompt) are segment 1, as JunnYu's RoFormer-Sim generates."""
+        inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+        if self.config.prefix_lm and past_key_values is not None and past_key_values.get_seq_length() > 0:
+            inputs["token_type_ids"] = torch.ones_like(inputs["input_ids"])
+        return inputs
 
 
 class RoFormerClassificationHead(nn.Module):
@@ -664,7 +870,7 @@ class RoFormerForTokenClassification(RoFormerHeadModel):
         loss = None
         if labels is not None:
             check_token_labels(labels, (layout.batch_size, layout.seq_len), self.num_labels)
-            loss = self.loss_function(logits, layout.pack(labels).long(), self.config)
+            loss = self.loss_function(logits, layout.gather_tokens(labels).long(), self.config)
         return TokenClassifierOutput(loss=loss, logits=layout.to_padded(logits))
 
 
@@ -699,7 +905,7 @@ class RoFormerForQuestionAnswering(RoFormerHeadModel):
     def predict(self, encoding: RoFormerEncoding, spans: tuple[torch.Tensor, torch.Tensor] | None,
                 **kwargs) -> QuestionAnsweringModelOutput:
         layout = encoding.layout
-        logits = layout.unpack(self.qa_outputs(encoding.last_hidden_state))  # (B, L, 2)
+        logits = layout.scatter_tokens(self.qa_outputs(encoding.last_hidden_state))  # (B, L, 2)
         # Padding must never win the argmax of a span.
         if layout.token_mask is not None:
             logits = logits.masked_fill(~layout.token_mask.unsqueeze(-1), torch.finfo(logits.dtype).min)
@@ -736,6 +942,7 @@ class RoFormerForMultipleChoice(RoFormerHeadModel):
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs) -> MultipleChoiceModelOutput:
         source = input_ids if input_ids is not None else inputs_embeds
@@ -746,8 +953,10 @@ class RoFormerForMultipleChoice(RoFormerHeadModel):
         def flat(t: torch.Tensor | None) -> torch.Tensor | None:  # (B, num_choices, ...) -> (B * num_choices, ...)
             return None if t is None else t.flatten(0, 1)
 
-        inputs = (flat(t) for t in (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds))
-        return super().forward(*inputs, labels, num_choices=source.shape[1], **kwargs)
+        names = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+        inputs = {name: flat(t) for name, t in zip(names, (input_ids, attention_mask, token_type_ids, position_ids,
+                                                           inputs_embeds))}
+        return self.encode_and_predict({**inputs, **kwargs}, labels, num_choices=source.shape[1])
 
     def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, num_choices: int,
                 **kwargs) -> MultipleChoiceModelOutput:
@@ -778,6 +987,7 @@ HEADS = (
     Head(RoFormerForTokenClassification, "AutoModelForTokenClassification", "token-classification"),
     Head(RoFormerForQuestionAnswering, "AutoModelForQuestionAnswering", "question-answering"),
     Head(RoFormerForMultipleChoice, "AutoModelForMultipleChoice", None),  # the Hub has no multiple-choice task
+    Head(RoFormerForCausalLM, "AutoModelForCausalLM", "text-generation"),
 )
 
 _MODULE = __name__.rsplit(".", 1)[-1]  # "modeling", also as remote code (transformers_modules.<repo>.modeling)

@@ -146,26 +146,28 @@ class BatchLayout:
         return (self.token_mask | (empty_rows & first_key))[:, None, None, :]
 
     @property
-    def is_packed(self) -> bool:
-        """Whether rows hold several sequences."""
+    def has_packed_rows(self) -> bool:
+        """Whether rows hold several sequences (packed rows, in the "packed" mode or, traced, the "padded" one)."""
         return self.segment_ids is not None
 
     def require_one_sequence_per_row(self, user: str) -> None:
         """Sequence-level outputs (one per row) have no meaning for packed rows: refuse them."""
-        if self.is_packed:
+        if self.has_packed_rows:
             raise ValueError(f"{user} gives one output per row, but the rows hold several sequences (packed with "
                              "cu_seq_lens_q/k, or position_ids that restart). Pass one sequence per row, padded "
                              "with an attention_mask, e.g. with DataCollatorWithPadding instead of "
                              "DataCollatorWithFlattening")
 
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, L, ...)`` -> the layout's token shape: ``(N, ...)`` in varlen mode, else unchanged."""
+    def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, L, ...)`` -> the layout's token shape: the real tokens ``(N, ...)`` in varlen mode; unchanged in the
+        others, whose token shape is the batch's."""
         if self.mode != "varlen":
             return x
         return x.flatten(0, 1).index_select(0, self.indices)
 
-    def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """The layout's token shape -> ``(B, L, ...)``, zeros at the padding in varlen mode."""
+    def scatter_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of `gather_tokens`: the layout's token shape -> ``(B, L, ...)``, zeros at the padding in varlen
+        mode."""
         if self.mode != "varlen":
             return x
         # Write every row once: the real tokens, then zeros at the padding (cheaper than zero-filling it all first,
@@ -179,7 +181,7 @@ class BatchLayout:
         eager, traced and exported models return the same tensors)."""
         if self.mode == "padded" and self.token_mask is not None:
             return x.masked_fill(~self.token_mask.view(*self.token_mask.shape, *[1] * (x.dim() - 2)), 0)
-        return self.unpack(x)
+        return self.scatter_tokens(x)
 
     def blocks(self) -> list[tuple[int, int, int]] | None:
         """Varlen mode, every sequence's real tokens contiguous (right or left padding): each sequence as one run of
@@ -199,7 +201,7 @@ class BatchLayout:
     def edge_tokens(self, x: torch.Tensor, last: bool = False) -> torch.Tensor:
         """Each sequence's first real token (its [CLS]), or its last one, ``(B, ...)``, from states in this layout;
         right and left padding alike, zeros for a sequence without real tokens."""
-        padded = self.unpack(x)
+        padded = self.scatter_tokens(x)
         if self.token_mask is None:
             return padded[:, -1 if last else 0]
         real = self.token_mask.int()  # argmax gives the first maximal position

@@ -8,6 +8,7 @@ they are skipped while tracing or compiling, where data-dependent Python branche
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import Cache
 from transformers.utils.import_utils import is_tracing
 
 
@@ -102,8 +103,10 @@ def check_span_positions(name: str, positions: torch.Tensor, attention_mask: tor
                                                       "is 0 there)") + f"; expected {expected}")
 
 
-def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> None:
-    """Validates the inputs of `RoFormerModel.encode` against `config`."""
+def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                         past_key_values=None) -> None:
+    """Validates the inputs of `RoFormerModel.encode` against `config`; with a cache, `attention_mask` covers the
+    cached tokens too."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of input_ids or inputs_embeds (got "
                          f"{'both' if input_ids is not None else 'neither'})")
@@ -120,7 +123,8 @@ def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, posi
     if 0 in shape:
         raise ValueError(f"{'input_ids' if input_ids is not None else 'inputs_embeds'} has shape {shape}: expected "
                          "at least one sequence of at least one token")
-    _check_shape("attention_mask", attention_mask, shape)
+    past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+    _check_shape("attention_mask", attention_mask, (shape[0], past_length + shape[1]))
     _check_shape("token_type_ids", token_type_ids, shape)
     if position_ids is not None and tuple(position_ids.shape) not in (shape, (1, shape[1]), (shape[1],)):
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected {shape}, "
@@ -152,12 +156,47 @@ def check_packed_offsets(cu_seq_lens_q: torch.Tensor | None, cu_seq_lens_k: torc
     return offsets
 
 
-def refuse_decoder_inputs(kwargs: dict) -> None:
-    """Inputs of transformers' decoders (cross-attention, a cache) have no meaning here: refuse them rather than let
-    them vanish into `**kwargs`."""
-    for name in ("encoder_hidden_states", "encoder_attention_mask", "past_key_values"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{name} is not supported: roformer_hf is a bidirectional encoder without "
-                             "cross-attention or a cache; leave it out")
-    if kwargs.get("use_cache"):
-        raise ValueError("use_cache=True is not supported: roformer_hf is an encoder and keeps no cache; leave it out")
+def check_decoder_inputs(config, past_key_values, encoder_hidden_states, encoder_attention_mask, use_cache,
+                         inputs: torch.Tensor | None) -> None:
+    """A cache and cross-attention inputs: only where the config has a place for them, and shaped for the model
+    (`inputs`: the input ids or embeddings, whose first dimension is the batch)."""
+    if (past_key_values is not None or use_cache) and not config.is_decoder:
+        raise ValueError("past_key_values / use_cache=True need a decoder (RoFormerConfig.is_decoder=True): an encoder "
+                         "reads the whole sequence at once and keeps no cache")
+    if past_key_values is not None and not isinstance(past_key_values, Cache):
+        raise ValueError(f"past_key_values is a {type(past_key_values).__name__}; expected a transformers Cache "
+                         "(DynamicCache, or EncoderDecoderCache with cross-attention), as the model returns it")
+    if inputs is None:
+        return
+    batch_size = inputs.shape[0]
+    if (encoder_hidden_states is not None or encoder_attention_mask is not None) and not config.add_cross_attention:
+        raise ValueError("encoder_hidden_states / encoder_attention_mask need cross-attention layers: build the "
+                         "decoder with RoFormerConfig(is_decoder=True, add_cross_attention=True)")
+    if encoder_hidden_states is not None:
+        expected = (batch_size, encoder_hidden_states.shape[1], config.hidden_size)
+        _check_shape("encoder_hidden_states", encoder_hidden_states, expected)
+        _check_shape("encoder_attention_mask", encoder_attention_mask, expected[:2])
+    if past_key_values is not None and past_key_values.get_seq_length() > 0:
+        keys = getattr(past_key_values, "self_attention_cache", past_key_values).layers[0].keys  # (B, nkv, past, d)
+        expected = (batch_size, config.num_key_value_heads, keys.shape[2], config.head_dim)
+        if tuple(keys.shape) != expected:
+            raise ValueError(f"past_key_values holds keys of shape {tuple(keys.shape)}; expected {expected} (batch "
+                             "size, key/value heads, cached length, head size): a cache of another batch or model")
+
+
+def check_prefix_segments(config, token_type_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """The prefix of a prefix-LM (`config.prefix_lm`): the tokens of segment 0, `(B, L)` bool, or `None` for other
+    models. Each row's real tokens go 0 then 1 (prompt, then what follows it): a 0 after a 1 has no place in the
+    mask (segment 0 would see a later token while segment 1 before it could not), so it is refused."""
+    if not config.prefix_lm:
+        return None
+    if not is_tracing():
+        real = torch.ones_like(token_type_ids, dtype=torch.bool) if attention_mask is None else \
+            attention_mask[:, -token_type_ids.shape[1]:].bool()
+        seen = token_type_ids.masked_fill(~real, 0).cummax(dim=-1).values  # the largest segment so far in each row
+        if (real & (token_type_ids < seen)).any():  # the one host sync
+            row = (real & (token_type_ids < seen)).any(dim=-1).nonzero()[0, 0].item()
+            raise ValueError(f"token_type_ids[{row}] = {token_type_ids[row].tolist()} goes back from segment 1 to 0; "
+                             "expected each row's real tokens to be segment 0 (the prefix, read bidirectionally) then "
+                             "segment 1 (causal) with config.prefix_lm=True")
+    return token_type_ids == 0

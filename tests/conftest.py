@@ -1,11 +1,15 @@
 """Shared set-up: the examples' modules importable (`import shakespeare`, `import run_mlm`, ...), as they are for the
-scripts themselves, and a local Hugging Face Hub server for push/load tests without a network."""
+scripts themselves, a local Hugging Face Hub server for push/load tests without a network, and a stand-in for the
+flash-attn kernel."""
 
 import sys
 
 import pytest
-from helpers import EXAMPLES
+from helpers import EXAMPLES, STAND_IN, stand_in_calls, varlen_stand_in
 from hub_server import HubServer
+from transformers import AttentionInterface
+
+from roformer_hf import attention
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -21,3 +25,13 @@ def local_hub(tmp_path_factory):
 def hub_server(local_hub):
     """The endpoint URL of a running local Hub, to pass as `HF_ENDPOINT` to client processes."""
     return local_hub.url
+
+
+@pytest.fixture
+def stand_in_flash(monkeypatch):
+    """The flash-attn code path with `helpers.varlen_stand_in` as its kernel; returns the list of its calls."""
+    AttentionInterface.register(STAND_IN, varlen_stand_in)
+    monkeypatch.setattr(attention, "is_flash_attention_requested",
+                        lambda requested_attention_implementation: requested_attention_implementation == STAND_IN)
+    stand_in_calls.clear()
+    return stand_in_calls

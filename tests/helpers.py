@@ -1,4 +1,5 @@
-"""Small shared builders for the tests: tiny configs and transformers' RoFormer as the reference."""
+"""Small shared builders for the tests: tiny configs, transformers' RoFormer and the closed-form rotary math as
+references, and a stand-in flash-attn kernel."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 import roformer_hf
@@ -64,3 +66,64 @@ PYTHON = sys.executable
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 """The example scripts and their support modules; conftest.py puts this folder on sys.path."""
+
+
+WORDS = "the king queen speaks and dies loves a crown sword night day".split()
+"""A tiny vocabulary for tokenizer-backed tests (pipelines, collators)."""
+
+STAND_IN = "test_varlen_stand_in"  # a name with "flash" in it would make transformers look for the real kernel
+stand_in_calls: list[str] = []  # what varlen_stand_in was called with: "varlen" or "padded"
+
+
+def varlen_stand_in(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """A flash-attn kernel for CPU: attends with SDPA, asserting what transformers' flash-attn wrapper requires."""
+    if "cu_seq_lens_q" in kwargs:  # packed: (1, nh, N, d), one run of tokens per sequence
+        offsets = kwargs["cu_seq_lens_q"]
+        assert attention_mask is None and query.shape[0] == 1 and query.shape[2] > 0
+        assert offsets.dtype == torch.int32 and torch.equal(offsets, kwargs["cu_seq_lens_k"])
+        assert isinstance(kwargs["max_length_q"], int) and kwargs["max_length_q"] == offsets.diff().max().item()
+        bounds = offsets.tolist()
+        output = torch.cat([F.scaled_dot_product_attention(*(t[:, :, start:end] for t in (query, key, value)),
+                                                           scale=scaling) for start, end in zip(bounds, bounds[1:])],
+                           dim=2)
+        stand_in_calls.append("varlen")
+    else:  # padded: (B, nh, L, d) with the (B, L) mask flash-attn unpads by itself
+        assert attention_mask is None or attention_mask.dim() == 2
+        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+        stand_in_calls.append("padded")
+    return output.transpose(1, 2), None  # (B, L, nh, d), as transformers' attention functions return
+
+
+# The closed-form rotary math, written independently of `roformer_hf.rotary`, as the tests' reference: pair i of a
+# d-vector at position m turns by m * base ** (-2i / d): out = x * cos + rotate_pairs(x) * sin, where rotate_pairs
+# maps each pair (a, b) to (-b, a).
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float = 10000.0,
+                   layout: str = "interleaved") -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines of every dimension's angle, float32 (angles formed in float64). Shape (*P, d)."""
+    if layout not in ("interleaved", "half"):
+        raise ValueError(f"layout={layout!r}: expected one of ('interleaved', 'half')")
+    inv_freq = base ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = position_ids.to(torch.float64).unsqueeze(-1) * inv_freq  # (*P, d/2)
+    if layout == "interleaved":
+        angles = angles.repeat_interleave(2, dim=-1)  # theta_0, theta_0, theta_1, theta_1, ...
+    else:
+        angles = torch.cat((angles, angles), dim=-1)  # theta_0 ... theta_{d/2-1}, theta_0 ...
+    return angles.cos().float(), angles.sin().float()
+
+
+def rotate_pairs(x: torch.Tensor, layout: str = "interleaved") -> torch.Tensor:
+    """Each pair (a, b) -> (-b, a): a quarter turn."""
+    if layout == "interleaved":
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack((-odd, even), dim=-1).flatten(-2)
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "interleaved") -> torch.Tensor:
+    """Rotates every pair of x by its angle, in float32; returned in x.dtype."""
+    xf = x.float()
+    return (xf * cos + rotate_pairs(xf, layout) * sin).to(x.dtype)

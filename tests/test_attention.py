@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from roformer_hf import attention
+from roformer_hf import attention, blocked_dropout
 from roformer_hf.attention import blocked_dropout_attention_forward, eager_attention_forward
 
 
@@ -132,12 +132,12 @@ def test_dropout_masks_drop_a_fraction_p_of_the_weights_independently():
     """Each weight is dropped with probability p (to 2**-16): over 2**22 draws the fraction is p within 5 standard
     errors, and neighbouring weights are independent (dropped together as often as p**2)."""
     for p in (0.1, 0.5, 0.9):
-        dropped = attention.draw_dropout_mask(1024, 4096, p)
+        dropped = blocked_dropout.draw_dropout_mask(1024, 4096, p)
         n, fraction = dropped.numel(), dropped.double().mean().item()
         assert abs(fraction - p) < 5 * (p * (1 - p) / n) ** 0.5
         together = (dropped[:, 1:] & dropped[:, :-1]).double().mean().item()
         assert abs(together - p * p) < 5 * (p * p * (1 - p * p) / n) ** 0.5
-    assert attention.draw_dropout_mask(3, 77, 0.1).shape == (3, 80)  # columns up to a multiple of 8
+    assert blocked_dropout.draw_dropout_mask(3, 77, 0.1).shape == (3, 80)  # columns up to a multiple of 8
 
 
 def test_the_dropped_output_is_the_undropped_one_on_average(monkeypatch):
@@ -210,3 +210,73 @@ def test_blocked_dropout_masks_are_repeated_by_the_seed_whatever_the_thread_coun
     for one_thread, three_threads in zip(*results[:2]):
         torch.testing.assert_close(one_thread, three_threads, atol=1e-6, rtol=1e-5)
     assert not torch.allclose(results[1][0], results[2][0])  # another seed, another mask
+
+
+class Causal(Training):
+    is_causal = True
+
+
+class Bidirectional(Training):
+    is_causal = False  # transformers' SDPA takes a module without the attribute as causal
+
+
+def float64_causal_attention(query, key, value, scaling):
+    """softmax(q k^T * scaling) v with query i (of Lq, the last of Lk keys) seeing keys up to Lk - Lq + i."""
+    q, k, v = (t.detach().double() for t in (query, key, value))
+    scores = q @ k.transpose(-1, -2) * scaling
+    queries, keys = scores.shape[-2:]
+    future = torch.ones(queries, keys, dtype=torch.bool).triu(keys - queries + 1)
+    return (scores.masked_fill(future, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kernel", [eager_attention_forward, blocked_dropout_attention_forward,
+                                    attention.sdpa_varlen_attention_forward])
+@pytest.mark.parametrize("queries", [600, 7, 1])  # as many queries as keys, or the last few of them (after a cache)
+def test_every_kernel_is_causal_for_a_causal_module_given_no_mask(kernel, queries):
+    """transformers' kernels read `module.is_causal` when they are given no mask; these do too, with the queries
+    aligned to the last keys, as after a cache."""
+    query, key, value = qkv(length=600)
+    query = query[:, :, -queries:]
+    if kernel is attention.sdpa_varlen_attention_forward:  # packed tokens of one sequence: (1, nh, N, d)
+        if queries != 600:
+            pytest.skip("varlen kernels attend a sequence to itself: as many queries as keys")
+        query, key, value = (t[:1] for t in (query, key, value))
+        offsets = {"cu_seq_lens_q": torch.tensor([0, 600], dtype=torch.int32)}
+    else:
+        offsets = {}
+    actual, _ = kernel(Causal().eval(), query, key, value, None, scaling=0.3, **offsets)
+    expected = float64_causal_attention(query, key[:len(query)], value[:len(query)], 0.3)
+    torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
+    not_causal, _ = kernel(Bidirectional().eval(), query, key, value, None, scaling=0.3, **offsets)
+    if queries > 1:
+        assert (not_causal.double() - expected).abs().max() > 1e-2  # the test would see a kernel that ignores it
+
+
+def test_blocked_dropout_kernel_is_causal_in_training(monkeypatch):
+    """With dropout, the blocked kernel's weights past the diagonal are never kept (values = identity: the output is
+    the dropped weight matrix)."""
+    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 64)
+    length = 300
+    generator = torch.Generator().manual_seed(0)
+    query, key = (torch.randn(1, 1, length, 16, generator=generator) for _ in range(2))
+    value = torch.eye(length)[None, None]
+    dropped, _ = blocked_dropout_attention_forward(Causal().train(), query, key, value, None, 0.25, dropout=0.2)
+    weights = dropped[0, :, 0]  # (L, L)
+    assert (weights.triu(1) == 0).all() and (weights.tril() != 0).any()
+
+
+def test_varlen_kernel_attends_each_sequence_to_its_own_keys():
+    """Queries and keys delimited apart (as flash-attn's varlen kernel takes them): each sequence's queries see
+    exactly its keys; causality with unequal lengths is refused."""
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 2, 5, 4, generator=generator)  # sequences of 3 and 2 queries
+    key, value = (torch.randn(1, 2, 7, 4, generator=generator) for _ in range(2))  # ... of 4 and 3 keys
+    offsets = dict(cu_seq_lens_q=torch.tensor([0, 3, 5]), cu_seq_lens_k=torch.tensor([0, 4, 7]))
+    output, _ = attention.sdpa_varlen_attention_forward(Bidirectional().eval(), query, key, value, None, 0.5,
+                                                        **offsets)
+    for (q0, q1), (k0, k1) in (((0, 3), (0, 4)), ((3, 5), (4, 7))):
+        q, k, v = (t.double() for t in (query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1]))
+        expected = ((q @ k.transpose(-1, -2) * 0.5).softmax(-1) @ v).transpose(1, 2)
+        torch.testing.assert_close(output[:, q0:q1].double(), expected, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="causal attention on packed sequences needs as many keys as queries"):
+        attention.sdpa_varlen_attention_forward(Causal().eval(), query, key, value, None, 0.5, **offsets)

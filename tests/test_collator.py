@@ -3,7 +3,7 @@ batches."""
 
 import torch
 from collator import ResumableMLMCollator
-from test_pipelines import WORDS
+from helpers import WORDS
 
 from roformer_hf import RoFormerTokenizerFast
 

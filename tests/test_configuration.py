@@ -76,6 +76,6 @@ def test_auto_config_is_registered_and_roformer_is_untouched():
     assert roformer_hf.RoFormerConfig is RoFormerConfig
 
 
-def test_decoder_switches_are_refused():
-    with pytest.raises(ValueError, match="is_decoder"):
-        RoFormerConfig(is_decoder=True)
+def test_decoder_switches_must_be_booleans():
+    with pytest.raises(ValueError, match="is_decoder='yes': expected True or False"):
+        RoFormerConfig(is_decoder="yes")

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,7 +254,7 @@ def _edit_config(folder, **changes):
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "bert"}, r"model_type='bert': expected 'roformer'"),
-    ({"architectures": ["RoFormerForCausalLM"]}, r"architectures=\['RoFormerForCausalLM'\]: expected one of"),
+    ({"architectures": ["RoFormerForPreTraining"]}, r"architectures=\['RoFormerForPreTraining'\]: expected one of"),
     ({"architectures": None}, r"architectures=None: expected one of"),
 ])
 def test_unsupported_sources_are_refused(tmp_path, change, message):
@@ -290,3 +291,18 @@ def test_docstring_example_runs():
     runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
     runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
+
+
+def test_roformer_sim_folder_converts_to_a_causal_lm_with_its_prefix_and_pooler(tmp_path):
+    """JunnYu's RoFormer-Sim folder (tests/fixtures/roformer_sim) becomes a roformer_hf folder that the Auto class
+    loads as the same model: prefix-LM, pooler, and the same first-pass logits."""
+    source = Path(__file__).resolve().parent / "fixtures" / "roformer_sim"
+    destination = convert_checkpoint(source, tmp_path / "sim")
+    converted = transformers.AutoModelForCausalLM.from_pretrained(destination).eval()
+    original = roformer_hf.RoFormerForCausalLM.from_pretrained(source).eval()
+    assert type(converted) is roformer_hf.RoFormerForCausalLM
+    assert json.loads((destination / "config.json").read_text())["prefix_lm"] is True
+    ids = torch.tensor([[5, 9, 13, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, original(ids).logits, atol=0, rtol=0)
+        torch.testing.assert_close(converted(ids).pooler_output, original(ids).pooler_output, atol=0, rtol=0)

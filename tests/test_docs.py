@@ -1,12 +1,21 @@
-"""The runnable examples in the docstrings of the public classes run and print what they say."""
+"""The documentation: docstring examples run and print what they say, relative links lead somewhere, and the code
+the README and docs/ give to run runs as written."""
 
 import doctest
+import os
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
+from helpers import PYTHON
 
 import roformer_hf
 
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", ROOT / "examples" / "README.md",
+         ROOT / "benchmarks" / "RESULTS.md",
+         *sorted((ROOT / "docs").glob("*.md"))]
 PUBLIC = [roformer_hf.RoFormerConfig, *(head.model_class for head in roformer_hf.modeling.HEADS)]
 
 
@@ -18,3 +27,53 @@ def test_docstring_example_runs(cls):
     runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
     runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a Markdown page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.relative_to(ROOT).as_posix())
+def test_relative_links_point_at_files_and_headings_that_exist(page):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)  # code blocks hold no links
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links or page != ROOT / "README.md", "the README links nowhere: the pattern is wrong"
+    for link in links:
+        if re.match(r"[a-z]+://|mailto:", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        assert target.exists(), f"{page.name} links to {link}, which does not exist"
+        if anchor:
+            assert target.suffix == ".md" and anchor in anchors(target), f"{page.name}: no heading for {link}"
+
+
+def python_block(page: str, index: int) -> str:
+    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.DOTALL)[index]
+
+
+@pytest.mark.parametrize("page, index", [("docs/packing.md", 1), ("docs/serving.md", 0)])
+def test_docs_code_runs_as_written(tmp_path, page, index):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([PYTHON, "-c", python_block(page, index)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_readme_quick_start_runs_as_written(tmp_path, local_hub):
+    """Train, save, reload, push (to a local Hub) and summarise, exactly as the README says."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": local_hub.url, "HF_TOKEN": "dummy",
+           "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    result = subprocess.run([PYTHON, "-c", python_block("README.md", 0)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = tmp_path / "runs" / "quickstart" / "model"
+    assert {"model.safetensors", "config.json", "modeling.py", "README.md", "tokenizer.json"} <= {
+        path.name for path in saved.iterdir()}
+    assert "RoFormerLayer" in result.stdout and "Total params" in result.stdout
+    pushed = local_hub.files("you/roformer-quickstart")
+    assert {"model.safetensors", "config.json", "modeling.py", "README.md", "tokenizer.json"} <= set(pushed)
+    assert "hub.py" not in pushed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import random
 import re
@@ -14,6 +15,8 @@ import subprocess
 import pytest
 import run_classification
 import run_mlm
+import run_seq2seq
+import safetensors.torch
 import torch
 import transformers
 from config_overrides import parse_overrides
@@ -197,6 +200,68 @@ def test_two_process_ddp_run_with_accelerate(text_files, tmp_path):
     assert hashes == [saved, saved]  # one line per rank
 
 
+FSDP2_TRAINING = """
+import sys, torch, torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.fsdp import fully_shard
+import roformer_hf
+from roformer_hf.modeling import RoFormerLayer
+
+def build():
+    torch.manual_seed(0)
+    return roformer_hf.RoFormerForMaskedLM(roformer_hf.RoFormerConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+def train(model, rows):  # every token labelled and no padding: each rank's mean loss weighs alike
+    ids = torch.randint(1, 97, (4, 12), generator=torch.Generator().manual_seed(1))[rows].contiguous()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # (Adam would blow rounding up on near-zero grads)
+    for _ in range(3):
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+sharded = build()
+for module in sharded.modules():
+    if isinstance(module, RoFormerLayer):
+        fully_shard(module)
+fully_shard(sharded)
+weight = sharded.roformer.encoder.layer[0].intermediate.dense.weight
+assert (world, weight.to_local().shape[0], weight.full_tensor().shape[0]) == (2, 24, 48), "not sharded"
+train(sharded, slice(rank, None, world))  # half the batch on each rank
+weights = {name: param.full_tensor().contiguous() for name, param in sharded.named_parameters()}
+if rank == 0:
+    single = build()
+    train(single, slice(None))  # the whole batch in one process
+    save_file(weights, sys.argv[1] + "/fsdp.safetensors")
+    save_file({name: param.detach().contiguous() for name, param in single.named_parameters()},
+              sys.argv[1] + "/single.safetensors")
+    save_file({name: param.detach().contiguous() for name, param in build().named_parameters()},
+              sys.argv[1] + "/initial.safetensors")
+dist.destroy_process_group()
+"""
+
+
+def test_two_process_fsdp2_training_matches_one_process(tmp_path):
+    """torch's FSDP2 on CPU (gloo): `fully_shard` on each RoFormerLayer and on the whole MLM model, two ranks with
+    half the batch each, trains to the weights of one process on the whole batch."""
+    script = tmp_path / "fsdp_train.py"
+    script.write_text(FSDP2_TRAINING)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), str(script), str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-4000:]
+    fsdp, single, initial = (safetensors.torch.load_file(tmp_path / f"{name}.safetensors")
+                             for name in ("fsdp", "single", "initial"))
+    assert fsdp.keys() == single.keys() and len(fsdp) > 30
+    for name, value in single.items():
+        assert not torch.equal(value, initial[name]) or "token_type" in name, name  # trained (type 1 never seen)
+        torch.testing.assert_close(fsdp[name], value, atol=1e-6, rtol=0, msg=name)
+
+
 def test_independent_cpu_processes_are_refused(text_files, tmp_path):
     """Without --use_cpu on a machine without GPUs the two processes would each train alone, both writing
     tmp_path: the script stops before training, naming the flag."""
@@ -210,7 +275,7 @@ def test_independent_cpu_processes_are_refused(text_files, tmp_path):
 
 
 def test_summary_example_prints_layers(tmp_path):
-    result = subprocess.run([PYTHON, str(EXAMPLES / "summary.py"), "--config_overrides", TINY_MODEL + ",vocab_size=100",
+    result = subprocess.run([PYTHON, str(EXAMPLES / "model_summary.py"), "--config_overrides", TINY_MODEL + ",vocab_size=100",
                              "--seq_len", "16"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RoFormerLayer" in result.stdout
@@ -268,3 +333,36 @@ def test_run_classification_builtin_tasks(task, names):
     raw = run_classification.builtin_task(run_classification.ClassificationArguments(task=task, passage_words=150))
     assert raw["train"].features["label"].names == names
     assert not set(raw["train"]["play"]) & set(raw["test"]["play"])
+
+
+def test_run_seq2seq_learns_pairs_and_generates(text_files, pretrained, tmp_path, capsys):
+    """UniLM fine-tuning from run_mlm.py's encoder on source/target pairs: the evaluation loss ends below a uniform
+    guess, and each printed example shows the line, the true next line and a generation."""
+    rng = random.Random(1)
+    for split, n in (("train", 120), ("validation", 16)):
+        with open(text_files / f"pairs_{split}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["source", "target"])
+            for _ in range(n):
+                label = rng.randint(0, 1)
+                writer.writerow([_sentence(rng, label), _sentence(rng, label)])
+    mlm_dir, _ = pretrained
+    result = run_seq2seq.main(_common(
+        tmp_path, train_file=text_files / "pairs_train.csv", validation_file=text_files / "pairs_validation.csv",
+        model_name_or_path=mlm_dir, max_seq_length=48, max_target_length=20, max_steps=20, learning_rate=3e-3,
+        num_examples_to_print=3))
+    vocabulary = len(result["tokenizer"])
+    assert result["metrics"]["eval_loss"] < math.log(vocabulary) - 0.3  # a uniform guess: log(vocabulary)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(model) is roformer_hf.RoFormerForCausalLM and model.config.prefix_lm
+    printed = capsys.readouterr().out
+    assert printed.count("next line:") == 3 and printed.count("generated:") == 3
+    assert len(result["generations"]) == 3
+
+
+def test_run_seq2seq_builtin_next_line_task(tmp_path, capsys):
+    result = run_seq2seq.main(_common(tmp_path, config_overrides=TINY_MODEL, tokenizer_vocab_size=300,
+                                      max_train_samples=64, max_eval_samples=16, max_steps=2, max_seq_length=64,
+                                      num_examples_to_print=2))
+    assert result["metrics"]["eval_loss"] > 0
+    assert "next line:" in capsys.readouterr().out

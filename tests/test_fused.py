@@ -61,12 +61,13 @@ def test_the_kernel_computes_what_the_module_would(kernel, shape, bias, case):
     assert kernel.calls == [{"gelu": "gelu", "relu": "relu"}.get(case, "add" if residual is not None else "none")]
 
 
-def test_bf16_is_fused_within_bf16_error(kernel):
+def test_bf16_is_fused_within_bf16_error_where_onednn_has_bf16(kernel):
     layer, x = layer_and_input((64, 8))
     with torch.no_grad():
         actual = fused_linear(layer.bfloat16(), x.bfloat16(), ACT2FN["gelu"])
     torch.testing.assert_close(actual.float(), reference(layer, x, ACT2FN["gelu"]).float(), atol=0.05, rtol=0.02)
-    assert kernel.calls == ["gelu"]
+    # CPUs without AVX-512 have no oneDNN bf16 GEMM: the module runs instead.
+    assert kernel.calls == (["gelu"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else [])
 
 
 def test_autograd_takes_the_module(kernel):

@@ -10,7 +10,7 @@ from helpers import padded_batch, tiny_config
 from transformers import AttentionInterface
 
 import roformer_hf
-from roformer_hf import RoFormerConfig, attention
+from roformer_hf import RoFormerConfig, attention, blocked_dropout
 
 HEADS = 4
 
@@ -119,8 +119,8 @@ def test_attention_dropout_in_training_equals_repeated_heads(length):
 def test_kernels_on_tensors_equal_repeated_heads(monkeypatch):
     """The kernels of attention.py, called directly: (B, nh, L, d) queries with (B, nkv, L, d) keys and values."""
     blocks = []
-    row_blocks = attention._row_blocks
-    monkeypatch.setattr(attention, "_row_blocks", lambda *args: blocks.append(1) or row_blocks(*args))
+    row_blocks = blocked_dropout._row_blocks
+    monkeypatch.setattr(blocked_dropout, "_row_blocks", lambda *args: blocks.append(1) or row_blocks(*args))
 
     class Module(torch.nn.Module):
         def __init__(self, groups: int):

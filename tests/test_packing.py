@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import tiny_config
-from test_flash_contract import STAND_IN, stand_in_flash  # noqa: F401  (fixture)
+from helpers import STAND_IN, tiny_config
 
 import roformer_hf
 from roformer_hf import RoFormerForMaskedLM, RoFormerForTokenClassification, RoFormerModel
@@ -80,6 +79,25 @@ def test_positions_that_never_restart_are_one_sequence():
     torch.testing.assert_close(shifted, plain, atol=1e-5, rtol=0)
 
 
+def test_positions_that_skip_without_a_mask_mark_boundaries_and_the_mask_reads_them_as_positions():
+    """What the `position_ids` docs warn about: without an attention mask, positions that do not step by 1 (doubled,
+    say) start a new sequence at every token, so each token attends alone; with the mask they are positions only
+    (and rotary attention sees their differences: shifting them all changes nothing)."""
+    torch.manual_seed(0)
+    model = RoFormerModel(tiny_config()).eval()
+    ids = torch.randint(1, 97, (2, 12))
+    doubled = 2 * torch.arange(12).expand(2, 12)
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        unmasked = model(ids, position_ids=doubled).last_hidden_state
+        alone = model(ids.reshape(-1, 1)).last_hidden_state.reshape(2, 12, -1)  # every token a sequence of one
+        masked = model(ids, attention_mask=ones, position_ids=doubled).last_hidden_state
+        shifted = model(ids, attention_mask=ones, position_ids=doubled + 7).last_hidden_state
+    torch.testing.assert_close(unmasked, alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(masked, shifted, atol=1e-5, rtol=0)
+    assert (masked - alone).abs().max() > 1e-2  # (small initial weights: attention mixes gently)
+
+
 def test_sparse_prediction_and_loss_on_packed_rows():
     torch.manual_seed(0)
     model = RoFormerForMaskedLM(tiny_config(sparse_prediction=True))
@@ -119,7 +137,7 @@ def test_hidden_states_and_attentions_of_packed_rows():
 
 @pytest.mark.parametrize("with_offsets", [True, False])
 @pytest.mark.parametrize("head, field", HEADS, ids=lambda x: getattr(x, "__name__", x))
-def test_flash_varlen_kernel_reads_packed_rows(stand_in_flash, head, field, with_offsets):  # noqa: F811
+def test_flash_varlen_kernel_reads_packed_rows(stand_in_flash, head, field, with_offsets):
     torch.manual_seed(0)
     model = head(tiny_config(num_labels=3)).eval()
     run = per_token_outputs(model, field)

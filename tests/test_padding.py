@@ -14,12 +14,12 @@ MASK = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
 def test_pack_unpack_round_trip_and_layout():
     batch = BatchLayout.from_attention_mask(MASK, 4, 4)
     x = torch.arange(16.0).view(4, 4, 1).expand(4, 4, 3)
-    packed = batch.pack(x)
+    packed = batch.gather_tokens(x)
     assert packed.shape == (9, 3)
     assert packed[:, 0].tolist() == [0, 1, 2, 8, 9, 10, 11, 13, 14]  # row-major real tokens
     assert batch.mode == "varlen"
     assert batch.cu_seqlens.tolist() == [0, 3, 3, 7, 9] and batch.max_seqlen == 4
-    unpacked = batch.unpack(packed)
+    unpacked = batch.scatter_tokens(packed)
     assert torch.equal(unpacked[MASK.bool()], x[MASK.bool()])
     assert (unpacked[~MASK.bool()] == 0).all()
 
@@ -27,7 +27,7 @@ def test_pack_unpack_round_trip_and_layout():
 def test_gradients_flow_through_pack_and_unpack():
     batch = BatchLayout.from_attention_mask(MASK, 4, 4)
     x = torch.randn(4, 4, 2, requires_grad=True)
-    batch.unpack(batch.pack(x) * 2).sum().backward()
+    batch.scatter_tokens(batch.gather_tokens(x) * 2).sum().backward()
     assert torch.equal(x.grad, 2 * MASK[..., None].float().expand(4, 4, 2))
 
 
@@ -36,7 +36,7 @@ def test_no_padding_keeps_tensors_as_they_are():
         batch = BatchLayout.from_attention_mask(mask, 2, 3)
         x = torch.randn(2, 3, 5)
         assert batch.mode == "dense" and batch.key_mask is None
-        assert batch.pack(x) is x and batch.unpack(x) is x
+        assert batch.gather_tokens(x) is x and batch.scatter_tokens(x) is x
 
 
 def test_key_mask_never_leaves_a_row_empty():
@@ -61,7 +61,7 @@ def test_edge_tokens_are_each_sequences_first_and_last_real_token(unpad):
     mask = torch.cat([MASK, torch.tensor([[1, 0, 1, 0], [0, 0, 1, 1]])])  # + holes, + left padding
     batch = BatchLayout.from_attention_mask(mask, 6, 4, unpad=unpad)
     x = torch.randn(6, 4, 3)
-    states = batch.pack(x) if unpad else x
+    states = batch.gather_tokens(x) if unpad else x
     for last in (False, True):
         expected = []
         for row in range(6):
@@ -92,7 +92,7 @@ def test_logits_in_padded_layout_equals_unpack_of_the_mapped_tokens(v2):
         batch = BatchLayout.from_attention_mask(mask, 4, 4)
         x = torch.randn(int(mask.sum()), 8, requires_grad=True)
         mapped = logits_in_padded_layout(head, x, batch, min_rows=1)  # per sequence even for these short ones
-        expected = batch.unpack(head(x))
+        expected = batch.scatter_tokens(head(x))
         assert mapped.shape == (4, 4, 5)
         torch.testing.assert_close(mapped, expected)
         assert (mapped[~mask.bool()] == 0).all()
@@ -110,7 +110,7 @@ def test_logits_in_padded_layout_runs_the_head_per_sequence_only_for_long_enough
     batch = BatchLayout.from_attention_mask(MASK, 4, 4)  # sequences of 3, 4 and 2 tokens
     x = torch.randn(9, 8)
     with torch.no_grad():
-        expected = batch.unpack(head(x))
+        expected = batch.scatter_tokens(head(x))
         calls.clear()
         torch.testing.assert_close(logits_in_padded_layout(head, x, batch, min_rows=3), expected)
         assert [n for n in calls if n] == [3, 4, 2]  # (a call on no rows tells the logits' width and dtype)
@@ -125,5 +125,5 @@ def test_logits_in_padded_layout_runs_the_head_per_sequence_only_for_long_enough
 def test_a_batch_without_real_tokens_packs_to_nothing():
     batch = BatchLayout.from_attention_mask(torch.zeros(2, 3, dtype=torch.long), 2, 3)
     assert batch.mode == "varlen" and batch.max_seqlen == 0 and batch.blocks() == []
-    assert batch.pack(torch.randn(2, 3, 4)).shape == (0, 4)
-    assert torch.equal(batch.unpack(torch.randn(0, 4)), torch.zeros(2, 3, 4))
+    assert batch.gather_tokens(torch.randn(2, 3, 4)).shape == (0, 4)
+    assert torch.equal(batch.scatter_tokens(torch.randn(0, 4)), torch.zeros(2, 3, 4))

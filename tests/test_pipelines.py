@@ -1,12 +1,15 @@
-"""transformers' `fill-mask` and `text-classification` pipelines run our models."""
+"""transformers' `fill-mask`, `text-classification` and `text-generation` pipelines run our models."""
 
 import torch
 import transformers
-from helpers import tiny_config
+from helpers import WORDS, tiny_config
 
-from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification, RoFormerTokenizerFast
-
-WORDS = "the king queen speaks and dies loves a crown sword night day".split()
+from roformer_hf import (
+    RoFormerForCausalLM,
+    RoFormerForMaskedLM,
+    RoFormerForSequenceClassification,
+    RoFormerTokenizerFast,
+)
 
 
 def _tokenizer(folder):
@@ -50,3 +53,16 @@ def test_text_classification_pipeline(tmp_path):
     for result, row in zip(results, probabilities):
         assert result["label"] == config.id2label[int(row.argmax())]
         assert abs(result["score"] - float(row.max())) < 1e-5
+
+
+def test_text_generation_pipeline(tmp_path):
+    """The pipeline's greedy continuation is the model's own `generate` on the same prompt."""
+    tokenizer = _tokenizer(tmp_path)
+    torch.manual_seed(0)
+    model = RoFormerForCausalLM(tiny_config(vocab_size=len(tokenizer), is_decoder=True)).eval()
+    generate = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
+    result = generate("the king loves", max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                      return_tensors=True)
+    prompt = tokenizer("the king loves", return_tensors="pt")  # as the pipeline encodes it: [CLS] ... [SEP]
+    expected = model.generate(**prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert result[0]["generated_token_ids"][-4:] == expected[0, -4:].tolist()

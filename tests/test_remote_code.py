@@ -2,12 +2,21 @@
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import BLOCK_ROFORMER_HF, PYTHON, padded_batch, tiny_config
+from transformers.dynamic_module_utils import get_relative_import_files
 
-from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification, RoFormerForTokenClassification
+import roformer_hf.modeling
+
+from roformer_hf import (
+    RoFormerForCausalLM,
+    RoFormerForMaskedLM,
+    RoFormerForSequenceClassification,
+    RoFormerForTokenClassification,
+)
 from roformer_hf.modeling import RoFormerPreTrainedModel
 
 LOAD_AND_RUN = BLOCK_ROFORMER_HF + """
@@ -17,6 +26,7 @@ model = auto.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
 ids, mask = (torch.tensor(t) for t in json.loads(sys.argv[3]))
 with torch.no_grad():
     out = model(ids, attention_mask=mask)[0]
+model.save_pretrained(sys.argv[4])  # the remote code saves too (no model card: that needs the package)
 print(json.dumps({"module": type(model).__module__, "output": out.tolist()}))
 """
 
@@ -25,20 +35,29 @@ print(json.dumps({"module": type(model).__module__, "output": out.tolist()}))
     (RoFormerForSequenceClassification, "AutoModelForSequenceClassification"),
     (RoFormerForMaskedLM, "AutoModelForMaskedLM"),
     (RoFormerForTokenClassification, "AutoModelForTokenClassification"),
+    (RoFormerForCausalLM, "AutoModelForCausalLM"),
 ])
 def test_remote_code_loading_without_the_package(tmp_path, cls, auto):
     torch.manual_seed(0)
-    model = cls(tiny_config(num_labels=3, norm_position="pre", rotary_layout="half")).eval()
+    decoder = {"is_decoder": True} if cls is RoFormerForCausalLM else {}
+    model = cls(tiny_config(num_labels=3, norm_position="pre", rotary_layout="half", **decoder)).eval()
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["auto_map"] == RoFormerPreTrainedModel.auto_map
-    assert len(config["auto_map"]) == 7  # AutoConfig and the six model classes
-    for code_file in ("configuration.py", "modeling.py", "attention.py", "rotary.py", "padding.py", "loading.py"):
+    assert len(config["auto_map"]) == 8  # AutoConfig and the seven model classes
+    for code_file in ("configuration.py", "modeling.py", "attention.py", "blocked_dropout.py", "masks.py", "rotary.py",
+                      "padding.py", "loading.py"):
         assert (tmp_path / code_file).exists(), code_file
+    # The model's code and nothing else: what modeling.py imports, without the card and upload code (hub.py).
+    code = {path.name for path in tmp_path.glob("*.py")}
+    modeling = Path(roformer_hf.modeling.__file__)
+    assert code == {modeling.name, *(Path(f).name for f in get_relative_import_files(modeling))}
+    assert "hub.py" not in code and "__init__.py" not in code
+    assert (tmp_path / "README.md").exists()  # the package wrote the card at save time
 
     ids, mask = padded_batch([7, 4])
     batch = json.dumps([ids.tolist(), mask.tolist()])
-    result = subprocess.run([PYTHON, "-c", LOAD_AND_RUN, str(tmp_path), auto, batch],
+    result = subprocess.run([PYTHON, "-c", LOAD_AND_RUN, str(tmp_path), auto, batch, str(tmp_path / "again")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     remote = json.loads(result.stdout.strip().splitlines()[-1])
@@ -46,6 +65,7 @@ def test_remote_code_loading_without_the_package(tmp_path, cls, auto):
     with torch.no_grad():
         expected = model(ids, attention_mask=mask)[0]
     torch.testing.assert_close(torch.tensor(remote["output"]), expected, atol=1e-6, rtol=0)
+    assert {path.name for path in (tmp_path / "again").glob("*.py")} == code
 
 
 def test_block_really_hides_the_package():

@@ -94,15 +94,22 @@ def test_v2_config_fields_are_read_unchanged():
     assert not config.uses_layer_norm
 
 
-def test_any_norm_type_but_layer_norm_selects_the_parameter_free_rms_norm():
+def test_rms_norm_is_the_parameter_free_rms_norm():
     x = torch.randn(3, 5, 16) * 4 + 1
-    for norm_type in ("rms_norm", "norm", "scale_norm"):
-        model = roformer_hf.RoFormerModel(RoFormerConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
-                                                         num_attention_heads=2, intermediate_size=24,
-                                                         norm_type=norm_type, layer_norm_eps=1e-6))
-        norm = model.embeddings.LayerNorm
-        assert not list(norm.parameters())
-        torch.testing.assert_close(norm(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    model = roformer_hf.RoFormerModel(RoFormerConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=24,
+                                                     norm_type="rms_norm", layer_norm_eps=1e-6))
+    norm = model.embeddings.LayerNorm
+    assert not list(norm.parameters())
+    torch.testing.assert_close(norm(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+@pytest.mark.parametrize("norm_type", ["layernorm", "LayerNorm", "rmsnorm", "RMSNorm", "norm", "", None, 1])
+def test_other_norm_types_are_refused_with_the_list(norm_type):
+    """A misspelt norm_type would otherwise build another model (LayerNorm or RMS norm) without a word."""
+    with pytest.raises(ValueError, match=r"norm_type=.*expected one of \('layer_norm', 'rms_norm'\)"):
+        RoFormerConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                       intermediate_size=24, norm_type=norm_type)
 
 
 @pytest.mark.parametrize("head", ALL_HEADS)

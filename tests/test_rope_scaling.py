@@ -190,8 +190,6 @@ def test_scaled_model_round_trip(tmp_path, case):
     ({"rope_parameters": {"rope_type": "linear"}}, "factor"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 0.5}}, "factor"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": "2"}}, "factor"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": None, "betta_slow": 1.0}}, "betta_slow"),
-    ({"rope_parameters": {"rope_type": "default", "factor": 2.0}}, "factor"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "attention_factor": -1.0}}, "attention_factor"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8.5}},
      "original_max_position_embeddings"),
@@ -210,3 +208,26 @@ def test_scaled_model_round_trip(tmp_path, case):
 def test_malformed_rope_parameters_fail_naming_the_field(given, field):
     with pytest.raises(ValueError, match=field):
         RoFormerConfig(**SIZES, **given)
+
+
+@pytest.mark.parametrize("case, unread", [
+    ({"rope_type": "default", "rope_theta": 10000.0, "original_max_position_embeddings": 16384},
+     "original_max_position_embeddings"),
+    ({"rope_type": "default", "rope_theta": 10000.0, "factor": 0.5}, "factor"),  # unread, so not checked either
+    ({"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0}, "low_freq_factor"),
+    ({"rope_type": "yarn", "factor": 4.0, "betta_slow": 1.0}, "betta_slow"),
+])
+def test_keys_a_rope_type_does_not_read_are_warned_about_and_ignored(tmp_path, caplog, case, unread):
+    """As transformers' rope validation (a config that loads there loads here): a warning names the key, the config
+    keeps it, and the model rotates exactly as without it."""
+    LlamaConfig(hidden_size=32, num_attention_heads=2, rope_parameters=copy.deepcopy(case))  # transformers accepts it
+    without = {key: value for key, value in case.items() if key != unread}
+    with caplog.at_level("WARNING", logger="roformer_hf.configuration"):
+        plain, extra = models(without, case)
+    assert [record.getMessage() for record in caplog.records if unread in record.getMessage()], caplog.text
+    assert extra.config.rope_parameters[unread] == case[unread]
+    ids = ids_of_length(40)  # beyond max_position_embeddings=16, where scaling acts
+    torch.testing.assert_close(logits(extra, ids), logits(plain, ids), atol=0, rtol=0)
+    extra.save_pretrained(tmp_path)
+    reloaded = roformer_hf.RoFormerForMaskedLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.rope_parameters == extra.config.rope_parameters

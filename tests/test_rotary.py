@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from rope_reference import apply_rotary, rotary_cos_sin, rotate_pairs
+from helpers import apply_rotary, rotary_cos_sin, rotate_pairs
 
 from roformer_hf.rotary import (
     check_layout,

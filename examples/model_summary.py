@@ -1,7 +1,7 @@
 """Print a layer-by-layer summary (output shapes, parameter counts) of a RoFormer model.
 
-    python examples/summary.py --config_overrides "hidden_size=256,num_hidden_layers=4,intermediate_size=1024"
-    python examples/summary.py --model_name_or_path path/to/saved/model --seq_len 512 --batch_size 8
+    python examples/model_summary.py --config_overrides "hidden_size=256,num_hidden_layers=4,intermediate_size=1024"
+    python examples/model_summary.py --model_name_or_path path/to/saved/model --seq_len 512 --batch_size 8
 
 Without `--model_name_or_path`, a masked-LM model is built from the default `RoFormerConfig` (RoFormer base)
 with the overrides applied.
