@@ -15,7 +15,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from roformer_hf.fused import fused_linear
-from roformer_hf.modeling import HEADS, RoFormerForMaskedLM
+from roformer_hf.modeling import HEADS, RoFormerForCausalLM, RoFormerForMaskedLM
 from roformer_hf.quantization import Int8Linear, int8_kernel_available, quantize_activations, quantize_int8
 
 needs_int8_kernel = pytest.mark.skipif(not int8_kernel_available(), reason="this torch has no oneDNN int8 kernel")
@@ -48,7 +48,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def fp32_model(cls):
     torch.manual_seed(0)
-    return cls(tiny_config()).eval()
+    return cls(tiny_config(is_decoder=cls is RoFormerForCausalLM)).eval()  # the causal LM needs a decoder config
 
 
 # ---------------------------------------------------------------------------------------------------- torchao
