@@ -140,12 +140,13 @@ def quantize_activations(x: Tensor, levels: int = 255) -> tuple[Tensor, float, i
 def quantize_int8(model: nn.Module, include: Callable[[str, nn.Linear], bool] | None = None,
                   reduce_range: bool | None = None) -> nn.Module:
     """Replaces, in place, every `nn.Linear` of `model` (those for which ``include(name, layer)`` is true, if
-    given) by an `Int8Linear`, and returns `model`, for CPU inference. Quantize after loading the weights: the
-    quantized model is not meant to be saved (save the fp32 one, or use torchao through transformers'
+    given) by an `Int8Linear`, and returns `model`, for CPU inference: its remaining parameters (embeddings, norms)
+    stop requiring grad, so a plain call works as under `torch.inference_mode()`. Quantize after loading the weights:
+    the quantized model is not meant to be saved (save the fp32 one, or use torchao through transformers'
     `TorchAoConfig` for a quantized checkpoint)."""
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is nn.Linear and (include is None or include(name, module))]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, Int8Linear(module, reduce_range))
-    return model
+    return model.requires_grad_(False)

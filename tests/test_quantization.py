@@ -133,6 +133,17 @@ def test_quantize_int8_heads_stay_close_to_fp32(cls, batch):
     assert cosine(head_outputs(model, BATCHES[batch]), expected) >= 0.99
 
 
+@needs_int8_kernel
+def test_quantized_model_runs_without_inference_mode():
+    """`quantize_int8` leaves the model for inference: a plain call (autograd on) gives the inference-mode logits;
+    only an input that itself requires grad is refused (see below)."""
+    model = quantize_int8(fp32_model(RoFormerForMaskedLM))
+    ids, mask = padded_batch(BATCHES["below chunk"])
+    with torch.inference_mode():
+        expected = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits, expected, rtol=0, atol=0)
+
+
 def exact_product(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     """What the kernel must compute: the integer product of the quantized input and weights in int64 (no
     saturation), rescaled, plus the bias."""
