@@ -124,10 +124,10 @@ def commit() -> str:
     return (result.stdout.strip() or "unknown") + (" (uncommitted changes)" if dirty else "")
 
 
-def report(args, size, times, facts, setup, units, full_range) -> None:
+def report(args, size, times, facts, setup, units, full_range, measured_commit: str) -> None:
     medians = {name: median(samples) for name, samples in times.items()}
     tokens, padded = sum(args.lengths), len(args.lengths) * max(args.lengths)
-    print(f"\n## Quantized CPU inference, {time.strftime('%Y-%m-%d', time.gmtime())}, commit {commit()}\n")
+    print(f"\n## Quantized CPU inference, {time.strftime('%Y-%m-%d', time.gmtime())}, commit {measured_commit}\n")
     print(f"Model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}, "
           f"vocab {size.vocab}, MLM head, dropout 0, random weights (one checkpoint for all). Batch: "
           f"{len(args.lengths)} sequences of {'/'.join(map(str, args.lengths))} tokens, right-padded to "
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    measured_commit = commit()  # at the start: the code this run imported
     units = int8_matrix_units(cpu_info()[1])
     if args.torchao is None:
         args.torchao = units != "none"
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         times = time_interleaved({name: (lambda run=run: timed(run)[1]) for name, run in runners.items()},
                                  args.warmup, args.repeats)
     progress("done")
-    report(args, size, times, facts, setup, units, full_range)
+    report(args, size, times, facts, setup, units, full_range, measured_commit)
 
 
 def importlib_missing(name: str) -> bool:
