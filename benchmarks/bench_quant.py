@@ -139,7 +139,8 @@ def report(args, size, times, facts, setup, units, full_range, measured_commit: 
     print("|---|---|---|---|---|---|---|")
     for name in times:
         agreement, cosine = facts[name]
-        print(f"| {name} | {spread(times[name])} | {medians.get(ORT_INT8, float('nan')) / medians[name]:.2f}x | "
+        versus_ort = f"{medians[ORT_INT8] / medians[name]:.2f}x" if ORT_INT8 in medians else "n/a"
+        print(f"| {name} | {spread(times[name])} | {versus_ort} | "
               f"{medians[FP32] / medians[name]:.2f}x | {agreement:.4f} | {cosine:.6f} | {setup[name]} |")
     if full_range:
         print(f"\nThis CPU has no VNNI, so `quantize_int8` keeps its weights to 7 bits (`reduce_range`: exact, no int16 "
