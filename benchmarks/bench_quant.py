@@ -40,7 +40,8 @@ import torch
 
 import onnx_runtime
 from common import cpu_info, int8_matrix_units, machine_lines, progress, spread, time_interleaved, verdict
-from workload import REPO_ROOT, add_size_arguments, infer, load_model, padded_batch, parse_args, size_of, transformers_config
+from workload import (REPO_ROOT, add_size_arguments, infer, load_model, padded_batch, parse_args, size_of,
+                      transformers_config)
 
 from roformer_hf.quantization import quantize_int8  # after workload, which puts this checkout first on sys.path
 
@@ -143,18 +144,21 @@ def report(args, size, times, facts, setup, units, full_range, measured_commit: 
         print(f"| {name} | {spread(times[name])} | {versus_ort} | "
               f"{medians[FP32] / medians[name]:.2f}x | {agreement:.4f} | {cosine:.6f} | {setup[name]} |")
     if full_range:
-        print(f"\nThis CPU has no VNNI, so `quantize_int8` keeps its weights to 7 bits (`reduce_range`: exact, no int16 "
-              f"saturation). With 8-bit weights, as it runs on CPUs with VNNI or AMX-INT8 (here not exact: its int16 pair "
-              f"sums may saturate), the argmax agreement is {full_range[0]:.4f} and the logits cosine {full_range[1]:.6f}.")
+        print(f"\nThis CPU has no VNNI, so `quantize_int8` keeps its weights to 7 bits (`reduce_range`: exact, no "
+              f"int16 saturation). With 8-bit weights, as it runs on CPUs with VNNI or AMX-INT8 (here not exact: its "
+              f"int16 pair sums may saturate), the argmax agreement is {full_range[0]:.4f} and the logits cosine "
+              f"{full_range[1]:.6f}.")
     print("\n| target | measured | met |\n|---|---|---|")
     if ORT_INT8 in medians:
         ratio = medians[ORT_INT8] / medians[INT8]
         print(f"| int8 forward ≥ {TARGETS['int8 over ONNX Runtime int8']:g}x faster than ONNX Runtime's int8 | "
               f"{ratio:.2f}x | {verdict(ratio >= TARGETS['int8 over ONNX Runtime int8'])} |")
         ours, theirs = facts[INT8][0], facts[ORT_INT8][0]
-        print(f"| int8 argmax agreement ≥ ONNX Runtime int8's | {ours:.4f} vs {theirs:.4f} | {verdict(ours >= theirs)} |")
+        print(f"| int8 argmax agreement ≥ ONNX Runtime int8's | {ours:.4f} vs {theirs:.4f} | "
+              f"{verdict(ours >= theirs)} |")
     ratio = medians[FP32] / medians[INT8]
-    print(f"| int8 forward ≥ {TARGETS['int8 over fp32 eager']:g}x faster than roformer_hf's fp32 eager | {ratio:.2f}x "
+    print(f"| int8 forward ≥ {TARGETS['int8 over fp32 eager']:g}x faster than roformer_hf's fp32 eager | "
+          f"{ratio:.2f}x "
           f"| {verdict(ratio >= TARGETS['int8 over fp32 eager'])} |")
     if COMPILED in medians:
         ratio = medians[FP32] / medians[COMPILED]
@@ -209,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             progress("exporting transformers' RoFormer to ONNX, quantizing it with ONNX Runtime")
             sessions, onnx_setup = onnx_paths(reference_model, batch, folder)
-            runners.update({name: (lambda session=session: session.logits(batch)) for name, session in sessions.items()})
+            runners.update({name: (lambda session=session: session.logits(batch))
+                            for name, session in sessions.items()})
             setup.update(onnx_setup)
         del reference_model
         progress("accuracy")

@@ -8,8 +8,8 @@ fp32 output, the bias, and the layer's GELU/ReLU or residual add applied before 
 (`fused.fused_linear`). Padding stays skipped: the layers see the batch's real tokens only.
 
 On CPUs without VNNI (plain AVX2/AVX-512), the kernel multiplies uint8 by int8 with ``vpmaddubsw``, whose pairwise
-int16 sums saturate beyond 7-bit activations; there the activations get 7 bits (``reduce_range``), as PyTorch's
-fbgemm backend does. VNNI and AMX accumulate in int32 and get the full 8 bits.
+int16 sums saturate when both factors use their full 8 bits (255 * 127 * 2 > 32767); there the weights get 7 bits
+(``reduce_range``) and the result stays exact. VNNI and AMX accumulate in int32 and get the full 8 bits.
 
 torchao (`torchao.quantization.quantize_`, or transformers' `TorchAoConfig`) works on these models too; on a CPU
 without VNNI its int8 GEMM has no fast kernel (docs/quantization.md).
@@ -57,13 +57,14 @@ def _cpu_has_vnni() -> bool:
 class Int8Linear(nn.Module):
     """A dense layer with int8 weights for CPU inference, built from an `nn.Linear` (fp32 or bf16).
 
-    Weights: ``round(W / s)`` in int8, ``s = max |W[j]| / 127`` per output channel `j`. Inputs: quantized to uint8
-    at each call (one scale and zero point per call); output fp32 (``(*, out_features)``). Inference only: an input
-    that requires grad is refused, since the kernel has no backward.
+    Weights: ``round(W / s)`` in int8, ``s = max |W[j]| / 127`` per output channel `j` (``/ 63`` with
+    `reduce_range`). Inputs: quantized to uint8 at each call (one scale and zero point per call); output fp32
+    (``(*, out_features)``). Inference only: an input that requires grad is refused, since the kernel has no backward.
 
     Args:
         linear: the layer to quantize; its weights are copied.
-        reduce_range: 7-bit activations (see the module's docstring); default: on CPUs without VNNI.
+        reduce_range: 7-bit weights, so that CPUs without VNNI compute exactly (see the module's docstring);
+            default: on CPUs without VNNI.
     """
 
     def __init__(self, linear: nn.Linear, reduce_range: bool | None = None):

@@ -217,7 +217,7 @@ def test_int8_linear_refuses_training_and_takes_empty_inputs():
         layer(torch.randn(3, 5))
 
 
-# ---------------------------------------------------------------------------------------------------- third-party layers
+# ------------------------------------------------------------------------------------------------- third-party layers
 
 class Opaque(nn.Module):
     """A third-party dense layer: it can be called, and nothing else may be assumed (`weight` raises)."""
