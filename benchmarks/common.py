@@ -56,6 +56,18 @@ BF16_UNITS_DESCRIBED = {"amx": "AMX (amx_bf16): bf16 matrix tiles",
                         "none": "no bf16 matrix instructions (neither amx_bf16 nor avx512_bf16)"}
 
 
+def int8_matrix_units(flags: str | set[str]) -> str:
+    """The CPU's fast int8 matrix arithmetic, from its feature flags: "amx_int8" (AMX tiles), "vnni" (uint8 x int8
+    dot products accumulated in int32: `avx512_vnni` or `avx_vnni`) or "none" (AVX2/AVX-512 `vpmaddubsw`, whose
+    int16 pair sums saturate: int8 kernels there keep activations to 7 bits)."""
+    flags = set(flags.split()) if isinstance(flags, str) else flags
+    if "amx_int8" in flags:
+        return "amx_int8"
+    if flags & {"avx512_vnni", "avx_vnni"}:
+        return "vnni"
+    return "none"
+
+
 def cpu_info() -> tuple[str, set[str]]:
     """The CPU's model name and feature flags from /proc/cpuinfo (Linux; elsewhere `platform`'s name, no flags)."""
     fields = {}
@@ -82,7 +94,7 @@ def machine_lines() -> list[str]:
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return [
         f"- CPU: {cpu}, {cores} cores available, ISA {torch.backends.cpu.get_cpu_capability()}; bf16 matrix "
-        f"units: {BF16_UNITS_DESCRIBED[bf16_matrix_units(flags)]}",
+        f"units: {BF16_UNITS_DESCRIBED[bf16_matrix_units(flags)]}; int8 matrix units: {int8_matrix_units(flags)}",
         f"- torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
         f"Python {platform.python_version()}",
         f"- load average (1/5/15 min) at the end: {load}",

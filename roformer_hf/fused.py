@@ -9,8 +9,9 @@ CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (
 It has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it only in eager
 forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
 would: a plain `nn.Linear` (not an adapter such as LoRA's, not a quantized weight) without hooks, fp32 or bf16
-without autocast, on CPU. Everywhere else `fused_linear` calls the module and applies the activation and the addition
-as usual.
+without autocast, on CPU. roformer_hf's own int8 layer (`quantization.Int8Linear`) applies the activation or the
+addition in its oneDNN kernel too. Everywhere else `fused_linear` calls the module and applies the activation and the
+addition as usual; of any other layer it reads nothing but its type.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 from transformers.activations import GELUActivation
 from transformers.utils.import_utils import is_tracing
+
+from .quantization import Int8Linear
 
 _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 # oneDNN has bf16 GEMMs only on CPUs with AVX-512 (or AMX); elsewhere it cannot build the primitive at all.
@@ -39,13 +42,17 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
         residual: ``(*, out_features)``, added last; fused when there is no activation to apply.
     """
     fused = _fused_activation(activation)
-    if fused is None or (residual is not None and fused[0] != "none") or not _kernel_applies(layer, x, residual):
-        output = layer(x) if activation is None else activation(layer(x))
-        return output if residual is None else residual + output
-    if residual is not None:
-        return _KERNEL.binary(x, residual, layer.weight, layer.bias, "add")
-    name, algorithm = fused
-    return _KERNEL(x, layer.weight, layer.bias, name, [], algorithm)
+    if fused is not None and (residual is None or fused[0] == "none"):
+        name, algorithm = fused
+        if type(layer) is Int8Linear and not _hooked(layer) and (residual is None or _fits(residual, x,
+                                                                                           layer.out_features)):
+            return layer.fused(x, name, algorithm, residual)
+        if _kernel_applies(layer, x, residual):
+            if residual is not None:
+                return _KERNEL.binary(x, residual, layer.weight, layer.bias, "add")
+            return _KERNEL(x, layer.weight, layer.bias, name, [], algorithm)
+    output = layer(x) if activation is None else activation(layer(x))
+    return output if residual is None else residual + output
 
 
 def _fused_activation(activation: nn.Module | None) -> tuple[str, str] | None:
@@ -62,15 +69,17 @@ def _fused_activation(activation: nn.Module | None) -> tuple[str, str] | None:
     return None
 
 
-def _kernel_applies(layer: nn.Linear, x: Tensor, residual: Tensor | None) -> bool:
+def _kernel_applies(layer: nn.Module, x: Tensor, residual: Tensor | None) -> bool:
+    # The layer's type first: a replacement (quantized, adapted) may hold anything under `weight`, or nothing.
+    if type(layer) is not nn.Linear or type(layer.weight) is not nn.Parameter or _hooked(layer):
+        return False
     weight = layer.weight
     return (_KERNEL is not None and torch.backends.mkldnn.enabled
             and not torch.is_grad_enabled() and not is_tracing()
             and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
             and weight.dtype == x.dtype and not torch.is_autocast_enabled("cpu")
-            and type(layer) is nn.Linear and type(weight) is nn.Parameter
             and (layer.bias is None or layer.bias.dtype == x.dtype)
-            and not _hooked(layer) and (residual is None or _fits(residual, x, weight.shape[0])))
+            and (residual is None or _fits(residual, x, weight.shape[0])))
 
 
 def _fits(residual: Tensor, x: Tensor, out_features: int) -> bool:

@@ -608,14 +608,15 @@ def logits_in_padded_layout(head: RoFormerLMPredictions, hidden_states: torch.Te
     blocks = layout.blocks() if hidden_states.device.type == "cpu" else None
     if not blocks or hidden_states.shape[0] < min_rows * len(blocks):
         return layout.to_padded(head(hidden_states))
-    no_rows = head(hidden_states[:0])  # (0, V): the logits' width and dtype (autocast, adapters), for free
-    padded, end = no_rows.new_empty(layout.batch_size * layout.seq_len, no_rows.shape[-1]), 0
+    padded, end = None, 0
     for packed_start, padded_start, length in blocks:
-        padded[end:padded_start] = 0
         for offset in range(0, length, max_rows):
             rows = min(max_rows, length - offset)
-            padded[padded_start + offset:padded_start + offset + rows] = head(
-                hidden_states[packed_start + offset:packed_start + offset + rows])
+            logits = head(hidden_states[packed_start + offset:packed_start + offset + rows])  # (rows, V)
+            if padded is None:  # the logits' width and dtype (autocast, adapters, quantized layers), as computed
+                padded = logits.new_empty(layout.batch_size * layout.seq_len, logits.shape[-1])
+            padded[padded_start + offset:padded_start + offset + rows] = logits
+        padded[end:padded_start] = 0
         end = padded_start + length
     padded[end:] = 0
     return padded.view(layout.batch_size, layout.seq_len, -1)

@@ -95,3 +95,25 @@ def test_generation_benchmark_reports_throughput_and_step_cost():
     assert "roformer_hf / transformers tokens per second:" in result.stdout
     assert [line.split("|")[1].strip() for line in result.stdout.splitlines()
             if line.startswith(("| 8 |", "| 32 |"))] == ["8", "32"]
+
+
+def test_quantization_benchmark_times_every_path_and_judges_the_targets():
+    """`bench_quant.py --quick`: roformer_hf's int8 paths and ONNX Runtime's fp32 and int8 graphs of transformers'
+    RoFormer, timed in one run, each with its accuracy against transformers' fp32 logits and its set-up cost."""
+    pytest.importorskip("onnxruntime")
+    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_quant.py"), "--quick", "--skip-compile", "--no-torchao",
+                             "--repeats", "1", "--warmup", "0"],
+                            capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in result.stdout.splitlines() if line.startswith("| ")}
+    paths = ("roformer_hf fp32 eager", "roformer_hf int8 (quantize_int8)", "roformer_hf + torch.ao quantize_dynamic",
+             "ONNX Runtime fp32 (transformers' graph)", "ONNX Runtime int8 quantize_dynamic (transformers' graph)")
+    for path in paths:
+        agreement, cosine = float(rows[path][3]), float(rows[path][4])
+        assert 0.8 < agreement <= 1 and 0.99 < cosine <= 1.0000001, (path, rows[path])
+    assert float(rows["roformer_hf fp32 eager"][3]) == 1.0  # the same model as the reference, to fp32 rounding
+    assert "export" in rows["ONNX Runtime int8 quantize_dynamic (transformers' graph)"][5]
+    assert rows["roformer_hf int8 (quantize_int8)"][5].startswith("quantize ")
+    assert any(key.startswith("int8 forward ≥ 2x faster than ONNX Runtime's int8") for key in rows)
+    assert "int8 matrix units: " in result.stdout

@@ -1,0 +1,153 @@
+"""int8 inference on CPU: every dense layer's GEMM in oneDNN's int8 kernel, activations quantized on the fly.
+
+`quantize_int8(model)` replaces each `nn.Linear` of a model by an `Int8Linear`: int8 weights with one scale per
+output channel (symmetric), and activations quantized to uint8 at every call with one scale and zero point for the
+whole input (asymmetric, from its min and max), as ONNX Runtime's and PyTorch's dynamic quantization do. The GEMM
+runs in `torch.ops.onednn.qlinear_pointwise` (what torch.compile's x86 backend emits for int8 linear layers) with
+fp32 output, the bias, and the layer's GELU/ReLU or residual add applied before the result is stored
+(`fused.fused_linear`). Padding stays skipped: the layers see the batch's real tokens only.
+
+On CPUs without VNNI (plain AVX2/AVX-512), the kernel multiplies uint8 by int8 with ``vpmaddubsw``, whose pairwise
+int16 sums saturate when both factors use their full 8 bits (255 * 127 * 2 > 32767); there the weights get 7 bits
+(``reduce_range``) and the result stays exact. VNNI and AMX accumulate in int32 and get the full 8 bits.
+
+torchao (`torchao.quantization.quantize_`, or transformers' `TorchAoConfig`) works on these models too; on a CPU
+without VNNI its int8 GEMM has no fast kernel (docs/quantization.md).
+
+Example:
+
+```python
+>>> import torch
+>>> from roformer_hf import RoFormerConfig, RoFormerModel
+>>> from roformer_hf.quantization import Int8Linear, quantize_int8
+>>> model = RoFormerModel(RoFormerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+...                                      num_attention_heads=4, intermediate_size=64)).eval()
+>>> ids = torch.tensor([[2, 5, 7, 3]])
+>>> with torch.inference_mode():
+...     reference = model(ids).last_hidden_state
+...     quantized = quantize_int8(model)(ids).last_hidden_state
+>>> type(model.encoder.layer[0].intermediate.dense).__name__
+'Int8Linear'
+>>> bool(torch.nn.functional.cosine_similarity(quantized.flatten(), reference.flatten(), dim=0) > 0.99)
+True
+```
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Int8Linear", "quantize_int8", "int8_kernel_available"]
+
+
+def int8_kernel_available() -> bool:
+    """Whether this PyTorch build has oneDNN's int8 linear kernel (x86 CPU builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def _cpu_has_vnni() -> bool:
+    is_vnni_supported = getattr(torch.cpu, "_is_vnni_supported", None)
+    return bool(is_vnni_supported and is_vnni_supported())
+
+
+class Int8Linear(nn.Module):
+    """A dense layer with int8 weights for CPU inference, built from an `nn.Linear` (fp32 or bf16).
+
+    Weights: ``round(W / s)`` in int8, ``s = max |W[j]| / 127`` per output channel `j` (``/ 63`` with
+    `reduce_range`). Inputs: quantized to uint8 at each call (one scale and zero point per call); output fp32
+    (``(*, out_features)``). Inference only: an input that requires grad is refused, since the kernel has no backward.
+
+    Args:
+        linear: the layer to quantize; its weights are copied.
+        reduce_range: 7-bit weights, so that CPUs without VNNI compute exactly (see the module's docstring);
+            default: on CPUs without VNNI.
+    """
+
+    def __init__(self, linear: nn.Linear, reduce_range: bool | None = None):
+        super().__init__()
+        if not int8_kernel_available():
+            raise RuntimeError("Int8Linear needs oneDNN's int8 kernel (torch.ops.onednn.qlinear_pointwise), which "
+                               "this PyTorch build lacks")
+        weight = linear.weight.detach().float()
+        if weight.device.type != "cpu":
+            raise ValueError(f"Int8Linear runs on CPU; the layer's weight is on {weight.device}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.reduce_range = not _cpu_has_vnni() if reduce_range is None else reduce_range
+        levels = 63 if self.reduce_range else 127
+        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / levels  # (out,)
+        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).to(torch.int8))  # (out, in)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self._weight_zero_point = torch.zeros(self.out_features, dtype=torch.int32)
+        self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)  # oneDNN's blocked layout
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"reduce_range={self.reduce_range}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fused(x)
+
+    def fused(self, x: Tensor, activation: str = "none", algorithm: str = "", residual: Tensor | None = None) -> Tensor:
+        """``residual + activation(self(x))``, both applied by the kernel: `activation` is oneDNN's name
+        (``"none"``, ``"relu"``, ``"gelu"`` with `algorithm` ``"none"`` for the erf form); `residual`
+        ``(*, out_features)`` fp32, only without an activation."""
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("Int8Linear is for inference: its kernel has no backward (run under "
+                               "torch.inference_mode() or torch.no_grad())")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Int8Linear expected inputs with {self.in_features} features, got shape "
+                             f"{tuple(x.shape)}")
+        rows = x.reshape(-1, self.in_features).float()
+        if rows.shape[0] == 0:
+            return rows.new_empty(*x.shape[:-1], self.out_features)
+        quantized, scale, zero_point = quantize_activations(rows)
+        inputs = (quantized, scale, zero_point, self._packed, self.weight_scale, self._weight_zero_point)
+        if residual is None:
+            output = torch.ops.onednn.qlinear_pointwise(*inputs, self.bias, 1.0, 0, torch.float32, activation, [],
+                                                        algorithm)
+        else:
+            if activation != "none":
+                raise ValueError("Int8Linear.fused applies an activation or a residual add, not both")
+            other = residual.reshape(-1, self.out_features).float().contiguous()
+            output = torch.ops.onednn.qlinear_pointwise.binary(*inputs, other, self.bias, 1.0, 0, torch.float32,
+                                                               1.0, 0, "add", 1.0, "none", [], "")
+        return output.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_activations(x: Tensor, levels: int = 255) -> tuple[Tensor, float, int]:
+    """`x` as uint8 in ``[0, levels]``, with the scale and zero point that map ``[min(x, 0), max(x, 0)]`` onto that
+    range (zero exactly representable): ``x ~ scale * (q - zero_point)``."""
+    if levels == 255 and hasattr(torch, "quantize_per_tensor_dynamic"):
+        # One vectorized pass for min and max, one to quantize (fbgemm's kernels). PyTorch deprecates its quantized
+        # tensors (the wrapper here); until they go, this is 3-4x faster than the composite below.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            quantized = torch.quantize_per_tensor_dynamic(x, torch.quint8, False)
+        return quantized.int_repr(), quantized.q_scale(), quantized.q_zero_point()
+    low, high = (float(value) for value in x.aminmax())  # one host sync: the kernel takes them as numbers
+    low, high = min(low, 0.0), max(high, 0.0)
+    scale = max((high - low) / levels, torch.finfo(torch.float32).tiny)
+    zero_point = min(max(round(-low / scale), 0), levels)
+    # x / scale + zero_point, rounded half up: + 0.5 and the cast's truncation of values clamped non-negative.
+    shifted = torch.add(torch.tensor(zero_point + 0.5), x, alpha=1 / scale)
+    return shifted.clamp_(0, levels).to(torch.uint8), scale, zero_point
+
+
+def quantize_int8(model: nn.Module, include: Callable[[str, nn.Linear], bool] | None = None,
+                  reduce_range: bool | None = None) -> nn.Module:
+    """Replaces, in place, every `nn.Linear` of `model` (those for which ``include(name, layer)`` is true, if
+    given) by an `Int8Linear`, and returns `model`, for CPU inference: its remaining parameters (embeddings, norms)
+    stop requiring grad, so a plain call works as under `torch.inference_mode()`. Quantize after loading the weights:
+    the quantized model is not meant to be saved (save the fp32 one, or use torchao through transformers'
+    `TorchAoConfig` for a quantized checkpoint)."""
+    targets = [(name, module) for name, module in model.named_modules()
+               if type(module) is nn.Linear and (include is None or include(name, module))]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, Int8Linear(module, reduce_range))
+    return model.requires_grad_(False)

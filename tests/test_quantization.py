@@ -1,0 +1,272 @@
+"""Quantized inference: torchao's `quantize_` and transformers' `TorchAoConfig`, PyTorch's legacy `quantize_dynamic`
+and roformer_hf's own `quantize_int8`, on every head, for batches on both sides of the MLM head's 512-token chunk;
+`Int8Linear` against exact integer arithmetic; and layers that are not plain `nn.Linear` never inspected."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers
+from helpers import padded_batch, tiny_config
+from torch import nn
+from transformers.activations import ACT2FN
+
+from roformer_hf.fused import fused_linear
+from roformer_hf.modeling import HEADS, RoFormerForCausalLM, RoFormerForMaskedLM
+from roformer_hf.quantization import Int8Linear, int8_kernel_available, quantize_activations, quantize_int8
+
+needs_int8_kernel = pytest.mark.skipif(not int8_kernel_available(), reason="this torch has no oneDNN int8 kernel")
+
+# Real tokens per batch: few and short (the head on the packed tokens at once), below the MLM head's 512-token
+# chunk (one sequence at a time), and above it (a sequence in two chunks).
+BATCHES = {"short": [9, 4, 7], "below chunk": [200, 120], "above chunk": [600, 300]}
+HEAD_CLASSES = [head.model_class for head in HEADS]
+
+
+def head_outputs(model: nn.Module, lengths: list[int]) -> torch.Tensor:
+    """The head's main output at the real tokens only (or per sequence/choice), flattened, in float64."""
+    ids, mask = padded_batch(lengths, seed=1)
+    multiple_choice = type(model).__name__ == "RoFormerForMultipleChoice"
+    with torch.inference_mode():
+        if multiple_choice:  # two choices per example
+            return model(torch.stack([ids, ids.roll(1, 0)], 1), attention_mask=torch.stack([mask, mask], 1)
+                         ).logits.flatten().double()
+        output = model(ids, attention_mask=mask)
+    real = mask.bool()
+    if "start_logits" in output:
+        return torch.cat([output.start_logits[real], output.end_logits[real]]).double()
+    tensor = output.last_hidden_state if "last_hidden_state" in output else output.logits
+    return (tensor if tensor.dim() == 2 else tensor[real]).flatten().double()  # sequence logits: (B, labels)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return nn.functional.cosine_similarity(a, b, dim=0).item()
+
+
+def fp32_model(cls):
+    torch.manual_seed(0)
+    return cls(tiny_config(is_decoder=cls is RoFormerForCausalLM)).eval()  # the causal LM needs a decoder config
+
+
+# ---------------------------------------------------------------------------------------------------- torchao
+
+def torchao_configs():
+    quantization = pytest.importorskip("torchao.quantization")
+    return {
+        "int8 dynamic activations, int8 weights": quantization.Int8DynamicActivationInt8WeightConfig(),
+        "int8 weight-only": quantization.Int8WeightOnlyConfig(),
+        # torchao 0.18's Int4WeightOnlyConfig has no CPU kernel (its formats need mslk or CUDA); its generic
+        # int4 weight-only (intx, dequantize and matmul) runs on CPU.
+        "int4 weight-only (intx)": quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4,
+                                                                     granularity=quantization.PerGroup(16)),
+    }
+
+
+# int4 with groups of 16 on a 32-wide model errs more than int8.
+MIN_COSINE = {"int8 dynamic activations, int8 weights": 0.99, "int8 weight-only": 0.99,
+              "int4 weight-only (intx)": 0.97}
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("config_name", list(MIN_COSINE))
+@pytest.mark.parametrize("cls", HEAD_CLASSES, ids=lambda cls: cls.__name__)
+def test_torchao_quantized_heads_stay_close_to_fp32(cls, config_name, batch):
+    config = torchao_configs()[config_name]  # skips where torchao is not installed
+    from torchao.quantization import quantize_
+
+    model = fp32_model(cls)
+    expected = head_outputs(model, BATCHES[batch])
+    quantize_(model, config)
+    prefix = "roformer." if hasattr(model, "roformer") else ""
+    assert type(model.get_submodule(f"{prefix}encoder.layer.0.intermediate.dense").weight) is not nn.Parameter
+    actual = head_outputs(model, BATCHES[batch])
+    assert cosine(actual, expected) >= MIN_COSINE[config_name]
+
+
+@pytest.mark.parametrize("config_name", ["int8 dynamic activations, int8 weights", "int8 weight-only"])
+def test_torchao_config_in_from_pretrained_round_trips_through_safetensors(tmp_path, config_name):
+    """transformers quantizes while loading (`quantization_config=TorchAoConfig(...)`), saves the quantized weights
+    as safetensors, and loads them back quantized, giving the same logits."""
+    config = torchao_configs()[config_name]
+    fp32 = fp32_model(RoFormerForMaskedLM)
+    fp32.save_pretrained(tmp_path / "fp32")
+    quantized = RoFormerForMaskedLM.from_pretrained(tmp_path / "fp32",
+                                                    quantization_config=transformers.TorchAoConfig(config))
+    quantized.save_pretrained(tmp_path / "int8")
+    assert (tmp_path / "int8" / "model.safetensors").exists()
+    reloaded = RoFormerForMaskedLM.from_pretrained(tmp_path / "int8")
+    query = reloaded.roformer.encoder.layer[0].attention.self.query.weight
+    assert type(query).__name__ == "Int8Tensor"
+    lengths = BATCHES["above chunk"]
+    expected, actual = head_outputs(quantized, lengths), head_outputs(reloaded, lengths)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert cosine(actual, head_outputs(fp32, lengths)) >= 0.99
+
+
+# ---------------------------------------------------------------------------------------------------- torch.ao
+
+@pytest.mark.parametrize("cls", HEAD_CLASSES, ids=lambda cls: cls.__name__)
+def test_legacy_quantize_dynamic_runs_on_every_head(cls):
+    model = fp32_model(cls)
+    expected = head_outputs(model, BATCHES["above chunk"])
+    with warnings.catch_warnings():  # its deprecation notice
+        warnings.simplefilter("ignore")
+        quantized = torch.ao.quantization.quantize_dynamic(model, {nn.Linear})
+    prefix = "roformer." if hasattr(quantized, "roformer") else ""
+    assert isinstance(quantized.get_submodule(f"{prefix}encoder.layer.0.output.dense"),
+                      torch.ao.nn.quantized.dynamic.Linear)
+    assert cosine(head_outputs(quantized, BATCHES["above chunk"]), expected) >= 0.99
+
+
+# ---------------------------------------------------------------------------------------------------- roformer_hf int8
+
+@needs_int8_kernel
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("cls", HEAD_CLASSES, ids=lambda cls: cls.__name__)
+def test_quantize_int8_heads_stay_close_to_fp32(cls, batch):
+    model = fp32_model(cls)
+    expected = head_outputs(model, BATCHES[batch])
+    quantize_int8(model)
+    assert not any(type(module) is nn.Linear for module in model.modules())
+    assert cosine(head_outputs(model, BATCHES[batch]), expected) >= 0.99
+
+
+@needs_int8_kernel
+def test_quantized_model_runs_without_inference_mode():
+    """`quantize_int8` leaves the model for inference: a plain call (autograd on) gives the inference-mode logits;
+    only an input that itself requires grad is refused (see below)."""
+    model = quantize_int8(fp32_model(RoFormerForMaskedLM))
+    ids, mask = padded_batch(BATCHES["below chunk"])
+    with torch.inference_mode():
+        expected = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits, expected, rtol=0, atol=0)
+
+
+def exact_product(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel must compute: the integer product of the quantized input and weights in int64 (no
+    saturation), rescaled, plus the bias."""
+    quantized, scale, zero_point = quantize_activations(x)
+    product = (quantized.long() - zero_point) @ layer.weight_int8.long().T  # (rows, out)
+    return product.double() * scale * layer.weight_scale.double() + layer.bias.double()
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("reduce_range", [True, False])
+def test_int8_linear_computes_the_exact_integer_product(reduce_range):
+    """Inputs and weights at the ends of their ranges: where the CPU's instructions would saturate int16 pair sums
+    (no VNNI), a wrong result. With `reduce_range` (the default on such CPUs) the product is exact everywhere;
+    without it, only on CPUs with VNNI or AMX."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randint(0, 2, (16, 64)) * 2.0 - 1)  # +-1: every weight at the end of its range
+    x = torch.cat([torch.full((4, 64), 3.0), torch.randn(4, 64)])  # the first rows at the top of the input's range
+    layer = Int8Linear(linear, reduce_range=reduce_range)
+    if not reduce_range and layer.reduce_range != Int8Linear(linear).reduce_range:
+        pytest.skip("without VNNI, full-range int8 saturates: what reduce_range is for")
+    with torch.inference_mode():
+        actual = layer(x)
+    torch.testing.assert_close(actual.double(), exact_product(layer, x), rtol=1e-5, atol=1e-4)
+    assert (actual - linear(x)).abs().max() <= 0.05 * linear(x).abs().max()
+
+
+def test_both_ways_of_quantizing_activations_agree(monkeypatch):
+    """fbgemm's kernel (while PyTorch keeps its quantized tensors) and the composite of plain ops that replaces it:
+    the same value to within one quantization step, and both within half a step of the input."""
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(50, 16) * 3, torch.rand(50, 16)])
+
+    def dequantized():
+        quantized, scale, zero_point = quantize_activations(x)
+        assert quantized.dtype == torch.uint8
+        return (quantized.float() - zero_point) * scale, scale
+
+    kernel, scale = dequantized()
+    monkeypatch.delattr(torch, "quantize_per_tensor_dynamic")
+    composite, _ = dequantized()
+    assert (kernel - composite).abs().max() <= scale * 1.001
+    for value in (kernel, composite):
+        assert (value - x).abs().max() <= scale * 0.501
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("case", ["gelu", "relu", "residual"])
+def test_int8_linear_applies_the_activation_or_residual_as_fused_linear_asks(case):
+    torch.manual_seed(0)
+    layer, x = Int8Linear(nn.Linear(32, 24)), torch.randn(2, 5, 32)
+    activation = None if case == "residual" else ACT2FN[case]
+    residual = torch.randn(2, 5, 24) if case == "residual" else None
+    with torch.inference_mode():
+        actual = fused_linear(layer, x, activation, residual)
+        plain = layer(x)
+    expected = plain + residual if case == "residual" else activation(plain)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_int8_kernel
+def test_int8_linear_refuses_training_and_takes_empty_inputs():
+    layer = Int8Linear(nn.Linear(8, 4))
+    with pytest.raises(RuntimeError, match="inference"):
+        layer(torch.randn(3, 8, requires_grad=True))
+    with torch.inference_mode():
+        assert layer(torch.randn(0, 8)).shape == (0, 4)
+    with pytest.raises(ValueError, match="8 features"):
+        layer(torch.randn(3, 5))
+
+
+# ------------------------------------------------------------------------------------------------- third-party layers
+
+class Opaque(nn.Module):
+    """A third-party dense layer: it can be called, and nothing else may be assumed (`weight` raises)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.inner = linear
+
+    @property
+    def weight(self):
+        raise AssertionError("a layer that is not a plain nn.Linear was inspected")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("case", ["gelu", "residual"])
+def test_fused_linear_only_calls_a_layer_that_is_not_a_plain_linear(case):
+    torch.manual_seed(0)
+    linear, x = nn.Linear(8, 6), torch.randn(5, 8)
+    activation = ACT2FN["gelu"] if case == "gelu" else None
+    residual = torch.randn(5, 6) if case == "residual" else None
+    with torch.inference_mode():
+        actual = fused_linear(Opaque(linear), x, activation, residual)
+        expected = linear(x)
+    expected = activation(expected) if activation else expected + residual
+    torch.testing.assert_close(actual, expected)
+
+
+def test_mlm_head_is_never_called_on_an_empty_tensor():
+    model = fp32_model(RoFormerForMaskedLM)
+    reference = copy.deepcopy(model)
+    calls = []
+    model.cls.predictions.register_forward_pre_hook(lambda module, inputs: calls.append(inputs[0].shape[0]))
+    for lengths in BATCHES.values():
+        torch.testing.assert_close(head_outputs(model, lengths), head_outputs(reference, lengths))
+    assert calls and min(calls) > 0
+    assert 512 in calls  # the above-chunk batch ran in 512-token chunks
+
+
+@needs_int8_kernel
+def test_module_docstring_example_runs():
+    import doctest
+    import re
+
+    import roformer_hf.quantization
+
+    blocks = re.findall(r"```python\n(.*?)```", roformer_hf.quantization.__doc__, flags=re.DOTALL)
+    test = doctest.DocTestParser().get_doctest("".join(blocks), {}, "roformer_hf.quantization", None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert blocks and runner.summarize(verbose=False).failed == 0
