@@ -144,10 +144,10 @@ def report(args, size, times, facts, setup, units, full_range, measured_commit: 
         print(f"| {name} | {spread(times[name])} | {versus_ort} | "
               f"{medians[FP32] / medians[name]:.2f}x | {agreement:.4f} | {cosine:.6f} | {setup[name]} |")
     if full_range:
-        print(f"\nThis CPU has no VNNI, so `quantize_int8` keeps its weights to 7 bits (`reduce_range`: exact, no "
-              f"int16 saturation). With 8-bit weights, as it runs on CPUs with VNNI or AMX-INT8 (here not exact: its "
-              f"int16 pair sums may saturate), the argmax agreement is {full_range[0]:.4f} and the logits cosine "
-              f"{full_range[1]:.6f}.")
+        print(f"\nThis CPU has no VNNI, so `quantize_int8` scales its weights so that no int16 pair sum can saturate "
+              f"(`saturation_safe`: exact). With plain 8-bit scales, as it runs on CPUs with VNNI or AMX-INT8 (here "
+              f"not exact: its int16 pair sums may saturate), the argmax agreement is {full_range[0]:.4f} and the "
+              f"logits cosine {full_range[1]:.6f}.")
     print("\n| target | measured | met |\n|---|---|---|")
     if ORT_INT8 in medians:
         ratio = medians[ORT_INT8] / medians[INT8]
@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> None:
         progress("accuracy")
         facts = {name: accuracy(run(), reference, real) for name, run in runners.items()}
         full_range = None
-        if models[INT8].roformer.encoder.layer[0].intermediate.dense.reduce_range:
+        if models[INT8].roformer.encoder.layer[0].intermediate.dense.saturation_safe:
             # What a CPU with VNNI or AMX-INT8 computes exactly (8-bit weights); here its int16 sums may saturate.
-            full = quantize_int8(load_model("roformer_hf", folder).eval(), reduce_range=False)
+            full = quantize_int8(load_model("roformer_hf", folder).eval(), saturation_safe=False)
             full_range = accuracy(infer(full, batch), reference, real)
             del full
         progress("timing")

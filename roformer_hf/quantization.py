@@ -7,9 +7,13 @@ runs in `torch.ops.onednn.qlinear_pointwise` (what torch.compile's x86 backend e
 fp32 output, the bias, and the layer's GELU/ReLU or residual add applied before the result is stored
 (`fused.fused_linear`). Padding stays skipped: the layers see the batch's real tokens only.
 
-On CPUs without VNNI (plain AVX2/AVX-512), the kernel multiplies uint8 by int8 with ``vpmaddubsw``, whose pairwise
-int16 sums saturate when both factors use their full 8 bits (255 * 127 * 2 > 32767); there the weights get 7 bits
-(``reduce_range``) and the result stays exact. VNNI and AMX accumulate in int32 and get the full 8 bits.
+On CPUs without VNNI (plain AVX2/AVX-512), the kernel multiplies uint8 by int8 with ``vpmaddubsw``, which adds the
+products of neighbouring input features (``2i`` and ``2i + 1``) into an int16 that saturates: 255 * 127 * 2 > 32767.
+There (``saturation_safe``) each output channel's scale is chosen so that two neighbouring weights of the same sign
+sum to at most 128 steps (255 * 128 <= 32767), and the result stays exact. A channel keeps 8 bits for its largest
+weight unless its largest pair is close to twice it: on random weights, steps 1.34x wider (about 7.6 bits), where the usual cure
+(``reduce_range``: 7-bit weights everywhere) loses a whole bit. VNNI and AMX accumulate in int32 and get the full 8
+bits.
 
 torchao (`torchao.quantization.quantize_`, or transformers' `TorchAoConfig`) works on these models too; on a CPU
 without VNNI its int8 GEMM has no fast kernel (docs/quantization.md).
@@ -57,17 +61,17 @@ def _cpu_has_vnni() -> bool:
 class Int8Linear(nn.Module):
     """A dense layer with int8 weights for CPU inference, built from an `nn.Linear` (fp32 or bf16).
 
-    Weights: ``round(W / s)`` in int8, ``s = max |W[j]| / 127`` per output channel `j` (``/ 63`` with
-    `reduce_range`). Inputs: quantized to uint8 at each call (one scale and zero point per call); output fp32
+    Weights: ``round(W / s)`` in int8, ``s = max |W[j]| / 127`` per output channel `j` (with `saturation_safe`, no
+    less than the largest same-sign sum of neighbouring weights ``|W[j, 2i] + W[j, 2i + 1]|`` over 127). Inputs: quantized to uint8 at each call (one scale and zero point per call); output fp32
     (``(*, out_features)``). Inference only: an input that requires grad is refused, since the kernel has no backward.
 
     Args:
         linear: the layer to quantize; its weights are copied.
-        reduce_range: 7-bit weights, so that CPUs without VNNI compute exactly (see the module's docstring);
-            default: on CPUs without VNNI.
+        saturation_safe: scales that keep the int16 pair sums of CPUs without VNNI from saturating (see the
+            module's docstring); default: on CPUs without VNNI.
     """
 
-    def __init__(self, linear: nn.Linear, reduce_range: bool | None = None):
+    def __init__(self, linear: nn.Linear, saturation_safe: bool | None = None):
         super().__init__()
         if not int8_kernel_available():
             raise RuntimeError("Int8Linear needs oneDNN's int8 kernel (torch.ops.onednn.qlinear_pointwise), which "
@@ -76,9 +80,8 @@ class Int8Linear(nn.Module):
         if weight.device.type != "cpu":
             raise ValueError(f"Int8Linear runs on CPU; the layer's weight is on {weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.reduce_range = not _cpu_has_vnni() if reduce_range is None else reduce_range
-        levels = 63 if self.reduce_range else 127
-        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / levels  # (out,)
+        self.saturation_safe = not _cpu_has_vnni() if saturation_safe is None else saturation_safe
+        scale = weight_scales(weight, self.saturation_safe)  # (out,)
         self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).to(torch.int8))  # (out, in)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
@@ -87,7 +90,7 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"reduce_range={self.reduce_range}")
+                f"saturation_safe={self.saturation_safe}")
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fused(x)
@@ -119,6 +122,18 @@ class Int8Linear(nn.Module):
         return output.view(*x.shape[:-1], self.out_features)
 
 
+def weight_scales(weight: Tensor, saturation_safe: bool) -> Tensor:
+    """One scale per row of `weight` ``(out, in)``: its largest magnitude over 127, and with `saturation_safe` at
+    least its largest same-sign sum of neighbours ``(2i, 2i + 1)`` over 127, so that the rounded pair sums stay within
+    128 steps (``round(a / s) + round(b / s) <= (a + b) / s + 1``)."""
+    largest = weight.abs().amax(dim=1)
+    if saturation_safe:
+        pairs = nn.functional.pad(weight, (0, weight.shape[1] % 2)).view(weight.shape[0], -1, 2)
+        positive, negative = pairs.clamp(min=0).sum(-1), pairs.clamp(max=0).sum(-1).neg()
+        largest = torch.maximum(largest, torch.maximum(positive, negative).amax(dim=1))
+    return largest.clamp(min=torch.finfo(torch.float32).tiny) / 127
+
+
 def quantize_activations(x: Tensor, levels: int = 255) -> tuple[Tensor, float, int]:
     """`x` as uint8 in ``[0, levels]``, with the scale and zero point that map ``[min(x, 0), max(x, 0)]`` onto that
     range (zero exactly representable): ``x ~ scale * (q - zero_point)``."""
@@ -139,15 +154,16 @@ def quantize_activations(x: Tensor, levels: int = 255) -> tuple[Tensor, float, i
 
 
 def quantize_int8(model: nn.Module, include: Callable[[str, nn.Linear], bool] | None = None,
-                  reduce_range: bool | None = None) -> nn.Module:
+                  saturation_safe: bool | None = None) -> nn.Module:
     """Replaces, in place, every `nn.Linear` of `model` (those for which ``include(name, layer)`` is true, if
     given) by an `Int8Linear`, and returns `model`, for CPU inference: its remaining parameters (embeddings, norms)
     stop requiring grad, so a plain call works as under `torch.inference_mode()`. Quantize after loading the weights:
     the quantized model is not meant to be saved (save the fp32 one, or use torchao through transformers'
-    `TorchAoConfig` for a quantized checkpoint)."""
+    `TorchAoConfig` for a quantized checkpoint). `saturation_safe` is `Int8Linear`'s (default: on CPUs without
+    VNNI)."""
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is nn.Linear and (include is None or include(name, module))]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, Int8Linear(module, reduce_range))
+        setattr(model.get_submodule(parent_name), child, Int8Linear(module, saturation_safe))
     return model.requires_grad_(False)

@@ -154,23 +154,51 @@ def exact_product(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_int8_kernel
-@pytest.mark.parametrize("reduce_range", [True, False])
-def test_int8_linear_computes_the_exact_integer_product(reduce_range):
+@pytest.mark.parametrize("saturation_safe", [True, False])
+def test_int8_linear_computes_the_exact_integer_product(saturation_safe):
     """Inputs and weights at the ends of their ranges: where the CPU's instructions would saturate int16 pair sums
-    (no VNNI), a wrong result. With `reduce_range` (the default on such CPUs) the product is exact everywhere;
+    (no VNNI), a wrong result. With `saturation_safe` (the default on such CPUs) the product is exact everywhere;
     without it, only on CPUs with VNNI or AMX."""
     torch.manual_seed(0)
     linear = nn.Linear(64, 16)
     with torch.no_grad():
         linear.weight.copy_(torch.randint(0, 2, (16, 64)) * 2.0 - 1)  # +-1: every weight at the end of its range
     x = torch.cat([torch.full((4, 64), 3.0), torch.randn(4, 64)])  # the first rows at the top of the input's range
-    layer = Int8Linear(linear, reduce_range=reduce_range)
-    if not reduce_range and layer.reduce_range != Int8Linear(linear).reduce_range:
-        pytest.skip("without VNNI, full-range int8 saturates: what reduce_range is for")
+    layer = Int8Linear(linear, saturation_safe=saturation_safe)
+    if not saturation_safe and layer.saturation_safe != Int8Linear(linear).saturation_safe:
+        pytest.skip("without VNNI, full-range int8 saturates: what saturation_safe is for")
     with torch.inference_mode():
         actual = layer(x)
     torch.testing.assert_close(actual.double(), exact_product(layer, x), rtol=1e-5, atol=1e-4)
     assert (actual - linear(x)).abs().max() <= 0.05 * linear(x).abs().max()
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("in_features", [64, 65, 768])
+def test_saturation_safe_weights_keep_8_bits_and_stay_exact_where_neighbours_differ(in_features):
+    """Neighbouring input features ``(2i, 2i + 1)`` share an int16 sum without VNNI. Weights laid out big, small,
+    small, big, ... keep every such pair within bounds at 8 bits, while the pairs ``(2i + 1, 2i + 2)`` (big, big)
+    would not: if the kernel paired features differently, the product would saturate. Shifted by one, the big
+    weights share pairs and get half the steps. Random rows lose less than a bit; the output is the exact integer
+    product (inputs at 255, the top of uint8, in some rows)."""
+    torch.manual_seed(0)
+    pattern = torch.tensor([1.0, 0.001, 0.001, 1.0]).repeat(in_features // 4 + 1)[:in_features]
+    signs = torch.tensor([1.0, -1.0])[torch.arange(4) % 2, None]  # rows of one sign each, both signs
+    weight = torch.cat([signs * pattern, signs * pattern.roll(1), torch.randn(8, in_features)])
+    linear = nn.Linear(in_features, 16)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    layer = Int8Linear(linear, saturation_safe=True)
+    largest = layer.weight_int8.abs().amax(dim=1)
+    assert largest[:4].tolist() == [127] * 4 and largest[4:8].tolist() == [64] * 4
+    assert (largest[8:] >= 64).all()  # at least the 7 bits of reduce_range
+    pairs = nn.functional.pad(layer.weight_int8.long(), (0, in_features % 2)).view(16, -1, 2)
+    assert pairs.clamp(min=0).sum(-1).max() <= 128 and pairs.clamp(max=0).sum(-1).min() >= -128
+    x = torch.cat([torch.full((3, in_features), 2.0), torch.randn(5, in_features),
+                   -torch.full((2, in_features), 2.0)])  # uint8 255 for the first rows, 0 for the last
+    with torch.inference_mode():
+        actual = layer(x)
+    torch.testing.assert_close(actual.double(), exact_product(layer, x), rtol=1e-5, atol=1e-4)
 
 
 def test_both_ways_of_quantizing_activations_agree(monkeypatch):
