@@ -39,6 +39,7 @@ True
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable
 
@@ -137,17 +138,22 @@ def weight_scales(weight: Tensor, saturation_safe: bool) -> Tensor:
 def quantize_activations(x: Tensor, levels: int = 255) -> tuple[Tensor, float, int]:
     """`x` as uint8 in ``[0, levels]``, with the scale and zero point that map ``[min(x, 0), max(x, 0)]`` onto that
     range (zero exactly representable): ``x ~ scale * (q - zero_point)``."""
-    if levels == 255 and hasattr(torch, "quantize_per_tensor_dynamic"):
-        # One vectorized pass for min and max, one to quantize (fbgemm's kernels). PyTorch deprecates its quantized
-        # tensors (the wrapper here); until they go, this is 3-4x faster than the composite below.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            quantized = torch.quantize_per_tensor_dynamic(x, torch.quint8, False)
-        return quantized.int_repr(), quantized.q_scale(), quantized.q_zero_point()
-    low, high = (float(value) for value in x.aminmax())  # one host sync: the kernel takes them as numbers
+    low, high = (float(value) for value in x.aminmax())  # one pass; one host sync: the kernel takes them as numbers
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"Int8Linear got an input with non-finite values (between {low} and {high}): int8 cannot "
+                         "represent them")
     low, high = min(low, 0.0), max(high, 0.0)
     scale = max((high - low) / levels, torch.finfo(torch.float32).tiny)
     zero_point = min(max(round(-low / scale), 0), levels)
+    if levels == 255 and hasattr(torch, "quantize_per_tensor"):
+        # fbgemm's vectorized kernel, then its bytes seen as uint8 (no copy). PyTorch deprecates its quantized tensors
+        # (the wrapper here); until they go, this is 3-4x faster than the composite below.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            quantized = torch.quantize_per_tensor(x, scale, zero_point, torch.quint8)
+        as_bytes = torch.empty(0, dtype=torch.uint8, device=x.device)
+        return as_bytes.set_(quantized.untyped_storage(), quantized.storage_offset(), quantized.shape,
+                             quantized.stride()), scale, zero_point
     # x / scale + zero_point, rounded half up: + 0.5 and the cast's truncation of values clamped non-negative.
     shifted = torch.add(torch.tensor(zero_point + 0.5), x, alpha=1 / scale)
     return shifted.clamp_(0, levels).to(torch.uint8), scale, zero_point

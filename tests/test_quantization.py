@@ -201,23 +201,34 @@ def test_saturation_safe_weights_keep_8_bits_and_stay_exact_where_neighbours_dif
     torch.testing.assert_close(actual.double(), exact_product(layer, x), rtol=1e-5, atol=1e-4)
 
 
-def test_both_ways_of_quantizing_activations_agree(monkeypatch):
-    """fbgemm's kernel (while PyTorch keeps its quantized tensors) and the composite of plain ops that replaces it:
-    the same value to within one quantization step, and both within half a step of the input."""
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_both_ways_of_quantizing_activations_agree(monkeypatch, contiguous):
+    """fbgemm's kernel (while PyTorch keeps its quantized tensors, its bytes seen as uint8) and the composite of plain
+    ops that replaces it: the same value to within one quantization step, both within half a step of the input, and
+    the input's shape and element order kept (a transposed input too)."""
     torch.manual_seed(0)
     x = torch.cat([torch.randn(50, 16) * 3, torch.rand(50, 16)])
+    x = x if contiguous else x.t()
 
     def dequantized():
         quantized, scale, zero_point = quantize_activations(x)
-        assert quantized.dtype == torch.uint8
+        assert quantized.dtype == torch.uint8 and quantized.shape == x.shape
         return (quantized.float() - zero_point) * scale, scale
 
     kernel, scale = dequantized()
-    monkeypatch.delattr(torch, "quantize_per_tensor_dynamic")
+    monkeypatch.delattr(torch, "quantize_per_tensor")
     composite, _ = dequantized()
     assert (kernel - composite).abs().max() <= scale * 1.001
     for value in (kernel, composite):
         assert (value - x).abs().max() <= scale * 0.501
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_inputs_are_refused_by_name(value):
+    x = torch.randn(4, 8)
+    x[1, 2] = value
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_activations(x)
 
 
 @needs_int8_kernel
