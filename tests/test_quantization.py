@@ -135,6 +135,24 @@ def test_quantize_int8_heads_stay_close_to_fp32(cls, batch):
 
 
 @needs_int8_kernel
+def test_int8_causal_lm_generates_with_its_cache_close_to_fp32():
+    """Generation reuses the cache: each step quantizes one token per row. Every step's logits stay close to what
+    the fp32 model gives for the same prefix in one forward without a cache (left-padded prompts)."""
+    fp32 = fp32_model(RoFormerForCausalLM)
+    int8 = quantize_int8(copy.deepcopy(fp32))
+    ids, mask = padded_batch([7, 3, 5], seed=2, left=True)
+    with torch.inference_mode():
+        generated = int8.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                  output_logits=True, return_dict_in_generate=True)
+        full_mask = torch.cat([mask, torch.ones(3, 6, dtype=mask.dtype)], 1)
+        reference = fp32(generated.sequences, attention_mask=full_mask, use_cache=False).logits
+    assert generated.sequences.shape == (3, ids.shape[1] + 6)
+    for step, logits in enumerate(generated.logits):
+        position = ids.shape[1] - 1 + step
+        assert cosine(logits.flatten().double(), reference[:, position].flatten().double()) >= 0.99, step
+
+
+@needs_int8_kernel
 def test_quantized_model_runs_without_inference_mode():
     """`quantize_int8` leaves the model for inference: a plain call (autograd on) gives the inference-mode logits;
     only an input that itself requires grad is refused (see below)."""
