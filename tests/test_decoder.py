@@ -215,6 +215,17 @@ def test_a_cache_of_another_batch_or_model_is_refused():
             model(ids[:, :1], past_key_values=((torch.zeros(1),),))
 
 
+def test_a_static_cache_is_refused_by_name():
+    """A fixed-length cache returns keys for every slot, filled or not; attention over them would be wrong, so
+    `generate(cache_implementation="static")` and a `StaticCache` passed by hand stop with the reason."""
+    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
+    ids, mask = padded_batch([4, 2])
+    with torch.no_grad(), pytest.raises(ValueError, match=r"past_key_values is a StaticCache of fixed length"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad(), pytest.raises(ValueError, match=r"StaticCache of fixed length"):
+        model(ids, past_key_values=transformers.StaticCache(config=model.config, max_cache_len=16))
+
+
 def test_labels_of_the_wrong_shape_are_refused():
     model = RoFormerForCausalLM(tiny_config(is_decoder=True))
     ids, mask = padded_batch([5, 3])
