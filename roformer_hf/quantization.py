@@ -11,9 +11,9 @@ On CPUs without VNNI (plain AVX2/AVX-512), the kernel multiplies uint8 by int8 w
 products of neighbouring input features (``2i`` and ``2i + 1``) into an int16 that saturates: 255 * 127 * 2 > 32767.
 There (``saturation_safe``) each output channel's scale is chosen so that two neighbouring weights of the same sign
 sum to at most 128 steps (255 * 128 <= 32767), and the result stays exact. A channel keeps 8 bits for its largest
-weight unless its largest pair is close to twice it: on random weights, steps 1.34x wider (about 7.6 bits), where the usual cure
-(``reduce_range``: 7-bit weights everywhere) loses a whole bit. VNNI and AMX accumulate in int32 and get the full 8
-bits.
+weight unless its largest pair is close to twice it: on random weights the steps are 1.34x wider (about 7.6 bits),
+where the usual cure (``reduce_range``: 7-bit weights everywhere) loses a whole bit. VNNI and AMX accumulate in int32
+and get the full 8 bits.
 
 torchao (`torchao.quantization.quantize_`, or transformers' `TorchAoConfig`) works on these models too; on a CPU
 without VNNI its int8 GEMM has no fast kernel (docs/quantization.md).
@@ -63,8 +63,8 @@ class Int8Linear(nn.Module):
     """A dense layer with int8 weights for CPU inference, built from an `nn.Linear` (fp32 or bf16).
 
     Weights: ``round(W / s)`` in int8, ``s = max |W[j]| / 127`` per output channel `j` (with `saturation_safe`, no
-    less than the largest same-sign sum of neighbouring weights ``|W[j, 2i] + W[j, 2i + 1]|`` over 127). Inputs: quantized to uint8 at each call (one scale and zero point per call); output fp32
-    (``(*, out_features)``). Inference only: an input that requires grad is refused, since the kernel has no backward.
+    less than the largest same-sign sum of neighbouring weights ``|W[j, 2i] + W[j, 2i + 1]|`` over 127). Inputs:
+    quantized to uint8 at each call (one scale and zero point per call); output fp32 (``(*, out_features)``). Inference only: an input that requires grad is refused, since the kernel has no backward.
 
     Args:
         linear: the layer to quantize; its weights are copied.
