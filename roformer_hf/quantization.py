@@ -64,7 +64,8 @@ class Int8Linear(nn.Module):
 
     Weights: ``round(W / s)`` in int8, ``s = max |W[j]| / 127`` per output channel `j` (with `saturation_safe`, no
     less than the largest same-sign sum of neighbouring weights ``|W[j, 2i] + W[j, 2i + 1]|`` over 127). Inputs:
-    quantized to uint8 at each call (one scale and zero point per call); output fp32 (``(*, out_features)``). Inference only: an input that requires grad is refused, since the kernel has no backward.
+    quantized to uint8 at each call (one scale and zero point per call); output fp32 (``(*, out_features)``).
+    Inference only: an input that requires grad is refused, since the kernel has no backward.
 
     Args:
         linear: the layer to quantize; its weights are copied.
