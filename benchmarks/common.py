@@ -59,7 +59,7 @@ BF16_UNITS_DESCRIBED = {"amx": "AMX (amx_bf16): bf16 matrix tiles",
 def int8_matrix_units(flags: str | set[str]) -> str:
     """The CPU's fast int8 matrix arithmetic, from its feature flags: "amx_int8" (AMX tiles), "vnni" (uint8 x int8
     dot products accumulated in int32: `avx512_vnni` or `avx_vnni`) or "none" (AVX2/AVX-512 `vpmaddubsw`, whose
-    int16 pair sums saturate: int8 kernels there keep activations to 7 bits)."""
+    int16 pair sums saturate unless the weights or activations are kept in range)."""
     flags = set(flags.split()) if isinstance(flags, str) else flags
     if "amx_int8" in flags:
         return "amx_int8"

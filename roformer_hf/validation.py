@@ -167,7 +167,7 @@ def check_decoder_inputs(config, past_key_values, encoder_hidden_states, encoder
         raise ValueError(f"past_key_values is a {type(past_key_values).__name__}; expected a transformers Cache "
                          "(DynamicCache, or EncoderDecoderCache with cross-attention), as the model returns it")
     if getattr(past_key_values, "is_compileable", False):
-        raise ValueError(f"past_key_values is a {type(past_key_values).__name__} of fixed length (what "
+        raise ValueError(f"past_key_values ({type(past_key_values).__name__}) has a fixed length (what "
                          "generate(cache_implementation='static') builds); roformer_hf attends over the cache's filled "
                          "length only and takes caches that grow: DynamicCache, or none (generate's default)")
     if inputs is None:

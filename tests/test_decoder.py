@@ -220,9 +220,9 @@ def test_a_static_cache_is_refused_by_name():
     `generate(cache_implementation="static")` and a `StaticCache` passed by hand stop with the reason."""
     model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
     ids, mask = padded_batch([4, 2])
-    with torch.no_grad(), pytest.raises(ValueError, match=r"past_key_values is a StaticCache of fixed length"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"past_key_values \(StaticCache\) has a fixed length"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, cache_implementation="static")
-    with torch.no_grad(), pytest.raises(ValueError, match=r"StaticCache of fixed length"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"\(StaticCache\) has a fixed length"):
         model(ids, past_key_values=transformers.StaticCache(config=model.config, max_cache_len=16))
 
 

@@ -197,19 +197,22 @@ def test_saturation_safe_weights_keep_8_bits_and_stay_exact_where_neighbours_dif
     """Neighbouring input features ``(2i, 2i + 1)`` share an int16 sum without VNNI. Weights laid out big, small,
     small, big, ... keep every such pair within bounds at 8 bits, while the pairs ``(2i + 1, 2i + 2)`` (big, big)
     would not: if the kernel paired features differently, the product would saturate. Shifted by one, the big
-    weights share pairs and get half the steps. Random rows lose less than a bit; the output is the exact integer
-    product (inputs at 255, the top of uint8, in some rows)."""
+    weights share pairs and get half the steps; of opposite signs, they keep all 8 bits. Random rows lose less than
+    a bit; the output is the exact integer product (inputs at 255, the top of uint8, in some rows)."""
     torch.manual_seed(0)
     pattern = torch.tensor([1.0, 0.001, 0.001, 1.0]).repeat(in_features // 4 + 1)[:in_features]
     signs = torch.tensor([1.0, -1.0])[torch.arange(4) % 2, None]  # rows of one sign each, both signs
-    weight = torch.cat([signs * pattern, signs * pattern.roll(1), torch.randn(8, in_features)])
+    alternating = torch.tensor([1.0, -1.0]).repeat(in_features // 2 + 1)[:in_features]  # pairs of both signs
+    weight = torch.cat([signs * pattern, signs * pattern.roll(1), signs[:2] * alternating,
+                        torch.randn(6, in_features)])
     linear = nn.Linear(in_features, 16)
     with torch.no_grad():
         linear.weight.copy_(weight)
     layer = Int8Linear(linear, saturation_safe=True)
     largest = layer.weight_int8.abs().amax(dim=1)
     assert largest[:4].tolist() == [127] * 4 and largest[4:8].tolist() == [64] * 4
-    assert (largest[8:] >= 64).all()  # at least the 7 bits of reduce_range
+    assert largest[8:10].tolist() == [127] * 2  # a pair of opposite signs cannot saturate: 8 bits
+    assert (largest[10:] >= 64).all()  # at least the 7 bits of reduce_range
     pairs = nn.functional.pad(layer.weight_int8.long(), (0, in_features % 2)).view(16, -1, 2)
     assert pairs.clamp(min=0).sum(-1).max() <= 128 and pairs.clamp(max=0).sum(-1).min() >= -128
     x = torch.cat([torch.full((3, in_features), 2.0), torch.randn(5, in_features),
