@@ -222,6 +222,28 @@ def test_saturation_safe_weights_keep_8_bits_and_stay_exact_where_neighbours_dif
     torch.testing.assert_close(actual.double(), exact_product(layer, x), rtol=1e-5, atol=1e-4)
 
 
+@needs_int8_kernel
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_saturation_safe_products_stay_exact_however_the_kernel_splits_the_work(threads):
+    """Few rows and outputs with many input features: oneDNN may split the input features across threads, and a
+    split at an odd feature would pair ``(2i + 1, 2i + 2)``. Big weights in every position of the pattern, all
+    inputs at the top of uint8: the product stays exact."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows, in_features, out_features in ((1, 4097, 8), (3, 3071, 4)):
+            pattern = torch.tensor([1.0, 0.001, 0.001, 1.0]).repeat(in_features // 4 + 1)[:in_features]
+            linear = nn.Linear(in_features, out_features)
+            with torch.no_grad():
+                linear.weight.copy_(torch.stack([pattern.roll(row) for row in range(out_features)]))
+            layer, x = Int8Linear(linear, saturation_safe=True), torch.full((rows, in_features), 2.0)
+            with torch.inference_mode():
+                actual = layer(x)
+            torch.testing.assert_close(actual.double(), exact_product(layer, x), rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_both_ways_of_quantizing_activations_agree(monkeypatch, contiguous):
     """fbgemm's kernel (while PyTorch keeps its quantized tensors, its bytes seen as uint8) and the composite of plain
