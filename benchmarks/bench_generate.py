@@ -3,12 +3,15 @@
     python benchmarks/bench_generate.py            # 8 prompts of mixed lengths, 64 new tokens, 4 layers of base width
     python benchmarks/bench_generate.py --quick    # tiny smoke configuration
 
-Two measurements, both fp32, dropout 0, greedy decoding with the cache (transformers' `DynamicCache`):
+Two measurements, both fp32, dropout 0, greedy decoding with the cache (transformers' `DynamicCache`), and the same
+for roformer_hf's model in int8 (`roformer_hf.quantization.quantize_int8`; `--no-int8` to skip it):
 
 - throughput: `generate()` on a left-padded batch of prompts of mixed lengths, exactly `--new-tokens` new tokens per
   prompt, interleaved between the two models; new tokens per second of each, and the ratio. transformers' RoFormer
   counts the left padding in its positions, so the two generate different tokens from padded rows; the work per
   step is the same.
+- for int8, how many of the new tokens are those of roformer_hf's fp32 model (greedy decoding compounds a first
+  difference, so this counts whole continuations, not single predictions);
 - the cost of one decoding step as the prefix grows: the batch's cache (the one each model makes: transformers'
   `DynamicCache`, roformer_hf's `GrowingCache`) filled with `P` tokens per row, then the mean time of `--steps`
   one-token forwards, for each `P` in `--prefixes`. The GEMMs are those of one token per row whatever `P`; what grows
@@ -18,6 +21,7 @@ Two measurements, both fp32, dropout 0, greedy decoding with the cache (transfor
 from __future__ import annotations
 
 import argparse
+import copy
 import tempfile
 import time
 from statistics import median
@@ -27,6 +31,9 @@ import transformers
 
 import roformer_hf
 from common import machine_lines, progress
+from roformer_hf.quantization import int8_kernel_available, quantize_int8
+
+INT8 = "roformer_hf int8"
 
 BASE = dict(vocab_size=12000, hidden_size=768, num_hidden_layers=4, num_attention_heads=12, intermediate_size=3072)
 QUICK = dict(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
@@ -41,7 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefixes", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--steps", type=int, default=16, help="one-token steps timed at each prefix length")
+    parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=None,
+                        help="also roformer_hf in int8 (default: where PyTorch has oneDNN's int8 kernel)")
     args = parser.parse_args(argv)
+    if args.int8 is None:
+        args.int8 = int8_kernel_available()
     if args.quick:
         args.lengths, args.new_tokens, args.repeats = [6, 3, 5], 4, 1
         args.prefixes, args.steps = [8, 32], 2
@@ -68,14 +79,18 @@ def left_padded_prompts(lengths: list[int], vocab: int) -> tuple[torch.Tensor, t
     return ids * mask, mask
 
 
-def time_generation(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> float:
-    start = time.perf_counter()
+def generate(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, num_beams=1, pad_token_id=0)
-    seconds = time.perf_counter() - start
     assert out.shape[1] == ids.shape[1] + new_tokens
-    return seconds
+    return out[:, ids.shape[1]:]
+
+
+def time_generation(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> float:
+    start = time.perf_counter()
+    generate(model, ids, mask, new_tokens)
+    return time.perf_counter() - start
 
 
 def step_time(model, batch_size: int, prefix: int, steps: int, vocab: int) -> float:
@@ -95,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     size = QUICK if args.quick else BASE
     max_positions = max(max(args.prefixes) + args.steps, max(args.lengths) + args.new_tokens)
     models = build_models(size, max_positions)
+    if args.int8:
+        models[INT8] = quantize_int8(copy.deepcopy(models["roformer_hf"]))
     ids, mask = left_padded_prompts(args.lengths, size["vocab_size"])
     progress(f"throughput: {len(args.lengths)} prompts, {args.new_tokens} new tokens each")
     times = {name: [] for name in models}
@@ -120,6 +137,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {median(samples):.3f} ({min(samples):.3f}-{max(samples):.3f}) | {rate[name]:.1f} |")
     print(f"\nroformer_hf / transformers tokens per second: **{rate['roformer_hf'] / rate['transformers']:.2f}x** "
           f"(target: at least 1x)\n")
+    if INT8 in models:
+        fp32, int8 = (generate(models[name], ids, mask, args.new_tokens) for name in ("roformer_hf", INT8))
+        same = (fp32 == int8).double().mean().item()
+        whole = (fp32 == int8).all(dim=1).sum().item()
+        print(f"roformer_hf int8 / fp32 tokens per second: **{rate[INT8] / rate['roformer_hf']:.2f}x**; its new tokens "
+              f"equal fp32's at {same:.1%} of positions ({whole} of {len(args.lengths)} continuations whole)\n")
     print(f"One decoding step ({len(args.lengths)} rows, one token each) after a cache of P tokens per row, mean of "
           f"{args.steps} steps:\n")
     print("| P | " + " | ".join(f"{name} (ms)" for name in models) + " |")

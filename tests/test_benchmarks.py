@@ -3,6 +3,7 @@ Runtime section skipped cleanly where onnxruntime is not installed."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -86,7 +87,8 @@ def test_benchmark_compile_option_times_the_compiled_model_and_reports_its_compi
 
 def test_generation_benchmark_reports_throughput_and_step_cost():
     """`bench_generate.py --quick`: both models generate on the same weights; the report has their tokens per second,
-    the ratio, and the step cost at each prefix length."""
+    the ratio, and the step cost at each prefix length; with oneDNN's int8 kernel, roformer_hf in int8 too, with how
+    many of its tokens are fp32's."""
     result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_generate.py"), "--quick"], capture_output=True,
                             text=True, timeout=300, cwd=BENCHMARKS)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -95,6 +97,13 @@ def test_generation_benchmark_reports_throughput_and_step_cost():
     assert "roformer_hf / transformers tokens per second:" in result.stdout
     assert [line.split("|")[1].strip() for line in result.stdout.splitlines()
             if line.startswith(("| 8 |", "| 32 |"))] == ["8", "32"]
+    from roformer_hf.quantization import int8_kernel_available
+
+    if int8_kernel_available():
+        assert any(line.startswith("| roformer_hf int8 |") for line in result.stdout.splitlines())
+        agreement = re.search(r"int8 / fp32 tokens per second: \*\*[0-9.]+x\*\*; its new tokens equal fp32's at "
+                              r"([0-9.]+)% of positions", result.stdout)
+        assert agreement and 0 <= float(agreement.group(1)) <= 100
 
 
 def test_quantization_benchmark_times_every_path_and_judges_the_targets():
