@@ -16,6 +16,7 @@ from transformers.activations import ACT2FN
 
 from roformer_hf.fused import fused_linear
 from roformer_hf.modeling import HEADS, RoFormerForCausalLM, RoFormerForMaskedLM
+from roformer_hf import quantization
 from roformer_hf.quantization import Int8Linear, int8_kernel_available, quantize_activations, quantize_int8
 
 needs_int8_kernel = pytest.mark.skipif(not int8_kernel_available(), reason="this torch has no oneDNN int8 kernel")
@@ -163,6 +164,14 @@ def test_quantized_model_runs_without_inference_mode():
     torch.testing.assert_close(model(ids, attention_mask=mask).logits, expected, rtol=0, atol=0)
 
 
+@pytest.fixture(params=["oneDNN, fused", "fbgemm, few rows"])
+def kernel(request, monkeypatch):
+    """Both of `Int8Linear`'s paths, whatever the inputs' row count: oneDNN's fused kernel (the many-row path) and
+    fbgemm's on weights packed once (the few-row path)."""
+    monkeypatch.setattr(quantization, "SMALL_BATCH_ROWS", 0 if request.param.startswith("oneDNN") else 10 ** 9)
+    return request.param
+
+
 def exact_product(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     """What the kernel must compute: the integer product of the quantized input and weights in int64 (no
     saturation), rescaled, plus the bias."""
@@ -173,7 +182,7 @@ def exact_product(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
 
 @needs_int8_kernel
 @pytest.mark.parametrize("saturation_safe", [True, False])
-def test_int8_linear_computes_the_exact_integer_product(saturation_safe):
+def test_int8_linear_computes_the_exact_integer_product(saturation_safe, kernel):
     """Inputs and weights at the ends of their ranges: where the CPU's instructions would saturate int16 pair sums
     (no VNNI), a wrong result. With `saturation_safe` (the default on such CPUs) the product is exact everywhere;
     without it, only on CPUs with VNNI or AMX."""
@@ -193,7 +202,7 @@ def test_int8_linear_computes_the_exact_integer_product(saturation_safe):
 
 @needs_int8_kernel
 @pytest.mark.parametrize("in_features", [64, 65, 768])
-def test_saturation_safe_weights_keep_8_bits_and_stay_exact_where_neighbours_differ(in_features):
+def test_saturation_safe_weights_keep_8_bits_and_stay_exact_where_neighbours_differ(in_features, kernel):
     """Neighbouring input features ``(2i, 2i + 1)`` share an int16 sum without VNNI. Weights laid out big, small,
     small, big, ... keep every such pair within bounds at 8 bits, while the pairs ``(2i + 1, 2i + 2)`` (big, big)
     would not: if the kernel paired features differently, the product would saturate. Shifted by one, the big
@@ -224,7 +233,7 @@ def test_saturation_safe_weights_keep_8_bits_and_stay_exact_where_neighbours_dif
 
 @needs_int8_kernel
 @pytest.mark.parametrize("threads", [1, 3, 8])
-def test_saturation_safe_products_stay_exact_however_the_kernel_splits_the_work(threads):
+def test_saturation_safe_products_stay_exact_however_the_kernel_splits_the_work(threads, kernel):
     """Few rows and outputs with many input features: oneDNN may split the input features across threads, and a
     split at an odd feature would pair ``(2i + 1, 2i + 2)``. Big weights in every position of the pattern, all
     inputs at the top of uint8: the product stays exact."""
@@ -276,7 +285,7 @@ def test_non_finite_inputs_are_refused_by_name(value):
 
 @needs_int8_kernel
 @pytest.mark.parametrize("case", ["gelu", "relu", "residual"])
-def test_int8_linear_applies_the_activation_or_residual_as_fused_linear_asks(case):
+def test_int8_linear_applies_the_activation_or_residual_as_fused_linear_asks(case, kernel):
     torch.manual_seed(0)
     layer, x = Int8Linear(nn.Linear(32, 24)), torch.randn(2, 5, 32)
     activation = None if case == "residual" else ACT2FN[case]
@@ -289,7 +298,38 @@ def test_int8_linear_applies_the_activation_or_residual_as_fused_linear_asks(cas
 
 
 @needs_int8_kernel
-def test_int8_linear_refuses_training_and_takes_empty_inputs():
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_both_kernels_compute_the_same_product_and_the_layer_picks_by_row_count(rows, monkeypatch):
+    """fbgemm on weights packed once and oneDNN's fused kernel: the same numbers for the same inputs (both exact
+    integer products of the same quantized inputs), with GELU and the residual applied alike; and a call takes the
+    few-row path below `SMALL_BATCH_ROWS` rows only."""
+    torch.manual_seed(0)
+    layer, x, residual = Int8Linear(nn.Linear(48, 40)), torch.randn(rows, 48) * 2, torch.randn(rows, 40)
+    outputs = {}
+    for threshold in (0, 10 ** 9):
+        monkeypatch.setattr(quantization, "SMALL_BATCH_ROWS", threshold)
+        with torch.inference_mode():
+            outputs[threshold] = [layer(x), layer.fused(x, "gelu", "none"), layer.fused(x, residual=residual)]
+    for onednn, fbgemm in zip(outputs[0], outputs[10 ** 9]):
+        torch.testing.assert_close(fbgemm, onednn, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    calls = []
+    monkeypatch.setattr(Int8Linear, "_few_rows", lambda self, *args: calls.append(1) or torch.zeros(rows, 40))
+    with torch.inference_mode():
+        layer(x)
+    assert len(calls) == (rows < quantization.SMALL_BATCH_ROWS)
+
+
+@needs_int8_kernel
+def test_a_non_finite_input_is_refused_on_both_paths(kernel):
+    layer, x = Int8Linear(nn.Linear(8, 4)), torch.randn(3, 8)
+    x[2, 5] = float("nan")
+    with torch.inference_mode(), pytest.raises(ValueError, match="non-finite"):
+        layer(x)
+
+
+@needs_int8_kernel
+def test_int8_linear_refuses_training_and_takes_empty_inputs(kernel):
     layer = Int8Linear(nn.Linear(8, 4))
     with pytest.raises(RuntimeError, match="inference"):
         layer(torch.randn(3, 8, requires_grad=True))
