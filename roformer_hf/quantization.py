@@ -7,10 +7,11 @@ runs in `torch.ops.onednn.qlinear_pointwise` (what torch.compile's x86 backend e
 fp32 output, the bias, and the layer's GELU/ReLU or residual add applied before the result is stored
 (`fused.fused_linear`). Padding stays skipped: the layers see the batch's real tokens only.
 
-Calls with fewer than `SMALL_BATCH_ROWS` rows (a generation step, a short request) take fbgemm's
-`quantized::linear_dynamic` instead, whose weights were packed once: oneDNN's kernel packs them at every call on CPUs
-without VNNI, which costs more than the product itself at a few rows (8 rows through a 768 x 3072 layer: 0.27 ms
-against 0.99 ms). Both compute the same integer product of the same quantized inputs.
+On CPUs without VNNI, calls with fewer than `SMALL_BATCH_ROWS` rows (a generation step, a short request) take
+fbgemm's `quantized::linear_dynamic` instead, whose weights were packed once: oneDNN's kernel packs them at every
+call there, which costs more than the product itself at a few rows (8 rows through a 768 x 3072 layer: 0.27 ms
+against 0.99 ms). Both compute the same integer product of the same quantized inputs; inputs whose range is too
+small for fbgemm's smallest scale (``_FBGEMM_SMALLEST_RANGE``) stay on oneDNN's path.
 
 On CPUs without VNNI (plain AVX2/AVX-512), the kernel multiplies uint8 by int8 with ``vpmaddubsw``, which adds the
 products of neighbouring input features (``2i`` and ``2i + 1``) into an int16 that saturates: 255 * 127 * 2 > 32767.
@@ -45,6 +46,7 @@ True
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from typing import Callable
 
@@ -54,9 +56,15 @@ from torch import Tensor, nn
 __all__ = ["Int8Linear", "quantize_int8", "int8_kernel_available"]
 
 
-# Below this many rows, fbgemm's kernel on weights packed once beats oneDNN's fused one (measured on AVX2 at
-# hidden 768: 3-4x at 8 rows, 1.1-1.5x at 64-128, about even from 256 rows on).
+# Below this many rows, fbgemm's kernel on weights packed once beats oneDNN's fused one (measured on AVX2 without
+# VNNI at hidden 768: 3-6x at 8 rows, 1.1-1.5x at 64-128, about even from 256 rows on).
 SMALL_BATCH_ROWS = 256
+# fbgemm raises scales below 6.1e-5 to that value, so it quantizes inputs spanning less than 255 of them
+# differently from `quantize_activations`; those take oneDNN's path (with a margin for its float32 arithmetic).
+_FBGEMM_SMALLEST_RANGE = 255 * 6.2e-5
+# What `fused` applies: oneDNN's (activation, algorithm) names.
+_POST_OPS = {("none", ""), ("relu", ""), ("gelu", "none"), ("gelu", "tanh")}
+_ENGINE_LOCK = threading.Lock()  # `_fbgemm_prepack` switches PyTorch's global quantized engine for a moment
 
 
 def int8_kernel_available() -> bool:
@@ -99,7 +107,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
         self._weight_zero_point = torch.zeros(self.out_features, dtype=torch.int32)
         self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)  # oneDNN's blocked layout
-        self._packed_small = _fbgemm_prepack(self.weight_int8, scale, self.bias)  # for few rows; None without fbgemm
+        # For few rows, where oneDNN packs the weights at every call (no VNNI); None elsewhere or without fbgemm.
+        self._packed_small = None if _cpu_has_vnni() else _fbgemm_prepack(self.weight_int8, scale, self.bias)
+        self._packed_from = self._buffers_state()
+
+    def _buffers_state(self) -> tuple:
+        """What tells that the buffers were replaced or edited in place (inference tensors keep no version)."""
+        return tuple((t.data_ptr(), t.dtype, None if t.is_inference() else t._version)
+                     for t in (self.weight_int8, self.weight_scale, self.bias) if t is not None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -118,16 +133,24 @@ class Int8Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Int8Linear expected inputs with {self.in_features} features, got shape "
                              f"{tuple(x.shape)}")
+        if (activation, algorithm) not in _POST_OPS:
+            raise ValueError(f"Int8Linear.fused: activation={activation!r}, algorithm={algorithm!r}; expected one of "
+                             f"{sorted(_POST_OPS)}")
         if residual is not None and activation != "none":
             raise ValueError("Int8Linear.fused applies an activation or a residual add, not both")
+        if self._buffers_state() != self._packed_from:
+            raise RuntimeError("Int8Linear's weights, scales or bias changed after they were packed for its kernels "
+                               "(load_state_dict, .to(), an in-place edit): quantize the fp32 model again instead")
         rows = x.reshape(-1, self.in_features).float()
         if rows.shape[0] == 0:
             return rows.new_empty(*x.shape[:-1], self.out_features)
         other = None if residual is None else residual.reshape(-1, self.out_features).float().contiguous()
-        if rows.shape[0] < SMALL_BATCH_ROWS and self._packed_small is not None:
+        low, high = input_range(rows)
+        if (rows.shape[0] < SMALL_BATCH_ROWS and self._packed_small is not None
+                and max(high, 0.0) - min(low, 0.0) >= _FBGEMM_SMALLEST_RANGE):
             output = self._few_rows(rows.contiguous(), activation, algorithm, other)
         else:
-            quantized, scale, zero_point = quantize_activations(rows)
+            quantized, scale, zero_point = quantize_activations(rows, value_range=(low, high))
             inputs = (quantized, scale, zero_point, self._packed, self.weight_scale, self._weight_zero_point)
             if other is None:
                 output = torch.ops.onednn.qlinear_pointwise(*inputs, self.bias, 1.0, 0, torch.float32, activation,
@@ -138,16 +161,13 @@ class Int8Linear(nn.Module):
         return output.view(*x.shape[:-1], self.out_features)
 
     def _few_rows(self, rows: Tensor, activation: str, algorithm: str, residual: Tensor | None) -> Tensor:
-        """fbgemm's dynamic int8 linear (it quantizes `rows` as `quantize_activations` does), then the activation
-        or residual that oneDNN would have fused."""
-        input_range(rows)  # refuses non-finite inputs, as the other path does
+        """fbgemm's dynamic int8 linear (it quantizes `rows` as `quantize_activations` does, for inputs spanning at
+        least `_FBGEMM_SMALLEST_RANGE`), then the activation or residual that oneDNN would have fused."""
         output = torch.ops.quantized.linear_dynamic(rows, self._packed_small, False)  # full 8-bit inputs
         if activation == "gelu":
-            output = nn.functional.gelu(output, approximate="tanh" if algorithm == "tanh" else "none")
+            output = nn.functional.gelu(output, approximate=algorithm)  # "none": the erf form
         elif activation == "relu":
             output = output.relu_()
-        elif activation != "none":
-            raise ValueError(f"Int8Linear.fused: activation={activation!r}; expected 'none', 'relu' or 'gelu'")
         return output if residual is None else output.add_(residual)
 
 
@@ -178,22 +198,25 @@ def _fbgemm_prepack(weight_int8: Tensor, scale: Tensor, bias: Tensor | None):
     if "fbgemm" not in torch.backends.quantized.supported_engines or not hasattr(torch.ops.quantized,
                                                                                   "linear_dynamic"):
         return None
-    engine = torch.backends.quantized.engine
-    torch.backends.quantized.engine = "fbgemm"  # the packing follows the engine; the call, the packed object
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            weight = torch._make_per_channel_quantized_tensor(weight_int8, scale.double(),
-                                                              torch.zeros(len(scale), dtype=torch.long), 0)
-        return torch.ops.quantized.linear_prepack(weight, bias)
-    finally:
-        torch.backends.quantized.engine = engine
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        weight = torch._make_per_channel_quantized_tensor(weight_int8, scale.double(),
+                                                          torch.zeros(len(scale), dtype=torch.long), 0)
+    with _ENGINE_LOCK:  # the packing follows the global engine; a call follows the packed object
+        engine = torch.backends.quantized.engine
+        torch.backends.quantized.engine = "fbgemm"
+        try:
+            return torch.ops.quantized.linear_prepack(weight, bias)
+        finally:
+            torch.backends.quantized.engine = engine
 
 
-def quantize_activations(x: Tensor, levels: int = 255) -> tuple[Tensor, float, int]:
+def quantize_activations(x: Tensor, levels: int = 255,
+                         value_range: tuple[float, float] | None = None) -> tuple[Tensor, float, int]:
     """`x` as uint8 in ``[0, levels]``, with the scale and zero point that map ``[min(x, 0), max(x, 0)]`` onto that
-    range (zero exactly representable): ``x ~ scale * (q - zero_point)``."""
-    low, high = input_range(x)
+    range (zero exactly representable): ``x ~ scale * (q - zero_point)``. `value_range`: `input_range(x)`, if
+    already known."""
+    low, high = input_range(x) if value_range is None else value_range
     low, high = min(low, 0.0), max(high, 0.0)
     scale = max((high - low) / levels, torch.finfo(torch.float32).tiny)
     zero_point = min(max(round(-low / scale), 0), levels)

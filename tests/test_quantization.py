@@ -168,8 +168,14 @@ def test_quantized_model_runs_without_inference_mode():
 def kernel(request, monkeypatch):
     """Both of `Int8Linear`'s paths, whatever the inputs' row count: oneDNN's fused kernel (the many-row path) and
     fbgemm's on weights packed once (the few-row path)."""
+    if request.param.startswith("fbgemm") and not has_few_row_path():
+        pytest.skip("no few-row path here: the CPU has VNNI, or PyTorch has no fbgemm")
     monkeypatch.setattr(quantization, "SMALL_BATCH_ROWS", 0 if request.param.startswith("oneDNN") else 10 ** 9)
     return request.param
+
+
+def has_few_row_path() -> bool:
+    return int8_kernel_available() and Int8Linear(nn.Linear(8, 4))._packed_small is not None
 
 
 def exact_product(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +183,8 @@ def exact_product(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     saturation), rescaled, plus the bias."""
     quantized, scale, zero_point = quantize_activations(x)
     product = (quantized.long() - zero_point) @ layer.weight_int8.long().T  # (rows, out)
-    return product.double() * scale * layer.weight_scale.double() + layer.bias.double()
+    bias = 0 if layer.bias is None else layer.bias.double()
+    return product.double() * scale * layer.weight_scale.double() + bias
 
 
 @needs_int8_kernel
@@ -303,6 +310,8 @@ def test_both_kernels_compute_the_same_product_and_the_layer_picks_by_row_count(
     """fbgemm on weights packed once and oneDNN's fused kernel: the same numbers for the same inputs (both exact
     integer products of the same quantized inputs), with GELU and the residual applied alike; and a call takes the
     few-row path below `SMALL_BATCH_ROWS` rows only."""
+    if not has_few_row_path():
+        pytest.skip("no few-row path here: the CPU has VNNI, or PyTorch has no fbgemm")
     torch.manual_seed(0)
     layer, x, residual = Int8Linear(nn.Linear(48, 40)), torch.randn(rows, 48) * 2, torch.randn(rows, 40)
     outputs = {}
@@ -318,6 +327,40 @@ def test_both_kernels_compute_the_same_product_and_the_layer_picks_by_row_count(
     with torch.inference_mode():
         layer(x)
     assert len(calls) == (rows < quantization.SMALL_BATCH_ROWS)
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("magnitude", [1e-3, 1e-4, 1e-7])
+def test_inputs_too_small_for_fbgemms_scales_are_still_exact(magnitude, kernel):
+    """fbgemm never uses a scale below 6.1e-5: on inputs spanning less than 255 of them it would quantize otherwise
+    (13 steps off at 1e-3, everything at 1e-7). Such calls stay on oneDNN's path, exact on either."""
+    torch.manual_seed(0)
+    layer, x = Int8Linear(nn.Linear(64, 16, bias=False)), torch.randn(4, 64) * magnitude
+    with torch.inference_mode():
+        actual = layer(x)
+    expected = exact_product(layer, x)
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+@needs_int8_kernel
+def test_changed_buffers_are_refused_rather_than_run_on_stale_packed_weights():
+    """The kernels run on copies packed at construction: after `load_state_dict`, `.to(dtype)` or an in-place edit
+    they would silently use the old weights, so the layer stops with the reason."""
+    layer, x = Int8Linear(nn.Linear(8, 4)), torch.randn(3, 8)
+    other = Int8Linear(nn.Linear(8, 4))
+    layer.load_state_dict(other.state_dict())
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="changed after they were packed"):
+        layer(x)
+    layer = Int8Linear(nn.Linear(8, 4)).to(torch.bfloat16)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="quantize the fp32 model again"):
+        layer(x)
+
+
+@needs_int8_kernel
+def test_an_unknown_post_op_is_refused_on_both_paths(kernel):
+    layer = Int8Linear(nn.Linear(8, 4))
+    with torch.inference_mode(), pytest.raises(ValueError, match="activation='swish'"):
+        layer.fused(torch.randn(3, 8), "swish", "")
 
 
 @needs_int8_kernel
