@@ -8,6 +8,10 @@ For a change that must not cost speed (a refactor): both versions load the same 
 the same padded batch (the inference forward and the MLM training step of `bench_cpu.py`), alternating which goes
 first, so machine load hits both alike. The earlier version is extracted with `git archive` and imported under
 another package name (its imports inside the package are relative).
+
+Before timing, `identical_paths.compare` runs both versions on small models along every path (heads, layouts, rope
+types, kernels, training with dropout, the decoder and generation) and prints which outputs or gradients differ in
+any bit (`--skip-paths` to leave it out).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from statistics import median
 import torch
 
 from common import machine_lines
+from identical_paths import compare
 from workload import (DTYPES, REPO_ROOT, add_size_arguments, infer, padded_batch, parse_args, size_of, train_step,
                       transformers_config)
 
@@ -41,6 +46,16 @@ def import_old_version(revision: str, folder: Path):
     return importlib.import_module("roformer_hf_old")
 
 
+def print_identical_paths(old_package, new_package) -> None:
+    results = compare(old_package, new_package)
+    print(f"\n| path (old = {old_package.__name__}, new = this checkout) | outputs and gradients |")
+    print("| --- | --- |")
+    for name, differing in results:
+        print(f"| {name} | {'identical' if not differing else 'DIFFER: ' + ', '.join(differing[:4])} |")
+    same = sum(not differing for _, differing in results)
+    print(f"\n{same} of {len(results)} paths bit-identical")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser)
@@ -48,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="the weights of both versions")
     parser.add_argument("--skip-train", action="store_true", help="time the inference forward only")
+    parser.add_argument("--skip-paths", action="store_true", help="leave out the bit-for-bit check of every path")
     args = parse_args(parser, argv, repeats=3)
     torch.manual_seed(args.seed)
     size = size_of(args)
@@ -57,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         old_package = import_old_version(args.old, Path(folder) / "code")
+        if not args.skip_paths:
+            print_identical_paths(old_package, roformer_hf)
         transformers.RoFormerForMaskedLM(transformers_config(size, max(args.lengths))).save_pretrained(folder)
         models = {name: package.RoFormerForMaskedLM.from_pretrained(folder, sparse_prediction=True,
                                                                     dtype=DTYPES[args.dtype])

@@ -8,15 +8,14 @@ and, as ``module.num_key_value_groups = nh / nkv``, how many query heads share e
 attention; transformers' kernels read it too). Packed tokens use flash-attn's varlen convention: ``B = 1``,
 ``L = N`` real tokens, sequence boundaries in ``cu_seq_lens_q``/``cu_seq_lens_k``.
 
-`attend` takes the same arguments, with an `AttentionMask` as the mask and the tokens in the layout's shape
-``(*T, n, d)``, and picks the way for the mask and the kernel (``module.config._attn_implementation``):
+`attend` takes the same arguments, with an `masks.AttentionMask` as the mask (built once per forward, in the form
+the kernel takes) and the tokens in the layout's shape ``(*T, n, d)``:
 
-- the layout says everything (no cache, no prefix; `AttentionMask.is_layout_only`) and the sequence offsets are
-  known (real tokens side by side, or packed rows), flash-attn: its varlen kernel reads the tokens directly;
-- the same with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its own slice (no padding, no mask);
-  with attention dropout in training, `blocked_dropout_attention_forward` (`blocked_dropout.BlockedDropoutAttention`)
-  keeps only the dropout mask, as bits;
-- otherwise the padded layout ``(B, nh, L, d)`` with the dense mask (`attend_padded`): padding, packed rows,
+- the ``"varlen"`` form (the layout says everything: real tokens side by side, or packed rows), with flash-attn: its
+  varlen kernel reads the tokens directly; with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its
+  own slice (no padding, no mask); with attention dropout in training, `blocked_dropout_attention_forward`
+  (`blocked_dropout.BlockedDropoutAttention`) keeps only the dropout mask, as bits;
+- otherwise the padded layout ``(B, nh, L, d)`` with the mask's tensor (`attend_padded`): padding, packed rows,
   causality after a cache, a bidirectional prefix.
 """
 
@@ -28,15 +27,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-try:
-    from transformers.utils.generic import is_flash_attention_requested
-except ImportError:  # transformers releases before it: the same test
-
-    def is_flash_attention_requested(requested_attention_implementation: str | None = None) -> bool:
-        return "flash" in (requested_attention_implementation or "")
-
 from .blocked_dropout import DROPOUT_BLOCK_ROWS, BlockedDropoutAttention
-from .masks import AttentionMask
+from .masks import AttentionMask, causal_mask, is_flash_attention_requested
 
 SDPA_VARLEN = "roformer_sdpa_varlen"
 SDPA_DROPOUT = "roformer_sdpa_dropout"
@@ -150,8 +142,7 @@ def causal_unless_masked(module: nn.Module, query: Tensor, key: Tensor, attentio
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
     if not causal or query.shape[2] == 1:
         return None
-    queries, keys = query.shape[2], key.shape[2]
-    return torch.ones(1, 1, queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
+    return causal_mask(query.shape[2], key.shape[2], query.device)
 
 
 def key_value_heads_for_every_query_head(module: nn.Module, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -187,34 +178,18 @@ def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
 def attend_padded(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: AttentionMask,
                   scaling: float, dropout: float = 0.0, *, implementation: str,
                   **kwargs) -> tuple[Tensor, Tensor | None]:
-    """Attention on the padded layout ``(B, nh, L, d)`` with the dense mask. Takes the queries in the layout's token
+    """Attention on the padded layout ``(B, nh, L, d)`` with the mask's tensor. Takes the queries in the layout's token
     shape ``(*T, nh, d)`` and the keys and values in it too, or ``(B, Lk, nkv, d)`` (a cache, cross-attention);
     returns the context in the queries' shape, and the weights when the kernel gives them (eager)."""
     if implementation == "sdpa" and dropout and module.training and query.device.type == "cpu":
         implementation = SDPA_DROPOUT
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     layout = attention_mask.layout
-    keys_are_queries = attention_mask.key_padding is None  # else: a cache, or an encoder's keys, already (B, Lk)
     query = layout.scatter_tokens(query).transpose(1, 2)  # (B, nh, L, d)
-    key, value = ((layout.scatter_tokens(t) if keys_are_queries else t).transpose(1, 2) for t in (key, value))
-    if is_flash_attention_requested(requested_attention_implementation=implementation):
-        mask = flash_padding_mask(attention_mask)
-    else:
-        mask = attention_mask.dense()
-    output, weights = attention(module, query, key, value, mask, dropout=dropout, scaling=scaling)
+    key, value = ((layout.scatter_tokens(t) if attention_mask.keys_are_queries else t).transpose(1, 2)
+                  for t in (key, value))
+    output, weights = attention(module, query, key, value, attention_mask.tensor, dropout=dropout, scaling=scaling)
     return layout.gather_tokens(output), weights
-
-
-def flash_padding_mask(attention_mask: AttentionMask) -> Tensor | None:
-    """What flash-attn's padded interface takes: the keys' padding ``(B, Lk)``, with causality from ``module.is_causal``
-    (aligned to the last query, as after a cache). Refuses what it cannot express rather than drop it."""
-    if attention_mask.prefix is not None:
-        raise ValueError("flash-attn cannot apply a bidirectional prefix (prefix_lm): use attn_implementation='sdpa' "
-                         "or 'eager'")
-    if attention_mask.layout.has_packed_rows:
-        raise ValueError("flash-attn on the padded layout cannot keep packed sequences apart; let the model skip "
-                         "padding (config.unpad_inputs=True) and do not trace it")
-    return attention_mask.key_padding_2d()
 
 
 def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: AttentionMask,
@@ -226,18 +201,16 @@ def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attenti
         module: the attention module (train or eval decides dropout; ``is_causal`` causality).
         query: ``(*T, nh, d)`` with ``T = (N,)`` in varlen mode, else ``(B, L)``.
         key, value: the same shape with ``nkv`` heads, or ``(B, Lk, nkv, d)`` when they are not the queries' tokens
-            (a cache, cross-attention: ``attention_mask.key_padding`` is then set).
-        attention_mask: which keys each query may see.
+            (a cache, cross-attention: ``attention_mask.keys_are_queries`` is then False).
+        attention_mask: which keys each query may see, rendered for this kernel (`masks.create_attention_mask`).
 
     Returns:
         The context ``(*T, nh, d)``, and the weights ``(B, nh, L, Lk)`` from the eager kernel (else ``None``).
     """
     implementation = "eager" if kwargs.get("output_attentions") else module.config._attn_implementation
-    if attention_mask.layout.cu_seqlens is not None and attention_mask.is_layout_only:
-        if is_flash_attention_requested(requested_attention_implementation=implementation):
-            return attend_varlen(module, query, key, value, attention_mask, scaling, dropout,
-                                 implementation=implementation)
-        if implementation == "sdpa" and query.device.type == "cpu":
-            return attend_varlen(module, query, key, value, attention_mask, scaling, dropout,
-                                 implementation=SDPA_VARLEN)
+    if attention_mask.form == "varlen":
+        if not is_flash_attention_requested(requested_attention_implementation=implementation):
+            implementation = SDPA_VARLEN
+        return attend_varlen(module, query, key, value, attention_mask, scaling, dropout,
+                             implementation=implementation)
     return attend_padded(module, query, key, value, attention_mask, scaling, dropout, implementation=implementation)

@@ -1,5 +1,9 @@
-"""A key/value cache whose cost per generated token does not grow with the prefix: transformers' `DynamicCache`, with
-room to spare in each layer's buffers.
+"""The key/value cache of a decoder: made here (`create_cache`, for a forward with `use_cache` and for `generate()`),
+checked here (`check_cache`), and read by each attention module through `update_layer` (its layer's keys and values,
+cross-attention's computed once per generation).
+
+The cache the model makes is a `GrowingCache`: transformers' `DynamicCache` with room to spare in each layer's buffers,
+whose cost per generated token does not grow with the prefix.
 
 `DynamicCache` appends each step's keys and values with `torch.cat`, which copies the whole cache: at 1024 cached tokens
 per row (8 rows, 4 layers of base width) the copies took over half of a decoding step on CPU. `GrowingCache` keeps each
@@ -11,7 +15,7 @@ only the new tokens. It is a `DynamicCache` (everything that takes one takes it)
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 
 MIN_CAPACITY = 64  # tokens per row of a layer's first buffer
 
@@ -65,3 +69,66 @@ class GrowingCache(DynamicCache):
 
     def __init__(self):
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+
+def create_cache(cross_attention: bool = False) -> Cache:
+    """The cache a decoder makes when given none: a `GrowingCache`, in an `EncoderDecoderCache` beside an empty
+    `DynamicCache` for cross-attention's keys when `cross_attention`."""
+    return EncoderDecoderCache(GrowingCache(), DynamicCache()) if cross_attention else GrowingCache()
+
+
+def check_cache(config, past_key_values: Cache | None, use_cache: bool | None, batch_size: int | None = None) -> int:
+    """Checks a cache (only where the config has a place for it, of a kind the model can extend, holding keys of this
+    model's shape for a batch of `batch_size` rows) and returns how many tokens per row it holds (0 without one):
+    computed once per forward, for every check and mask that needs it."""
+    if (past_key_values is not None or use_cache) and not config.is_decoder:
+        raise ValueError("past_key_values / use_cache=True need a decoder (RoFormerConfig.is_decoder=True): an encoder "
+                         "reads the whole sequence at once and keeps no cache")
+    if past_key_values is None:
+        return 0
+    if not isinstance(past_key_values, Cache):
+        raise ValueError(f"past_key_values is a {type(past_key_values).__name__}; expected a transformers Cache "
+                         "(DynamicCache, or EncoderDecoderCache with cross-attention), as the model returns it")
+    if getattr(past_key_values, "is_compileable", False):
+        raise ValueError(f"past_key_values ({type(past_key_values).__name__}) has a fixed length (what "
+                         "generate(cache_implementation='static') builds); roformer_hf attends over the cache's filled "
+                         "length only and takes caches that grow: DynamicCache, or none (generate's default)")
+    past_length = past_key_values.get_seq_length()
+    if batch_size is not None and past_length:
+        keys = layer_cache(past_key_values, cross_attention=False).layers[0].keys  # (B, nkv, past, d)
+        expected = (batch_size, config.num_key_value_heads, keys.shape[2], config.head_dim)
+        if tuple(keys.shape) != expected:
+            raise ValueError(f"past_key_values holds keys of shape {tuple(keys.shape)}; expected {expected} (batch "
+                             "size, key/value heads, cached length, head size): a cache of another batch or model")
+    return past_length
+
+
+def layer_cache(past_key_values: Cache | None, cross_attention: bool) -> Cache | None:
+    """The part of a cache an attention module updates: an `EncoderDecoderCache` holds one for self-attention and one
+    for cross-attention; any other cache is self-attention's."""
+    if isinstance(past_key_values, EncoderDecoderCache):
+        return past_key_values.cross_attention_cache if cross_attention else past_key_values.self_attention_cache
+    return None if cross_attention else past_key_values
+
+
+def cached_cross_attention(past_key_values: Cache | None, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Cross-attention's keys and values ``(B, Lk, nkv, d)`` of layer `layer_idx`, when an earlier step of this
+    generation projected the encoder's states already; else ``None``."""
+    cache = layer_cache(past_key_values, cross_attention=True)
+    if cache is None or not past_key_values.is_updated.get(layer_idx):
+        return None
+    layer = cache.layers[layer_idx]
+    return layer.keys.transpose(1, 2), layer.values.transpose(1, 2)
+
+
+def update_layer(past_key_values: Cache | None, layer_idx: int, key: torch.Tensor, value: torch.Tensor,
+                 cross_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """This forward's keys and values ``(B, L, nkv, d)`` appended to layer `layer_idx` of the cache: returns all of the
+    layer's, ``(B, past + L, nkv, d)`` (unchanged without a cache). Cross-attention's are stored once."""
+    cache = layer_cache(past_key_values, cross_attention)
+    if cache is None:
+        return key, value
+    key, value = cache.update(key.transpose(1, 2), value.transpose(1, 2), layer_idx)  # (B, nkv, past + L, d)
+    if cross_attention:
+        past_key_values.is_updated[layer_idx] = True
+    return key.transpose(1, 2), value.transpose(1, 2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import numbers
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
@@ -21,20 +21,75 @@ NORM_POSITIONS = ("post", "pre")
 LAYER_NORM = "layer_norm"  # LayerNorm (RoFormer)
 RMS_NORM = "rms_norm"  # RoFormer-V2's parameter-free RMS norm
 NORM_TYPES = (LAYER_NORM, RMS_NORM)
-# `rope_parameters`: the keys each rope type reads besides `rope_type`, `rope_theta` and `partial_rotary_factor`, then
-# those it cannot do without. Frequencies come from transformers' `ROPE_INIT_FUNCTIONS`.
-ROPE_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "truncate"),
-    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+
+
+class RopeType(NamedTuple):
+    """A row of `ROPE_TYPES`: what a rope type of `rope_parameters` reads and how its frequencies behave."""
+
+    reads: tuple[str, ...]  # keys it reads besides `rope_type`, `rope_theta` and `partial_rotary_factor`
+    requires: tuple[str, ...] = ()  # those it cannot do without
+    adapts_to_length: bool = False  # its frequencies follow the batch's longest sequence
+
+
+# The one table of rope types. Frequencies come from transformers' `ROPE_INIT_FUNCTIONS` (RoFormer's own for
+# "default"); each key they read is checked by `ROPE_KEY_CHECKS`.
+ROPE_TYPES = {
+    "default": RopeType(()),
+    "linear": RopeType(("factor",), requires=("factor",)),
+    "dynamic": RopeType(("factor",), requires=("factor",), adapts_to_length=True),
+    "yarn": RopeType(("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                      "mscale", "mscale_all_dim", "truncate"), requires=("factor",)),
+    "longrope": RopeType(("short_factor", "long_factor", "original_max_position_embeddings", "factor",
+                          "attention_factor"), requires=("short_factor", "long_factor"), adapts_to_length=True),
+    "llama3": RopeType(("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                       requires=("factor", "low_freq_factor", "high_freq_factor")),
 }
-REQUIRED_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
-                      "longrope": ("short_factor", "long_factor"), "llama3": ("factor", "low_freq_factor",
-                                                                              "high_freq_factor")}
+def _positive(value, *context) -> bool:  # numpy scalars too; `context`: the rope parameters and head_dim / 2
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
+
+
+def _at_least_one(value, *context) -> bool:
+    return _positive(value) and value >= 1
+
+
+def _count(value, *context) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+
+
+def _flag(value, *context) -> bool:
+    return isinstance(value, bool)
+
+
+def _above_low_freq_factor(value, params: dict, half: int) -> bool:
+    return _positive(value) and value > (params.get("low_freq_factor") or 0.0)
+
+
+def _factors(value, params: dict, half: int) -> bool:
+    return isinstance(value, list) and len(value) == half and all(_positive(x) for x in value)
+
+
+def _one(value, *context) -> bool:
+    return value == 1
+
+
+# What each key of `rope_parameters` must hold: `valid(value, rope_parameters, head_dim // 2)`, and what is expected.
+ROPE_KEY_CHECKS = {
+    "rope_theta": (_positive, "a number > 0"),
+    "factor": (_at_least_one, "a number >= 1"),
+    "original_max_position_embeddings": (_count, "a positive integer (the training length)"),
+    "attention_factor": (_positive, "a number > 0"),
+    "beta_fast": (_positive, "a number > 0"),
+    "beta_slow": (_positive, "a number > 0"),
+    "mscale": (_positive, "a number > 0"),
+    "mscale_all_dim": (_positive, "a number > 0"),
+    "truncate": (_flag, "True or False"),
+    "low_freq_factor": (_positive, "a number > 0"),
+    "high_freq_factor": (_above_low_freq_factor, "a number > low_freq_factor"),
+    "short_factor": (_factors, "a list of {half} numbers > 0 (head_dim / 2)"),
+    "long_factor": (_factors, "a list of {half} numbers > 0 (head_dim / 2)"),
+    "partial_rotary_factor": (_one, "1.0: roformer_hf rotates whole heads"),
+}
+
 TRANSFORMERS_MODEL_TYPE = "roformer"  # transformers' own RoFormer, whose checkpoints we load
 
 
@@ -255,46 +310,20 @@ class RoFormerConfig(PreTrainedConfig):
         def fail(key: str, expected: str) -> None:
             raise ValueError(f"RoFormerConfig.rope_parameters[{key!r}]={params.get(key)!r}: expected {expected}")
 
-        def positive(value, low: float = 0.0) -> bool:  # numpy scalars too
-            return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > low
-
-        def count(value) -> bool:
-            return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
-
         rope_type = params.get("rope_type")
-        if not isinstance(rope_type, str) or rope_type not in ROPE_KEYS:
-            fail("rope_type", f"one of {tuple(ROPE_KEYS)}")
-        read = {"rope_type", "rope_theta", "partial_rotary_factor", *ROPE_KEYS[rope_type]}
+        if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
+            fail("rope_type", f"one of {tuple(ROPE_TYPES)}")
+        read = {"rope_type", "rope_theta", "partial_rotary_factor", *ROPE_TYPES[rope_type].reads}
         unread = sorted(set(params) - read)
         if unread:  # as transformers' rope validation: kept in the config, warned about, and never read
             logger.warning("RoFormerConfig.rope_parameters has %s, which rope_type=%r does not read: ignored (it reads "
                            "%s)", unread, rope_type, sorted(read))
-        for key in (*REQUIRED_ROPE_KEYS.get(rope_type, ()), "rope_theta"):
+        for key in (*ROPE_TYPES[rope_type].requires, "rope_theta"):
             if params.get(key) is None:
                 fail(key, f"a value: rope_type={rope_type!r} needs it")
-        half = self.head_dim // 2
-        factors = (lambda v: isinstance(v, list) and len(v) == half and all(positive(x) for x in v),
-                   f"a list of {half} numbers > 0 (head_dim / 2)")
-        checks = {
-            "rope_theta": (positive, "a number > 0"),
-            "factor": (lambda v: positive(v) and v >= 1, "a number >= 1"),
-            "original_max_position_embeddings": (count, "a positive integer (the training length)"),
-            "attention_factor": (positive, "a number > 0"),
-            "beta_fast": (positive, "a number > 0"),
-            "beta_slow": (positive, "a number > 0"),
-            "mscale": (positive, "a number > 0"),
-            "mscale_all_dim": (positive, "a number > 0"),
-            "truncate": (lambda v: isinstance(v, bool), "True or False"),
-            "low_freq_factor": (positive, "a number > 0"),
-            "high_freq_factor": (lambda v: positive(v, params.get("low_freq_factor") or 0.0),
-                                 "a number > low_freq_factor"),
-            "short_factor": factors,
-            "long_factor": factors,
-            "partial_rotary_factor": (lambda v: v == 1, "1.0: roformer_hf rotates whole heads"),
-        }
-        for key, (valid, expected) in checks.items():
-            if key in read and params.get(key) is not None and not valid(params[key]):
-                fail(key, expected)
+        for key, (valid, expected) in ROPE_KEY_CHECKS.items():
+            if key in read and params.get(key) is not None and not valid(params[key], params, self.head_dim // 2):
+                fail(key, expected.format(half=self.head_dim // 2))
 
     @property
     def rope_theta(self) -> float:

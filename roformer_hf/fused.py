@@ -9,9 +9,11 @@ CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (
 It has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it only in eager
 forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
 would: a plain `nn.Linear` (not an adapter such as LoRA's, not a quantized weight) without hooks, fp32 or bf16
-without autocast, on CPU. roformer_hf's own int8 layer (`quantization.Int8Linear`) applies the activation or the
-addition in its oneDNN kernel too. Everywhere else `fused_linear` calls the module and applies the activation and the
-addition as usual; of any other layer it reads nothing but its type.
+without autocast, on CPU. A layer class that applies the activation or the addition itself declares it: a class
+attribute ``fuses_post_ops = True`` and a method ``fused(x, activation, algorithm, residual)`` taking oneDNN's names
+(`quantization.Int8Linear` does; this module does not import it, so saved folders carry no quantization code).
+Everywhere else `fused_linear` calls the module and applies the activation and the addition as usual; of any other
+layer it reads nothing but its type.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 from transformers.activations import GELUActivation
 from transformers.utils.import_utils import is_tracing
-
-from .quantization import Int8Linear
 
 _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 # oneDNN has bf16 GEMMs only on CPUs with AVX-512 (or AMX); elsewhere it cannot build the primitive at all.
@@ -44,8 +44,8 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
     fused = _fused_activation(activation)
     if fused is not None and (residual is None or fused[0] == "none"):
         name, algorithm = fused
-        if type(layer) is Int8Linear and not _hooked(layer) and (residual is None or _fits(residual, x,
-                                                                                           layer.out_features)):
+        if getattr(type(layer), "fuses_post_ops", False) and not _hooked(layer) and (
+                residual is None or _fits(residual, x, layer.out_features)):
             return layer.fused(x, name, algorithm, residual)
         if _kernel_applies(layer, x, residual):
             if residual is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 
 from safetensors import SafetensorError
+from torch import nn
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, has_file
 
 
@@ -64,8 +65,36 @@ class CheckpointPolicy:
         return (model, info) if want_info else model
 
     def check_checkpoint_weights(self, name: str, missing_keys: list[str], unexpected_keys: list[str]) -> None:
-        """Raises when checkpoint `name` disagrees with the model's config, beyond what transformers reports (the
-        model class decides; `missing_keys` are its missing encoder weights)."""
+        """Refuses a checkpoint of the other member of the family: norm weights or dense-layer biases that this
+        model's config has no place for (a RoFormer checkpoint read with a RoFormer-V2 config), or a checkpoint that
+        lacks exactly its encoder's norm weights and biases (the reverse). `missing_keys`: the encoder weights the
+        checkpoint lacks."""
+        modules = dict(self.named_modules())
+
+        def kind(key: str) -> str | None:
+            module_name, _, parameter = key.rpartition(".")
+            # A head's checkpoint read by the bare model names the encoder's weights with the head's prefix.
+            module = modules.get(module_name, modules.get(module_name.removeprefix(f"{self.base_model_prefix}.")))
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                return "norm"
+            return "bias" if isinstance(module, nn.Linear) and parameter == "bias" else None
+
+        described = {"norm": ("LayerNorm weights", f"norm_type={self.config.norm_type!r}"),
+                     "bias": ("biases of the encoder's dense layers", f"use_bias={self.config.use_bias}")}
+        if not all(kind(key) for key in missing_keys):  # more than norms and biases missing: not a matter of family
+            missing_keys = []
+        problems = []
+        for keys, verb in ((unexpected_keys, "holds"), (missing_keys, "lacks")):
+            for what, (weights, setting) in described.items():
+                if found := sorted(key for key in keys if kind(key) == what):
+                    problems.append(f"it {verb} {len(found)} {weights} (e.g. {found[:2]}), but its config says "
+                                    f"{setting}")
+        if problems:
+            raise ValueError(
+                f"{name!r} does not match its config: {'; '.join(problems)}. RoFormer-V2 checkpoints have no "
+                "LayerNorm weights and no encoder biases, and their config.json says use_bias: false, norm_type: "
+                "\"rms_norm\"; RoFormer (V1) checkpoints have both, with use_bias: true, norm_type: \"layer_norm\" "
+                "(the defaults). Fix config.json to describe the weights")
 
     def is_encoder_weight(self, name: str) -> bool:
         """Whether parameter `name` belongs to the encoder: all of the bare model's, a head model's under its

@@ -1,83 +1,182 @@
-"""Which keys each query may attend to: one description per forward (`AttentionMask`), read by every kernel.
+"""Which keys each query may attend to: the one place a mask is built.
 
-An encoder's queries and keys are the same tokens, so the batch's layout (`padding.BatchLayout`) says it all: padding
-and packed rows. A decoder adds what the layout cannot say:
+A mask is composed from small mask functions, as transformers' `masking_utils` composes them: each takes index
+tensors ``(batch_idx, head_idx, q_idx, kv_idx)`` that broadcast against each other and says, for every combination,
+whether the query may see the key. transformers' own functions give padding, causality and packed sequences; this
+module adds what RoFormer needs besides:
 
-- causality: query ``i`` sees keys up to its own position;
-- a cache: keys from earlier forwards come first (``past_length`` of them), so keys outnumber queries, and the
-  padding of the keys is the whole `attention_mask` ``(B, past + L)``, as transformers' generation passes it;
-- a prefix read bidirectionally (UniLM, RoFormer-Sim): the tokens of segment 0 (`token_type_ids`) see each other
-  whatever their order, segment 1 is causal;
-- cross-attention: keys from an encoder, with their own padding.
+- the empty-row rule: a row without real tokens sees its first key (softmax over nothing is NaN, and NaN states at
+  padding reach the real tokens through a cache);
+- a prefix read bidirectionally (UniLM, RoFormer-Sim's `prefix_lm`): the tokens of segment 0 (`token_type_ids`) see
+  each other whatever their order, segment 1 is causal;
+- a query always sees itself (a causal query at padding would otherwise see nothing).
 
-Kernels that take a dense mask get `AttentionMask.dense()`; the varlen kernels, which cannot take one, are used only
-where the layout and `module.is_causal` say everything (`AttentionMask.is_layout_only`).
+`create_attention_mask` builds the mask of a forward once, from the batch's layout (`padding.BatchLayout`), and
+renders it in the form the attention kernel takes (`AttentionMask.form`), for every layer:
+
+- ``"varlen"``: no tensor; the varlen kernels (flash-attn's, or SDPA sequence by sequence on CPU) read the sequence
+  offsets of the layout. Only where the layout says everything: no cache, no prefix, keys that are the queries.
+- ``"flash"``: the keys' padding ``(B, Lk)``, flash-attn's padded interface (causality from ``module.is_causal``).
+- ``"dense"``: ``(B, 1, Lq or 1, Lk)`` bool, True = may attend, or ``None`` when every query may see every key.
+
+Kernels given no mask are causal when their module is (transformers' convention): `causal_mask` is that mask.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Literal
 
 import torch
 from torch import Tensor
+from transformers.masking_utils import (
+    and_masks,
+    causal_mask_function,
+    or_masks,
+    packed_sequence_mask_function,
+    padding_mask_function,
+)
 
 from .padding import BatchLayout
+
+try:
+    from transformers.utils.generic import is_flash_attention_requested
+except ImportError:  # transformers releases before it: the same test
+
+    def is_flash_attention_requested(requested_attention_implementation: str | None = None) -> bool:
+        return "flash" in (requested_attention_implementation or "")
+
+MaskFunction = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+MaskForm = Literal["varlen", "flash", "dense"]
+
+
+def empty_row_mask_function(token_mask: Tensor) -> MaskFunction:
+    """A row of `token_mask` ``(B, L)`` without real tokens sees its first key."""
+    empty_rows = ~token_mask.any(dim=-1)  # (B,)
+
+    def inner_mask(batch_idx: Tensor, head_idx: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return empty_rows[batch_idx] & (kv_idx == 0)
+
+    return inner_mask
+
+
+def prefix_mask_function(prefix: Tensor, past_length: int = 0) -> MaskFunction:
+    """The bidirectional prefix of a prefix-LM: a query of the prefix sees every key of it. `prefix` ``(B, L)`` bool
+    marks the forward's own tokens; the ``past_length`` cached keys before them are not part of it."""
+    prefix_keys = torch.nn.functional.pad(prefix.bool(), (past_length, 0))  # (B, past + L): query i is key past + i
+
+    def inner_mask(batch_idx: Tensor, head_idx: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return prefix_keys[batch_idx, q_idx] & prefix_keys[batch_idx, kv_idx]
+
+    return inner_mask
+
+
+def diagonal_mask_function(batch_idx: Tensor, head_idx: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """A query sees its own key."""
+    return kv_idx == q_idx
+
+
+def layout_mask_function(layout: BatchLayout) -> MaskFunction | None:
+    """What the layout says of self-attention without a cache: packed rows attend within their sequences, padding
+    is masked (a row without real tokens sees its first key); ``None`` when every key is visible."""
+    if layout.segment_ids is not None:
+        return packed_sequence_mask_function(layout.segment_ids)
+    if layout.token_mask is None:
+        return None
+    return or_masks(padding_mask_function(layout.token_mask), empty_row_mask_function(layout.token_mask))
+
+
+def render(mask_function: MaskFunction, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+           device: torch.device | None = None) -> Tensor:
+    """The mask function evaluated on every ``(batch, query, key)``: ``(B or 1, 1, q_length, kv_length)`` bool, the
+    queries at key indices ``q_offset + i``. ``q_length=1`` renders a mask that is the same for every query."""
+    batch_idx = torch.arange(batch_size, device=device)[:, None, None, None]
+    head_idx = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    q_idx = (torch.arange(q_length, device=device) + q_offset)[None, None, :, None]
+    kv_idx = torch.arange(kv_length, device=device)[None, None, None, :]
+    return mask_function(batch_idx, head_idx, q_idx, kv_idx)
+
+
+def causal_mask(q_length: int, kv_length: int, device: torch.device | None = None) -> Tensor:
+    """``(1, 1, Lq, Lk)``: the queries are the last ``Lq`` of the ``Lk`` keys (as after a cache) and each sees the keys
+    up to its own."""
+    return render(causal_mask_function, 1, q_length, kv_length, kv_length - q_length, device)
 
 
 @dataclass(frozen=True)
 class AttentionMask:
-    """The keys each query of a forward may attend to, built once per forward (`RoFormerModel.encode`) for every layer.
+    """The keys each query of a forward may attend to, rendered once (`create_attention_mask`) for every layer.
 
     Attributes:
-        layout: where the queries sit in the ``(B, L)`` batch (and the keys, for self-attention without a cache).
-        device: where the tokens are.
-        causal: each query sees the keys up to its own position (self-attention of a decoder).
-        past_length: keys from a cache before the queries' own; query ``i`` sits at key index ``past_length + i``.
-        key_padding: ``(B, Lk)`` bool, True at real keys, when the keys are not the queries' tokens (a cache: ``Lk =
-            past_length + L``; cross-attention: the encoder's tokens); else the layout's padding applies.
-        prefix: ``(B, L)`` bool, True at the queries' tokens of the bidirectional prefix (segment 0 of a prefix-LM);
-            every query of the prefix sees all of it.
+        layout: where the queries sit in the ``(B, L)`` batch.
+        form: what the kernel takes (see the module's docstring).
+        keys_are_queries: whether keys and values are the queries' own tokens, in the layout's token shape; else
+            they are ``(B, Lk, nkv, d)`` (a cache, cross-attention).
+        dense: ``(B, 1, Lq or 1, Lk)`` bool for the ``"dense"`` form; ``None``: every key is visible.
+        key_padding: ``(B, Lk)`` bool, True at real keys, for the ``"flash"`` form; ``None``: every key is real.
     """
 
     layout: BatchLayout
-    device: torch.device | None = None
-    causal: bool = False
-    past_length: int = 0
+    form: MaskForm = "dense"
+    keys_are_queries: bool = True
+    dense: Tensor | None = None
     key_padding: Tensor | None = None
-    prefix: Tensor | None = None
 
     @property
-    def is_layout_only(self) -> bool:
-        """Whether the layout (and causality, which kernels read from ``module.is_causal``) says everything: no cache,
-        no prefix, no keys of another length. Only then may a kernel that takes no mask (varlen) run."""
-        return not self.past_length and self.key_padding is None and self.prefix is None
+    def tensor(self) -> Tensor | None:
+        """The mask a kernel on the padded layout takes: the keys' padding for flash-attn, else the dense mask."""
+        return self.key_padding if self.form == "flash" else self.dense
 
-    def dense(self) -> Tensor | None:
-        """The mask for kernels on the padded layout: ``(B, 1, Lq or 1, Lk)`` bool, True = may attend; ``None`` when
-        every query may see every key.
 
-        No query is left without a key (its softmax would be NaN, and NaN states at padding reach the real tokens
-        through a cache): a padding query of self-attention sees at least itself, and a row of the layout's own
-        mask without real keys its first key."""
-        layout = self.layout
-        if self.key_padding is not None:
-            allowed = self.key_padding.bool()[:, None, None, :]  # (B, 1, 1, Lk)
-        else:
-            allowed = layout.key_mask  # (B, 1, 1 or L, L) or None
-        if not self.causal:
-            return allowed
-        query_index = torch.arange(layout.seq_len, device=self.device) + self.past_length  # (L,)
-        key_index = torch.arange(self.past_length + layout.seq_len, device=self.device)  # (Lk,)
-        visible = key_index <= query_index[:, None]  # (L, Lk)
-        if self.prefix is not None:  # the prefix's keys are visible to the prefix's queries
-            prefix_keys = torch.nn.functional.pad(self.prefix.bool(), (self.past_length, 0))  # (B, Lk)
-            visible = visible | (self.prefix.bool()[:, :, None] & prefix_keys[:, None, :])  # (B, L, Lk)
-        visible = visible if visible.dim() == 3 else visible[None]
-        mask = visible[:, None] if allowed is None else allowed & visible[:, None]
-        return mask | (key_index == query_index[:, None])  # (B, 1, L, Lk): a query always sees itself
+def create_attention_mask(layout: BatchLayout, implementation: str, device: torch.device | None = None, *,
+                          causal: bool = False, past_length: int = 0, key_padding: Tensor | None = None,
+                          prefix: Tensor | None = None) -> AttentionMask:
+    """The mask of one forward, in the form the kernel `implementation` takes.
 
-    def key_padding_2d(self) -> Tensor | None:
-        """The keys' padding as a ``(B, Lk)`` mask (flash-attn's padded interface), ``None`` when every key is real."""
-        if self.key_padding is not None:
-            return self.key_padding
-        return self.layout.token_mask
+    Args:
+        layout: where the queries sit (and the keys, for self-attention without a cache).
+        implementation: the attention kernel (``config._attn_implementation``; ``"eager"`` when weights are returned).
+        device: where the tokens are.
+        causal: each query sees the keys up to its own position (a decoder's self-attention).
+        past_length: keys from a cache before the queries' own; query ``i`` sits at key index ``past_length + i``.
+        key_padding: ``(B, Lk)``, True at real keys, when the keys are not the queries' tokens (a cache: ``Lk = past +
+            L``, the whole attention mask as generation passes it; cross-attention: the encoder's tokens).
+        prefix: ``(B, L)`` bool, True at the queries of a bidirectional prefix (segment 0 of a prefix-LM).
+    """
+    flash = is_flash_attention_requested(requested_attention_implementation=implementation)
+    keys_are_queries = key_padding is None
+    layout_only = keys_are_queries and not past_length and prefix is None
+    if layout_only and layout.cu_seqlens is not None and (flash or (implementation == "sdpa"
+                                                                     and torch.device(device or "cpu").type == "cpu")):
+        return AttentionMask(layout, "varlen")
+    if flash:
+        if prefix is not None:
+            raise ValueError("flash-attn cannot apply a bidirectional prefix (prefix_lm): use "
+                             "attn_implementation='sdpa' or 'eager'")
+        if layout.has_packed_rows:
+            raise ValueError("flash-attn on the padded layout cannot keep packed sequences apart; let the model skip "
+                             "padding (config.unpad_inputs=True) and do not trace it")
+        return AttentionMask(layout, "flash", keys_are_queries,
+                             key_padding=layout.token_mask if keys_are_queries else key_padding)
+    return AttentionMask(layout, "dense", keys_are_queries, dense=dense_mask(layout, device, causal, past_length,
+                                                                             key_padding, prefix))
+
+
+def dense_mask(layout: BatchLayout, device: torch.device | None, causal: bool, past_length: int,
+               key_padding: Tensor | None, prefix: Tensor | None) -> Tensor | None:
+    """``(B, 1, Lq or 1, Lk)`` bool (see `create_attention_mask` for the arguments), ``None`` when all is visible.
+    Without causality the mask is the same for every query (``Lq = 1``) unless rows are packed."""
+    seq_len = layout.seq_len
+    kv_length = past_length + seq_len if key_padding is None else key_padding.shape[-1]
+    allowed = layout_mask_function(layout) if key_padding is None else padding_mask_function(key_padding.bool())
+    if not causal:
+        if allowed is None:
+            return None
+        q_length = seq_len if layout.segment_ids is not None and key_padding is None else 1
+        return render(allowed, layout.batch_size, q_length, kv_length, device=device)
+    visible = causal_mask_function if prefix is None else or_masks(causal_mask_function,
+                                                                   prefix_mask_function(prefix, past_length))
+    if allowed is not None:
+        visible = and_masks(allowed, visible)
+    batch_size = layout.batch_size if allowed is not None or prefix is not None else 1
+    return render(or_masks(visible, diagonal_mask_function), batch_size, seq_len, kv_length, past_length, device)

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers import initialization as init
+from transformers.processing_utils import Unpack
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -33,21 +34,21 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import slice_logits_to_keep
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, TransformersKwargs
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attention import attend
-from .cache import GrowingCache
-from .configuration import RoFormerConfig
+from .cache import cached_cross_attention, check_cache, create_cache, update_layer
+from .configuration import ROPE_TYPES, RoFormerConfig
 from .fused import fused_linear
 from .loading import CheckpointPolicy
-from .masks import AttentionMask
-from .padding import BatchLayout
+from .masks import AttentionMask, create_attention_mask
+from .padding import BatchLayout, logits_in_padded_layout
 from .rotary import inverse_frequencies, rotary_phases, rotate
 from .validation import (
     check_choice_labels,
-    check_decoder_inputs,
+    check_cross_attention_inputs,
     check_encoder_inputs,
     check_packed_offsets,
     check_prefix_segments,
@@ -73,27 +74,6 @@ def norm(config: RoFormerConfig, size: int) -> nn.Module:
     return nn.RMSNorm(size, eps=config.layer_norm_eps, elementwise_affine=False)
 
 
-class Rotation(NamedTuple):
-    """The rotary embedding of a batch, computed once per forward (`RoFormerModel.rotation`) for every layer."""
-
-    phases: torch.Tensor  # rotary_phases: (*T, 1, d/2, 2)
-    attention_factor: float = 1.0  # YaRN, LongRoPE: scales the rotated queries and keys (transformers' cos and sin)
-
-
-def rope_frequencies(config: RoFormerConfig, device: torch.device,
-                     longest: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-    """The rotation speeds theta ``(d/2,)`` and the attention factor of `config.rope_parameters`: RoFormer's own
-    (`inverse_frequencies`, in float64) for ``"default"``, else those of transformers' ``ROPE_INIT_FUNCTIONS``.
-
-    ``"dynamic"`` and ``"longrope"`` adapt to `longest`, the length of the batch's longest sequence (0-d tensor).
-    """
-    rope_type = config.rope_parameters["rope_type"]
-    if rope_type == "default":
-        return inverse_frequencies(config.head_dim, config.rope_theta, device), 1.0
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, device, seq_len=longest)
-    return inv_freq, float(attention_factor)
-
-
 class RoFormerEmbeddings(nn.Module):
     """Word and token-type embeddings, norm and dropout; no position embeddings (attention rotates)."""
 
@@ -110,6 +90,44 @@ class RoFormerEmbeddings(nn.Module):
             inputs_embeds = self.word_embeddings(input_ids)
         embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
         return self.dropout(self.LayerNorm(embeddings))
+
+
+class Rotation(NamedTuple):
+    """The rotary embedding of a batch, computed once per forward (`RoFormerRotaryEmbedding`) for every layer."""
+
+    phases: torch.Tensor  # rotary_phases: (*T, 1, d/2, 2)
+    attention_factor: float = 1.0  # YaRN, LongRoPE: scales the rotated queries and keys (transformers' cos and sin)
+
+
+class RoFormerRotaryEmbedding(nn.Module):
+    """The rotation of every position of a batch, for the rope type of `config.rope_parameters` (a row of
+    `configuration.ROPE_TYPES`): RoFormer's own frequencies (`inverse_frequencies`, in float64) for ``"default"``,
+    else those of transformers' ``ROPE_INIT_FUNCTIONS``. Types that adapt to the input (``"dynamic"``,
+    ``"longrope"``) see the batch's longest sequence: its largest real position + 1. No parameters, no buffers: the
+    frequencies are computed per forward (a few dozen numbers), so nothing stale survives loading."""
+
+    def __init__(self, config: RoFormerConfig):
+        super().__init__()
+        self.config = config
+
+    def frequencies(self, device: torch.device, longest: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """The rotation speeds theta ``(d/2,)`` and the attention factor; `longest`: a 0-d tensor, for the rope types
+        that adapt to the length."""
+        rope_type = self.config.rope_parameters["rope_type"]
+        if rope_type == "default":
+            return inverse_frequencies(self.config.head_dim, self.config.rope_theta, device), 1.0
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](self.config, device, seq_len=longest)
+        return inv_freq, float(attention_factor)
+
+    def forward(self, position_ids: torch.Tensor, layout: BatchLayout) -> Rotation:
+        """The rotation of the batch's `(B, L)` positions, in the layout's token shape."""
+        longest = None
+        if ROPE_TYPES[self.config.rope_parameters["rope_type"]].adapts_to_length:
+            real = position_ids if layout.token_mask is None else position_ids.masked_fill(~layout.token_mask, 0)
+            longest = real.max() + 1
+        inv_freq, attention_factor = self.frequencies(position_ids.device, longest)
+        phases = rotary_phases(layout.gather_tokens(position_ids), inv_freq).unsqueeze(-3)  # (*T, 1, d/2, 2)
+        return Rotation(phases, attention_factor)
 
 
 class RoFormerSelfAttention(nn.Module):
@@ -143,13 +161,12 @@ class RoFormerSelfAttention(nn.Module):
         position_embeddings: Rotation | None = None,
         past_key_values: Cache | None = None,
         encoder_hidden_states: torch.Tensor | None = None,  # (B, Lk, H), cross-attention
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         query = fused_linear(self.query, hidden_states).unflatten(-1, (self.num_heads, self.head_dim))  # (*T, nh, d)
-        cache = layer_cache(past_key_values, self.is_cross_attention)
-        if self.is_cross_attention and cache is not None and past_key_values.is_updated.get(self.layer_idx):
-            layer = cache.layers[self.layer_idx]  # the encoder's keys, projected once per generation
-            key, value = layer.keys.transpose(1, 2), layer.values.transpose(1, 2)  # (B, Lk, nkv, d)
+        cached = cached_cross_attention(past_key_values, self.layer_idx) if self.is_cross_attention else None
+        if cached is not None:  # the encoder's keys, projected once per generation
+            key, value = cached  # (B, Lk, nkv, d)
         else:
             source = encoder_hidden_states if self.is_cross_attention else hidden_states
             key, value = (fused_linear(proj, source).unflatten(-1, (self.num_key_value_heads, self.head_dim))
@@ -159,11 +176,8 @@ class RoFormerSelfAttention(nn.Module):
                 query, key = rotate(query, phases, rotary_layout), rotate(key, phases, rotary_layout)
                 if self.config.rotary_value:
                     value = rotate(value, phases, rotary_layout)
-            if cache is not None:  # (B, L, nkv, d) here: a cache keeps the padded layout
-                key, value = cache.update(key.transpose(1, 2), value.transpose(1, 2), self.layer_idx)
-                key, value = key.transpose(1, 2), value.transpose(1, 2)  # (B, past + L, nkv, d)
-                if self.is_cross_attention:
-                    past_key_values.is_updated[self.layer_idx] = True
+            # With a cache the layout is padded, (B, L, nkv, d); after the update (B, past + L, nkv, d).
+            key, value = update_layer(past_key_values, self.layer_idx, key, value, self.is_cross_attention)
 
         dropout = self.config.attention_probs_dropout_prob if self.training else 0.0
         # The attention factor scales rotated queries and keys alike, hence the scores by its square; applied here,
@@ -171,14 +185,6 @@ class RoFormerSelfAttention(nn.Module):
         factor = 1.0 if self.is_cross_attention else position_embeddings.attention_factor
         output, weights = attend(self, query, key, value, attention_mask, self.scaling * factor**2, dropout, **kwargs)
         return output.flatten(-2), weights  # (*T, H)
-
-
-def layer_cache(past_key_values: Cache | None, cross_attention: bool) -> Cache | None:
-    """The part of a cache an attention module updates: an `EncoderDecoderCache` holds one for self-attention and one
-    for cross-attention; any other cache is self-attention's."""
-    if isinstance(past_key_values, EncoderDecoderCache):
-        return past_key_values.cross_attention_cache if cross_attention else past_key_values.self_attention_cache
-    return None if cross_attention else past_key_values
 
 
 class RoFormerResidual(nn.Module):
@@ -211,7 +217,8 @@ class RoFormerAttention(nn.Module):
         self.self = RoFormerSelfAttention(config, layer_idx, is_cross_attention)
         self.output = RoFormerResidual(config, config.hidden_size)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask, **kwargs) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask,
+                **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
         context, _ = self.self(self.output.normalize_input(hidden_states), attention_mask, **kwargs)
         return self.output(context, hidden_states)
 
@@ -250,7 +257,7 @@ class RoFormerLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask,
                 encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: AttentionMask | None = None,
-                **kwargs) -> torch.Tensor:
+                **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
         hidden_states = self.attention(hidden_states, attention_mask, **kwargs)
         if encoder_hidden_states is not None:
             hidden_states = self.crossattention(hidden_states, encoder_attention_mask,
@@ -271,7 +278,8 @@ class RoFormerEncoder(nn.Module):
             self.final_layer_norm = norm(config, config.hidden_size)
         self.gradient_checkpointing = False
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask, **kwargs) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask,
+                **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
         for layer in self.layer:
             hidden_states = layer(hidden_states, attention_mask, **kwargs)
         if hasattr(self, "final_layer_norm"):
@@ -339,38 +347,6 @@ class RoFormerPreTrainedModel(CheckpointPolicy, PreTrainedModel):
         # transformers looks for its attention interface in this file's source; the dispatch lives in attention.py.
         return True
 
-    def check_checkpoint_weights(self, name: str, missing_keys: list[str], unexpected_keys: list[str]) -> None:
-        """Refuses a checkpoint of the other member of the family: norm weights or dense-layer biases that this
-        model's config has no place for (a RoFormer checkpoint read with a RoFormer-V2 config), or a checkpoint that
-        lacks exactly its encoder's norm weights and biases (the reverse). `missing_keys`: the encoder weights the
-        checkpoint lacks."""
-        modules = dict(self.named_modules())
-
-        def kind(key: str) -> str | None:
-            module_name, _, parameter = key.rpartition(".")
-            # A head's checkpoint read by the bare model names the encoder's weights with the head's prefix.
-            module = modules.get(module_name, modules.get(module_name.removeprefix(f"{self.base_model_prefix}.")))
-            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                return "norm"
-            return "bias" if isinstance(module, nn.Linear) and parameter == "bias" else None
-
-        described = {"norm": ("LayerNorm weights", f"norm_type={self.config.norm_type!r}"),
-                     "bias": ("biases of the encoder's dense layers", f"use_bias={self.config.use_bias}")}
-        if not all(kind(key) for key in missing_keys):  # more than norms and biases missing: not a matter of family
-            missing_keys = []
-        problems = []
-        for keys, verb in ((unexpected_keys, "holds"), (missing_keys, "lacks")):
-            for what, (weights, setting) in described.items():
-                if found := sorted(key for key in keys if kind(key) == what):
-                    problems.append(f"it {verb} {len(found)} {weights} (e.g. {found[:2]}), but its config says "
-                                    f"{setting}")
-        if problems:
-            raise ValueError(
-                f"{name!r} does not match its config: {'; '.join(problems)}. RoFormer-V2 checkpoints have no "
-                "LayerNorm weights and no encoder biases, and their config.json says use_bias: false, norm_type: "
-                "\"rms_norm\"; RoFormer (V1) checkpoints have both, with use_bias: true, norm_type: \"layer_norm\" "
-                "(the defaults). Fix config.json to describe the weights")
-
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -399,6 +375,7 @@ class RoFormerModel(RoFormerPreTrainedModel):
         self.embeddings = RoFormerEmbeddings(config)
         if config.embedding_size != config.hidden_size:
             self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size)
+        self.rotary_emb = RoFormerRotaryEmbedding(config)
         self.encoder = RoFormerEncoder(config)
         if config.add_pooling_layer:
             self.pooler = RoFormerPooler(config)
@@ -415,7 +392,7 @@ class RoFormerModel(RoFormerPreTrainedModel):
                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                inputs_embeds: torch.Tensor | None = None, past_key_values: Cache | None = None,
                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
-               use_cache: bool | None = None, **kwargs) -> RoFormerEncoding:
+               use_cache: bool | None = None, **kwargs: Unpack[TransformersKwargs]) -> RoFormerEncoding:
         """Runs the model and leaves the last hidden state in the batch's layout, for the heads to consume.
 
         Rows may hold several sequences back to back (`DataCollatorWithFlattening`): their offsets come from
@@ -435,18 +412,18 @@ class RoFormerModel(RoFormerPreTrainedModel):
         unless `position_ids` say otherwise (generation derives them from the attention mask, so that left padding
         takes no position).
         """
-        check_decoder_inputs(self.config, past_key_values, encoder_hidden_states, encoder_attention_mask, use_cache,
-                             input_ids if input_ids is not None else inputs_embeds)
-        check_encoder_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                             past_key_values)
-        batch_size, seq_len = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
-        device = input_ids.device if input_ids is not None else inputs_embeds.device
         if use_cache is None:
             use_cache = self.config.is_decoder and self.config.use_cache and not self.training
+        source = input_ids if input_ids is not None else inputs_embeds
+        past_length = check_cache(self.config, past_key_values, use_cache, None if source is None else source.shape[0])
+        if source is not None:
+            check_cross_attention_inputs(self.config, encoder_hidden_states, encoder_attention_mask, source.shape[0])
+        check_encoder_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                             past_length)
+        batch_size, seq_len = source.shape[:2]
+        device = source.device
         if use_cache and past_key_values is None:
-            past_key_values = (EncoderDecoderCache(GrowingCache(), DynamicCache()) if self.config.add_cross_attention
-                               else GrowingCache())
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_key_values = create_cache(self.config.add_cross_attention)
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
         if position_ids is None and (past_length or kwargs.get("cache_position") is not None):
@@ -454,15 +431,20 @@ class RoFormerModel(RoFormerPreTrainedModel):
         if position_ids is not None:
             position_ids = position_ids.expand(batch_size, seq_len)
         output_hidden_states = kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        output_attentions = bool(kwargs.get("output_attentions", self.config.output_attentions))
         offsets = check_packed_offsets(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-        prefix = check_prefix_segments(self.config, token_type_ids, attention_mask)
+        check_prefix_segments(self.config, token_type_ids, attention_mask)
+        prefix = token_type_ids == 0 if self.config.prefix_lm else None
         keys_beyond_queries = past_key_values is not None or encoder_hidden_states is not None
         query_mask = attention_mask[:, -seq_len:] if attention_mask is not None else None
         layout = BatchLayout.from_inputs(
             batch_size, seq_len, query_mask, position_ids, offsets,
             unpad=self.config.unpad_inputs and not output_hidden_states and not keys_beyond_queries and prefix is None)
-        mask = AttentionMask(layout, device, causal=self.config.is_decoder, past_length=past_length,
-                             key_padding=attention_mask if past_key_values is not None else None, prefix=prefix)
+        implementation = "eager" if output_attentions else self.config._attn_implementation
+        mask = create_attention_mask(layout, implementation, device, causal=self.config.is_decoder,
+                                     past_length=past_length,
+                                     key_padding=attention_mask if past_key_values is not None else None,
+                                     prefix=prefix)
 
         # Token-wise from here on: gather the real tokens first so nothing is computed for padding.
         hidden_states = self.embeddings(
@@ -474,31 +456,20 @@ class RoFormerModel(RoFormerPreTrainedModel):
             hidden_states = self.embeddings_project(hidden_states)
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-        layer_inputs = {"position_embeddings": self.rotation(position_ids, layout),
-                        "past_key_values": past_key_values,
-                        "output_attentions": bool(kwargs.get("output_attentions", self.config.output_attentions))}
+        layer_inputs = {"position_embeddings": self.rotary_emb(position_ids, layout),
+                        "past_key_values": past_key_values, "output_attentions": output_attentions}
         if encoder_hidden_states is not None:
             encoder_padding = (torch.ones(encoder_hidden_states.shape[:2], dtype=torch.bool, device=device)
                                if encoder_attention_mask is None else encoder_attention_mask.bool())
             layer_inputs.update(encoder_hidden_states=encoder_hidden_states,
-                                encoder_attention_mask=AttentionMask(layout, device, key_padding=encoder_padding))
+                                encoder_attention_mask=create_attention_mask(layout, implementation, device,
+                                                                             key_padding=encoder_padding))
         hidden_states = self.encoder(hidden_states, mask, **layer_inputs)
         pooler_output = None
         if hasattr(self, "pooler"):
             pooler_output = self.pooler(layout.edge_tokens(hidden_states))
         return RoFormerEncoding(last_hidden_state=hidden_states, layout=layout, pooler_output=pooler_output,
                                 past_key_values=past_key_values if use_cache else None)
-
-    def rotation(self, position_ids: torch.Tensor, layout: BatchLayout) -> Rotation:
-        """The rotary embedding of the batch's `(B, L)` positions, in the layout's token shape. Rope types that adapt
-        to the input ("dynamic", "longrope") see the batch's longest sequence: its largest real position + 1."""
-        longest = None
-        if self.config.rope_parameters["rope_type"] in ("dynamic", "longrope"):
-            real = position_ids if layout.token_mask is None else position_ids.masked_fill(~layout.token_mask, 0)
-            longest = real.max() + 1
-        inv_freq, attention_factor = rope_frequencies(self.config, position_ids.device, longest)
-        phases = rotary_phases(layout.gather_tokens(position_ids), inv_freq).unsqueeze(-3)  # (*T, 1, d/2, 2)
-        return Rotation(phases, attention_factor)
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
@@ -782,16 +753,15 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
                                       pooler_output=encoding.pooler_output)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
-        """transformers' cache for `generate()`, except that its default `DynamicCache` becomes a `GrowingCache`, whose
-        appends do not copy the whole cache at every step."""
+        """transformers' cache for `generate()`, except that its default `DynamicCache` becomes the model's own
+        (`cache.create_cache`), whose appends do not copy the whole cache at every step."""
         given = model_kwargs.get("past_key_values") is not None
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("past_key_values")
         if not given and generation_config.cache_implementation in (None, "dynamic"):
-            if type(cache) is DynamicCache:
-                model_kwargs["past_key_values"] = GrowingCache()
-            elif isinstance(cache, EncoderDecoderCache) and type(cache.self_attention_cache) is DynamicCache:
-                model_kwargs["past_key_values"] = EncoderDecoderCache(GrowingCache(), cache.cross_attention_cache)
+            cross_attention = isinstance(cache, EncoderDecoderCache)
+            if type(cache.self_attention_cache if cross_attention else cache) is DynamicCache:
+                model_kwargs["past_key_values"] = create_cache(cross_attention)
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None, **kwargs):
         """transformers' preparation; with `config.prefix_lm`, the generated tokens (every step after the first,

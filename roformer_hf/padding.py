@@ -12,7 +12,7 @@ stays inside each sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from transformers.masking_utils import find_packed_sequence_indices
@@ -33,7 +33,8 @@ class BatchLayout:
 
     Modes:
         ``"dense"``: ``(B, L, ...)``, one sequence per row, every token real; attention needs no mask.
-        ``"padded"``: ``(B, L, ...)``; attention masks with `key_mask` (the padding, or other sequences).
+        ``"padded"``: ``(B, L, ...)``; attention masks the padding, or the other sequences of a row
+            (`masks.layout_mask_function`).
         ``"varlen"``: ``(N, ...)``, the real tokens only; sequence ``k`` holds rows
             ``cu_seqlens[k]:cu_seqlens[k + 1]``.
         ``"packed"``: ``(B, L, ...)``, every token real, several sequences per row; sequence ``k`` holds the
@@ -132,20 +133,6 @@ class BatchLayout:
         return cls("padded", *mask.shape, token_mask=mask)
 
     @property
-    def key_mask(self) -> torch.Tensor | None:
-        """Which keys each query may attend to in the padded layout: ``(B, 1, 1, L)`` for padding, ``(B, 1, L, L)``
-        for packed rows (block-diagonal), ``None`` when all may. A fully padded row would leave softmax nothing to
-        normalise (NaN): it sees its first (zero) key. Computed when asked for (a cheap comparison), so that the
-        layout holds no lock or cache that torch.compile would have to trace."""
-        if self.segment_ids is not None:
-            return (self.segment_ids[:, :, None] == self.segment_ids[:, None, :])[:, None]
-        if self.token_mask is None:
-            return None
-        empty_rows = ~self.token_mask.any(dim=-1, keepdim=True)  # (B, 1)
-        first_key = torch.arange(self.seq_len, device=self.token_mask.device) == 0  # (L,)
-        return (self.token_mask | (empty_rows & first_key))[:, None, None, :]
-
-    @property
     def has_packed_rows(self) -> bool:
         """Whether rows hold several sequences (packed rows, in the "packed" mode or, traced, the "padded" one)."""
         return self.segment_ids is not None
@@ -210,3 +197,30 @@ class BatchLayout:
         has_tokens = self.token_mask.any(dim=-1).view(-1, *[1] * (tokens.dim() - 1))
         return torch.where(has_tokens, tokens, 0)
 
+
+def logits_in_padded_layout(head: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor,
+                            layout: BatchLayout, min_rows: int = 64, max_rows: int = 512) -> torch.Tensor:
+    """``layout.to_padded(head(hidden_states))`` for the MLM head, whose output is wide: ``(B, L, vocab_size)``.
+
+    On CPU, with contiguous sequences of ``min_rows`` tokens on average or more, the head runs one sequence at a
+    time, at most ``max_rows`` tokens per call, and its logits are copied into their rows of the padded output: no
+    packed ``(N, vocab)`` intermediate, only ``max_rows`` tokens' logits at a time (25 MB at 12000 words in fp32),
+    whose memory the allocator reuses. Shorter sequences would make each GEMM too
+    small (re-reading the whole decoder weight), so they, other devices and masks with holes take
+    ``to_padded(head(x))``.
+    """
+    blocks = layout.blocks() if hidden_states.device.type == "cpu" else None
+    if not blocks or hidden_states.shape[0] < min_rows * len(blocks):
+        return layout.to_padded(head(hidden_states))
+    padded, end = None, 0
+    for packed_start, padded_start, length in blocks:
+        for offset in range(0, length, max_rows):
+            rows = min(max_rows, length - offset)
+            logits = head(hidden_states[packed_start + offset:packed_start + offset + rows])  # (rows, V)
+            if padded is None:  # the logits' width and dtype (autocast, adapters, quantized layers), as computed
+                padded = logits.new_empty(layout.batch_size * layout.seq_len, logits.shape[-1])
+            padded[padded_start + offset:padded_start + offset + rows] = logits
+        padded[end:padded_start] = 0
+        end = padded_start + length
+    padded[end:] = 0
+    return padded.view(layout.batch_size, layout.seq_len, -1)

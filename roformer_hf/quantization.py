@@ -91,6 +91,8 @@ class Int8Linear(nn.Module):
             module's docstring); default: on CPUs without VNNI.
     """
 
+    fuses_post_ops = True  # `fused_linear` hands it the activation or residual add to apply (`fused`)
+
     def __init__(self, linear: nn.Linear, saturation_safe: bool | None = None):
         super().__init__()
         if not int8_kernel_available():

@@ -8,7 +8,6 @@ they are skipped while tracing or compiling, where data-dependent Python branche
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
 from transformers.utils.import_utils import is_tracing
 
 
@@ -104,9 +103,9 @@ def check_span_positions(name: str, positions: torch.Tensor, attention_mask: tor
 
 
 def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                         past_key_values=None) -> None:
-    """Validates the inputs of `RoFormerModel.encode` against `config`; with a cache, `attention_mask` covers the
-    cached tokens too."""
+                         past_length: int = 0) -> None:
+    """Validates the inputs of `RoFormerModel.encode` against `config`; after a cache of `past_length` tokens,
+    `attention_mask` covers the cached tokens too."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of input_ids or inputs_embeds (got "
                          f"{'both' if input_ids is not None else 'neither'})")
@@ -123,7 +122,6 @@ def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, posi
     if 0 in shape:
         raise ValueError(f"{'input_ids' if input_ids is not None else 'inputs_embeds'} has shape {shape}: expected "
                          "at least one sequence of at least one token")
-    past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
     _check_shape("attention_mask", attention_mask, (shape[0], past_length + shape[1]))
     _check_shape("token_type_ids", token_type_ids, shape)
     if position_ids is not None and tuple(position_ids.shape) not in (shape, (1, shape[1]), (shape[1],)):
@@ -156,23 +154,9 @@ def check_packed_offsets(cu_seq_lens_q: torch.Tensor | None, cu_seq_lens_k: torc
     return offsets
 
 
-def check_decoder_inputs(config, past_key_values, encoder_hidden_states, encoder_attention_mask, use_cache,
-                         inputs: torch.Tensor | None) -> None:
-    """A cache and cross-attention inputs: only where the config has a place for them, and shaped for the model
-    (`inputs`: the input ids or embeddings, whose first dimension is the batch)."""
-    if (past_key_values is not None or use_cache) and not config.is_decoder:
-        raise ValueError("past_key_values / use_cache=True need a decoder (RoFormerConfig.is_decoder=True): an encoder "
-                         "reads the whole sequence at once and keeps no cache")
-    if past_key_values is not None and not isinstance(past_key_values, Cache):
-        raise ValueError(f"past_key_values is a {type(past_key_values).__name__}; expected a transformers Cache "
-                         "(DynamicCache, or EncoderDecoderCache with cross-attention), as the model returns it")
-    if getattr(past_key_values, "is_compileable", False):
-        raise ValueError(f"past_key_values ({type(past_key_values).__name__}) has a fixed length (what "
-                         "generate(cache_implementation='static') builds); roformer_hf attends over the cache's filled "
-                         "length only and takes caches that grow: DynamicCache, or none (generate's default)")
-    if inputs is None:
-        return
-    batch_size = inputs.shape[0]
+def check_cross_attention_inputs(config, encoder_hidden_states: torch.Tensor | None,
+                                 encoder_attention_mask: torch.Tensor | None, batch_size: int) -> None:
+    """Cross-attention inputs: only where the config has cross-attention layers, shaped for the batch."""
     if (encoder_hidden_states is not None or encoder_attention_mask is not None) and not config.add_cross_attention:
         raise ValueError("encoder_hidden_states / encoder_attention_mask need cross-attention layers: build the "
                          "decoder with RoFormerConfig(is_decoder=True, add_cross_attention=True)")
@@ -180,21 +164,13 @@ def check_decoder_inputs(config, past_key_values, encoder_hidden_states, encoder
         expected = (batch_size, encoder_hidden_states.shape[1], config.hidden_size)
         _check_shape("encoder_hidden_states", encoder_hidden_states, expected)
         _check_shape("encoder_attention_mask", encoder_attention_mask, expected[:2])
-    if past_key_values is not None and past_key_values.get_seq_length() > 0:
-        keys = getattr(past_key_values, "self_attention_cache", past_key_values).layers[0].keys  # (B, nkv, past, d)
-        expected = (batch_size, config.num_key_value_heads, keys.shape[2], config.head_dim)
-        if tuple(keys.shape) != expected:
-            raise ValueError(f"past_key_values holds keys of shape {tuple(keys.shape)}; expected {expected} (batch "
-                             "size, key/value heads, cached length, head size): a cache of another batch or model")
 
 
-def check_prefix_segments(config, token_type_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-    """The prefix of a prefix-LM (`config.prefix_lm`): the tokens of segment 0, `(B, L)` bool, or `None` for other
-    models. Each row's real tokens go 0 then 1 (prompt, then what follows it): a 0 after a 1 has no place in the
-    mask (segment 0 would see a later token while segment 1 before it could not), so it is refused."""
-    if not config.prefix_lm:
-        return None
-    if not is_tracing():
+def check_prefix_segments(config, token_type_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """The segments of a prefix-LM (`config.prefix_lm`): each row's real tokens go 0 then 1 (prompt, then what follows
+    it). A 0 after a 1 has no place in the mask (segment 0 would see a later token while segment 1 before it could
+    not), so it is refused."""
+    if config.prefix_lm and not is_tracing():
         real = torch.ones_like(token_type_ids, dtype=torch.bool) if attention_mask is None else \
             attention_mask[:, -token_type_ids.shape[1]:].bool()
         seen = token_type_ids.masked_fill(~real, 0).cummax(dim=-1).values  # the largest segment so far in each row
@@ -203,4 +179,3 @@ def check_prefix_segments(config, token_type_ids: torch.Tensor, attention_mask: 
             raise ValueError(f"token_type_ids[{row}] = {token_type_ids[row].tolist()} goes back from segment 1 to 0; "
                              "expected each row's real tokens to be segment 0 (the prefix, read bidirectionally) then "
                              "segment 1 (causal) with config.prefix_lm=True")
-    return token_type_ids == 0

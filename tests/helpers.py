@@ -134,3 +134,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
     """Rotates every pair of x by its angle, in float32; returned in x.dtype."""
     xf = x.float()
     return (xf * cos + rotate_pairs(xf, layout) * sin).to(x.dtype)
+
+
+class KernelModule(torch.nn.Module):
+    """Stands in for the attention module of a kernel call: the kernels only read `training` (and, where set,
+    `is_causal` and `num_key_value_groups`)."""
+
+
+def random_qkv(batch=2, heads=3, length=600, dim=8, seed=0):
+    """Query, key and value ``(B, nh, L, d)`` that require grad."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, length, dim, generator=generator, requires_grad=True) for _ in range(3)]

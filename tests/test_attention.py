@@ -6,17 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from roformer_hf import attention, blocked_dropout
+from helpers import KernelModule as Training, random_qkv as qkv
+
+from roformer_hf import attention
 from roformer_hf.attention import blocked_dropout_attention_forward, eager_attention_forward
-
-
-class Training(nn.Module):
-    """Stands in for the attention module: the kernels only read `training`."""
-
-
-def qkv(batch=2, heads=3, length=600, dim=8, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, length, dim, generator=generator, requires_grad=True) for _ in range(3)]
 
 
 @pytest.mark.parametrize("training, p", [(True, 0.0), (False, 0.3)])
@@ -28,146 +21,6 @@ def test_blocked_dropout_attention_without_dropout_is_plain_attention(training, 
     module = Training().train(training)
     actual, _ = blocked_dropout_attention_forward(module, query, key, value, mask, scaling=0.3, dropout=p)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-
-
-def test_dropout_drops_single_weights_and_rescales_the_kept_ones(monkeypatch):
-    """With values = the identity, the output *is* the dropped weight matrix: every weight is either 0 or its
-    softmax value / (1 - p), and about a fraction p are zero."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 64)
-    length, p = 300, 0.25
-    generator = torch.Generator().manual_seed(0)
-    query, key = (torch.randn(1, 1, length, 16, generator=generator) for _ in range(2))
-    value = torch.eye(length)[None, None]
-    weights = (query @ key.transpose(-1, -2) * 0.25).softmax(-1)[0, 0]
-    torch.manual_seed(0)
-    dropped, _ = blocked_dropout_attention_forward(Training().train(), query, key, value, None, 0.25, dropout=p)
-    dropped = dropped[0, :, 0]  # (L, L)
-    kept = dropped != 0
-    torch.testing.assert_close(dropped[kept], weights[kept] / (1 - p), atol=1e-6, rtol=1e-5)
-    assert abs((~kept).float().mean().item() - p) < 0.01
-
-
-class GroupedQueryModule(Training):
-    def __init__(self, groups: int):
-        super().__init__()
-        self.num_key_value_groups = groups
-
-
-def key_masks(kind: str, batch: int, length: int) -> torch.Tensor | None:
-    """No mask, right padding ``(B, 1, 1, L)``, or packed rows ``(B, 1, L, L)`` (block-diagonal)."""
-    if kind == "none":
-        return None
-    lengths = torch.tensor([length, length * 2 // 3])[:batch]
-    if kind == "padding":
-        return (torch.arange(length) < lengths[:, None])[:, None, None, :]
-    segments = (torch.arange(length)[None] >= lengths[:, None] // 2).long() + (torch.arange(length) >= 60)
-    return (segments[:, :, None] == segments[:, None, :])[:, None]
-
-
-def explicit_dropout_attention(query, key, value, mask, scaling, dropped, p):
-    """The reference: ``softmax(q k^T * scaling, masked) * keep / (1 - p) @ v`` with every weight in memory."""
-    scores = query @ key.transpose(-1, -2) * scaling
-    if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    return (scores.softmax(-1).masked_fill(dropped, 0) / (1 - p) @ value).transpose(1, 2)
-
-
-@pytest.mark.parametrize("mask_kind", ["none", "padding", "packed"])
-@pytest.mark.parametrize("groups", [1, 3])
-def test_blocked_dropout_equals_explicit_attention_with_the_same_mask(mask_kind, groups, monkeypatch):
-    """Output and gradients of q, k, v equal autograd through the explicit formula with the dropout mask the kernel
-    drew. Values carry an identity matrix beside the real values, so the output also holds every dropped weight
-    matrix: the mask is read off the output, whatever order the kernel draws it in. The backward pass draws no
-    random numbers (it reads the forward's mask back)."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 16)
-    batch, heads, length, dim, scaling, p = 2, 6, 77, 8, 0.3, 0.2  # 77: blocks and bytes of bits left over
-    generator = torch.Generator().manual_seed(0)
-    query = torch.randn(batch, heads, length, dim, dtype=torch.float64, generator=generator, requires_grad=True)
-    key = torch.randn(batch, heads // groups, length, dim, dtype=torch.float64, generator=generator,
-                      requires_grad=True)
-    value = torch.cat([torch.randn(batch, heads // groups, length, dim, dtype=torch.float64, generator=generator),
-                       torch.eye(length, dtype=torch.float64).expand(batch, heads // groups, length, length)], dim=-1)
-    value.requires_grad_()
-    mask = key_masks(mask_kind, batch, length)
-    grad = torch.randn(batch, length, heads, dim + length, dtype=torch.float64, generator=generator)
-
-    torch.manual_seed(1)
-    output, _ = blocked_dropout_attention_forward(GroupedQueryModule(groups).train(), query, key, value, mask,
-                                                  scaling=scaling, dropout=p)
-    state = torch.get_rng_state()
-    grads = torch.autograd.grad(output, (query, key, value), grad)
-    assert torch.equal(torch.get_rng_state(), state)
-
-    kept_weights = output[..., dim:].transpose(1, 2)  # (B, nh, L, L): weights / (1 - p), or 0 where dropped
-    repeated = [t.repeat_interleave(groups, dim=1) for t in (key, value)]
-    weights = explicit_dropout_attention(query, *repeated, mask, scaling, torch.zeros((), dtype=torch.bool), 0.0)
-    attended = weights[..., dim:].transpose(1, 2) != 0  # the weights of masked keys are 0, dropped or not
-    dropped = (kept_weights == 0) & attended
-    assert 0.15 < dropped.sum() / attended.sum() < 0.25
-    expected = explicit_dropout_attention(query, *repeated, mask, scaling, dropped, p)
-    torch.testing.assert_close(output, expected, atol=1e-12, rtol=1e-10)
-    for got, want in zip(grads, torch.autograd.grad(expected, (query, key, value), grad)):
-        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
-
-
-def test_float32_blocked_dropout_equals_explicit_attention(monkeypatch):
-    """The same in float32, the training dtype, at a tolerance of float32 rounding."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 32)
-    length, dim, scaling, p = 100, 16, 0.25, 0.1
-    generator = torch.Generator().manual_seed(0)
-    query, key = (torch.randn(1, 2, length, dim, generator=generator, requires_grad=True) for _ in range(2))
-    value = torch.cat([torch.randn(1, 2, length, dim, generator=generator), torch.eye(length).expand(1, 2, -1, -1)],
-                      dim=-1).requires_grad_()
-    output, _ = blocked_dropout_attention_forward(Training().train(), query, key, value, None, scaling, dropout=p)
-    grad = torch.randn(output.shape, generator=generator)
-    grads = torch.autograd.grad(output, (query, key, value), grad)
-    dropped = output[..., dim:].transpose(1, 2) == 0
-    expected = explicit_dropout_attention(query, key, value, None, scaling, dropped, p)
-    torch.testing.assert_close(output, expected, atol=1e-6, rtol=1e-5)
-    for got, want in zip(grads, torch.autograd.grad(expected, (query, key, value), grad)):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-
-
-def test_dropout_masks_drop_a_fraction_p_of_the_weights_independently():
-    """Each weight is dropped with probability p (to 2**-16): over 2**22 draws the fraction is p within 5 standard
-    errors, and neighbouring weights are independent (dropped together as often as p**2)."""
-    for p in (0.1, 0.5, 0.9):
-        dropped = blocked_dropout.draw_dropout_mask(1024, 4096, p)
-        n, fraction = dropped.numel(), dropped.double().mean().item()
-        assert abs(fraction - p) < 5 * (p * (1 - p) / n) ** 0.5
-        together = (dropped[:, 1:] & dropped[:, :-1]).double().mean().item()
-        assert abs(together - p * p) < 5 * (p * p * (1 - p * p) / n) ** 0.5
-    assert blocked_dropout.draw_dropout_mask(3, 77, 0.1).shape == (3, 80)  # columns up to a multiple of 8
-
-
-def test_the_dropped_output_is_the_undropped_one_on_average(monkeypatch):
-    """Kept weights scaled by 1 / (1 - p): averaged over many draws the output is that of attention without
-    dropout, within 5 standard errors of the average."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 8)
-    query, key, value = (t.detach() for t in qkv(batch=1, heads=2, length=40, dim=4))
-    expected, _ = eager_attention_forward(Training().eval(), query, key, value, None, scaling=0.5)
-    torch.manual_seed(0)
-    draws = torch.stack([blocked_dropout_attention_forward(Training().train(), query, key, value, None, 0.5,
-                                                           dropout=0.3)[0] for _ in range(400)])
-    standard_error = draws.std(dim=0) / len(draws) ** 0.5
-    assert ((draws.mean(dim=0) - expected).abs() < 5 * standard_error + 1e-6).all()
-
-
-def test_compiled_blocked_dropout_drops_single_weights(monkeypatch):
-    """Under torch.compile (one graph) the kernel traces plain ops: weights still dropped one by one and rescaled,
-    and gradients flow."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 16)
-    torch._dynamo.reset()
-    length, p = 40, 0.25
-    query, key, _ = qkv(batch=1, heads=1, length=length, dim=4)
-    value = torch.eye(length)[None, None].requires_grad_()
-    weights = (query @ key.transpose(-1, -2) * 0.5).softmax(-1)[0, 0].detach()
-    compiled = torch.compile(blocked_dropout_attention_forward, fullgraph=True, backend="aot_eager")
-    dropped = compiled(Training().train(), query, key, value, None, 0.5, dropout=p)[0]
-    dropped.sum().backward()
-    kept = dropped[0, :, 0] != 0
-    torch.testing.assert_close(dropped[0, :, 0][kept], weights[kept] / (1 - p), atol=1e-6, rtol=1e-5)
-    assert 0 < (~kept).sum() < length * length / 2 and query.grad.isfinite().all()
 
 
 @pytest.mark.parametrize("unpad", [True, False])
@@ -190,26 +43,6 @@ def test_models_in_training_use_blocked_dropout_on_cpu(unpad, monkeypatch):
     calls.clear()
     model.eval()(ids, attention_mask=mask)
     assert not calls
-
-
-def test_blocked_dropout_masks_are_repeated_by_the_seed_whatever_the_thread_count(monkeypatch):
-    """Heads run in parallel, each drawing from its own generator seeded from the default one: the same seed gives
-    the same output and gradients with 1 thread or 3, and torch's thread count is as it was afterwards."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 16)
-    query, key, value = qkv(batch=2, heads=3, length=50, dim=8)
-    grad = torch.randn(2, 50, 3, 8, generator=torch.Generator().manual_seed(1))
-    threads = torch.get_num_threads()
-    results = []
-    for count in (1, 3, 3):
-        torch.set_num_threads(count)
-        torch.manual_seed(0 if len(results) < 2 else 1)
-        output, _ = blocked_dropout_attention_forward(Training().train(), query, key, value, None, 0.3, dropout=0.5)
-        results.append((output, *torch.autograd.grad(output, (query, key, value), grad)))
-        assert torch.get_num_threads() == count
-    torch.set_num_threads(threads)
-    for one_thread, three_threads in zip(*results[:2]):
-        torch.testing.assert_close(one_thread, three_threads, atol=1e-6, rtol=1e-5)
-    assert not torch.allclose(results[1][0], results[2][0])  # another seed, another mask
 
 
 class Causal(Training):

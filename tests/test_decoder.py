@@ -187,43 +187,7 @@ def test_prefix_lm_refuses_segments_that_go_back_to_the_prefix():
     model(ids[:1], attention_mask=torch.tensor([[1, 1, 1, 0, 0, 0]]), token_type_ids=right_padded)
 
 
-def test_flash_attention_refuses_a_prefix_rather_than_drop_it():
-    from roformer_hf.attention import flash_padding_mask
-    from roformer_hf.masks import AttentionMask
-    from roformer_hf.padding import BatchLayout
-
-    layout = BatchLayout.from_attention_mask(None, 1, 4)
-    with pytest.raises(ValueError, match="flash-attn cannot apply a bidirectional prefix"):
-        flash_padding_mask(AttentionMask(layout, causal=True, prefix=torch.ones(1, 4, dtype=torch.bool)))
-
-
 # --- bad inputs -------------------------------------------------------------------------------------------------
-
-
-def test_a_cache_of_another_batch_or_model_is_refused():
-    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
-    ids, _ = padded_batch([4, 4])
-    with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
-        with pytest.raises(ValueError, match=r"past_key_values holds keys of shape \(2, 4, 4, 8\); expected \(3, 4, 4, "
-                                             r"8\)"):
-            model(torch.ones(3, 1, dtype=torch.long), past_key_values=cache)
-        other = RoFormerForCausalLM(tiny_config(is_decoder=True, num_key_value_heads=2)).eval()
-        with pytest.raises(ValueError, match=r"expected \(2, 2, 4, 8\)"):
-            other(ids[:, :1], past_key_values=cache)
-        with pytest.raises(ValueError, match="expected a transformers Cache"):
-            model(ids[:, :1], past_key_values=((torch.zeros(1),),))
-
-
-def test_a_static_cache_is_refused_by_name():
-    """A fixed-length cache returns keys for every slot, filled or not; attention over them would be wrong, so
-    `generate(cache_implementation="static")` and a `StaticCache` passed by hand stop with the reason."""
-    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
-    ids, mask = padded_batch([4, 2])
-    with torch.no_grad(), pytest.raises(ValueError, match=r"past_key_values \(StaticCache\) has a fixed length"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, cache_implementation="static")
-    with torch.no_grad(), pytest.raises(ValueError, match=r"\(StaticCache\) has a fixed length"):
-        model(ids, past_key_values=transformers.StaticCache(config=model.config, max_cache_len=16))
 
 
 def test_labels_of_the_wrong_shape_are_refused():
@@ -231,15 +195,6 @@ def test_labels_of_the_wrong_shape_are_refused():
     ids, mask = padded_batch([5, 3])
     with pytest.raises(ValueError, match=r"labels has shape \(2, 4\); expected \(2, 5\)"):
         model(ids, attention_mask=mask, labels=ids[:, :4])
-
-
-def test_attention_mask_must_cover_the_cache():
-    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
-    ids, _ = padded_batch([4, 4])
-    with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
-        with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 1\); expected \(2, 5\)"):
-            model(ids[:, :1], attention_mask=torch.ones(2, 1), past_key_values=cache)
 
 
 # --- encoder-decoder ------------------------------------------------------------------------------------------------
@@ -331,40 +286,3 @@ def test_num_items_in_batch_reaches_the_loss_and_only_the_loss():
     torch.testing.assert_close(loss, summed / 20, atol=1e-6, rtol=1e-6)
 
 
-def test_generation_appends_to_the_cache_without_copying_it():
-    """`generate()` gets a `GrowingCache`: each step's keys land in a buffer with room to spare (no copy of the whole
-    cache per token), and the tokens are those of transformers' `DynamicCache`."""
-    from roformer_hf.cache import GrowingCache
-
-    torch.manual_seed(0)
-    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
-    prompts, mask = padded_batch([6, 4], left=True)
-    settings = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-                    return_dict_in_generate=True)
-    growing = model.generate(prompts, **settings)
-    assert type(growing.past_key_values) is GrowingCache
-    layer = growing.past_key_values.layers[0]
-    assert layer.keys.data_ptr() == layer.key_buffer.data_ptr() and layer.key_buffer.shape[2] > layer.keys.shape[2]
-    dynamic = model.generate(prompts, past_key_values=DynamicCache(), **settings)
-    assert type(dynamic.past_key_values) is DynamicCache
-    assert torch.equal(growing.sequences, dynamic.sequences)
-    torch.testing.assert_close(layer.keys, dynamic.past_key_values.layers[0].keys, atol=0, rtol=0)
-
-
-def test_growing_cache_survives_what_replaces_its_tensors():
-    """Beam search reorders, cropping shortens: the next append still gives the concatenation."""
-    from roformer_hf.cache import GrowingCache
-
-    cache, reference = GrowingCache(), DynamicCache()
-    generator = torch.Generator().manual_seed(0)
-    for step in range(70):  # past the first buffer's 64 tokens
-        keys, values = (torch.randn(3, 2, 1 + step % 2, 4, generator=generator) for _ in range(2))
-        got, expected = cache.update(keys, values, 0), reference.update(keys, values, 0)
-        assert all(torch.equal(a, b) for a, b in zip(got, expected))
-        if step == 30:
-            for c in (cache, reference):
-                c.reorder_cache(torch.tensor([2, 0, 1]))
-        if step == 50:
-            for c in (cache, reference):
-                c.crop(-5)
-    assert cache.get_seq_length() == reference.get_seq_length()

@@ -5,8 +5,9 @@ import torch
 
 from helpers import tiny_config
 
-from roformer_hf.modeling import RoFormerLMPredictions, logits_in_padded_layout
-from roformer_hf.padding import BatchLayout
+from roformer_hf.masks import create_attention_mask
+from roformer_hf.modeling import RoFormerLMPredictions
+from roformer_hf.padding import BatchLayout, logits_in_padded_layout
 
 MASK = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
 
@@ -35,16 +36,8 @@ def test_no_padding_keeps_tensors_as_they_are():
     for mask in (None, torch.ones(2, 3, dtype=torch.long)):
         batch = BatchLayout.from_attention_mask(mask, 2, 3)
         x = torch.randn(2, 3, 5)
-        assert batch.mode == "dense" and batch.key_mask is None
+        assert batch.mode == "dense" and create_attention_mask(batch, "sdpa").dense is None
         assert batch.gather_tokens(x) is x and batch.scatter_tokens(x) is x
-
-
-def test_key_mask_never_leaves_a_row_empty():
-    batch = BatchLayout.from_attention_mask(MASK, 4, 4, unpad=False)
-    assert batch.mode == "padded" and batch.key_mask.shape == (4, 1, 1, 4)
-    assert batch.key_mask.any(dim=-1).all()  # the fully padded row may see its first key
-    assert batch.key_mask[1, 0, 0].tolist() == [True, False, False, False]
-    assert torch.equal(batch.key_mask[[0, 2, 3], 0, 0], MASK[[0, 2, 3]].bool())
 
 
 def test_blocks_locate_each_sequence_in_the_padded_batch():
