@@ -46,6 +46,22 @@ def import_old_version(revision: str, folder: Path):
     return importlib.import_module("roformer_hf_old")
 
 
+def prompt_batch(batch, fraction: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first quarter (1 / `fraction`) of each row's real tokens as prompts, left-padded as generation pads."""
+    lengths = (batch[1].sum(dim=1) // fraction).clamp(min=1).tolist()
+    width = max(lengths)
+    ids, mask = torch.zeros(len(lengths), width, dtype=torch.long), torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:], mask[row, width - length:] = batch[0][row, :length], 1
+    return ids, mask
+
+
+def generate(model, prompts: tuple[torch.Tensor, torch.Tensor], new_tokens: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(prompts[0], attention_mask=prompts[1], max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+
 def print_identical_paths(old_package, new_package) -> None:
     results = compare(old_package, new_package)
     print(f"\n| path (old = {old_package.__name__}, new = this checkout) | outputs and gradients |")
@@ -64,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="the weights of both versions")
     parser.add_argument("--skip-train", action="store_true", help="time the inference forward only")
     parser.add_argument("--skip-paths", action="store_true", help="leave out the bit-for-bit check of every path")
+    parser.add_argument("--new-tokens", type=int, default=16,
+                        help="greedy generation: tokens generated per row by the causal LM (0: leave it out)")
     args = parse_args(parser, argv, repeats=3)
     torch.manual_seed(args.seed)
     size = size_of(args)
@@ -79,16 +97,28 @@ def main(argv: list[str] | None = None) -> None:
         models = {name: package.RoFormerForMaskedLM.from_pretrained(folder, sparse_prediction=True,
                                                                     dtype=DTYPES[args.dtype])
                   for name, package in (("old", old_package), ("new", roformer_hf))}
+        decoder_folder = Path(folder) / "decoder"
+        decoder_config = transformers_config(size, max(args.lengths) + args.new_tokens)
+        decoder_config.is_decoder = True
+        transformers.RoFormerForCausalLM(decoder_config).save_pretrained(decoder_folder)
+        decoders = {name: package.RoFormerForCausalLM.from_pretrained(decoder_folder, dtype=DTYPES[args.dtype]).eval()
+                    for name, package in (("old", old_package), ("new", roformer_hf))}
     batch = padded_batch(args.lengths, size.vocab, args.seed)
+    prompts = prompt_batch(batch)
     old_logits, new_logits = (infer(model.eval(), batch) for model in models.values())
     mask = batch[1].bool()
     difference = (old_logits[mask].float() - new_logits[mask].float()).abs().max().item()
     modes = {"infer": infer} if args.skip_train else {"infer": infer, "train": train_step}
+    if args.new_tokens:
+        modes["generate"] = lambda model, batch: generate(model, prompts, args.new_tokens)
+        old_tokens, new_tokens = (generate(decoder, prompts, args.new_tokens) for decoder in decoders.values())
+        print(f"greedy generation: the same {new_tokens.shape[1] - prompts[0].shape[1]} tokens per row from both "
+              f"versions: {torch.equal(old_tokens, new_tokens)}")
     times = {(name, mode): [] for name in models for mode in modes}
     for repeat in range(args.repeats + 1):
         for name in (list(models) if repeat % 2 else list(reversed(models))):
             for mode, step in modes.items():  # infer runs in inference_mode
-                model = models[name].train(mode == "train")
+                model = decoders[name] if mode == "generate" else models[name].train(mode == "train")
                 model.zero_grad(set_to_none=True)
                 start = time.perf_counter()
                 step(model, batch)

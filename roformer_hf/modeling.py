@@ -473,7 +473,7 @@ class RoFormerModel(RoFormerPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                **kwargs) -> BaseModelOutputWithPoolingAndCrossAttentions:
+                **kwargs: Unpack[TransformersKwargs]) -> BaseModelOutputWithPoolingAndCrossAttentions:
         """`encode` with the last hidden state in the padded layout `(B, L, H)`, zeros at the padding (the
         `hidden_states`, when requested, are the tensors the model computed with, padding included). Inputs as in
         `encode`, whose docstring says how `position_ids` are read."""
@@ -503,7 +503,7 @@ class RoFormerHeadModel(RoFormerPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs) -> ModelOutput:
+                labels=None, **kwargs: Unpack[TransformersKwargs]) -> ModelOutput:
         loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KWARGS if name in kwargs}
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                       position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
@@ -715,7 +715,8 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 encoder_hidden_states=None, encoder_attention_mask=None, past_key_values=None, use_cache=None,
-                labels=None, logits_to_keep: int | torch.Tensor = 0, **kwargs) -> RoFormerCausalLMOutput:
+                labels=None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs: Unpack[TransformersKwargs]) -> RoFormerCausalLMOutput:
         r"""
         encoder_hidden_states, encoder_attention_mask (`(B, Lk, H)`, `(B, Lk)`, optional): what cross-attention
             reads (`config.add_cross_attention`), as `EncoderDecoderModel` passes them.
@@ -884,7 +885,8 @@ class RoFormerForQuestionAnswering(RoFormerHeadModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, start_positions=None, end_positions=None, **kwargs) -> QuestionAnsweringModelOutput:
+                inputs_embeds=None, start_positions=None, end_positions=None,
+                **kwargs: Unpack[TransformersKwargs]) -> QuestionAnsweringModelOutput:
         spans = None if start_positions is None or end_positions is None else (start_positions, end_positions)
         return super().forward(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, spans, **kwargs)
 
@@ -930,7 +932,7 @@ class RoFormerForMultipleChoice(RoFormerHeadModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs) -> MultipleChoiceModelOutput:
+                inputs_embeds=None, labels=None, **kwargs: Unpack[TransformersKwargs]) -> MultipleChoiceModelOutput:
         source = input_ids if input_ids is not None else inputs_embeds
         if source is None or source.dim() < 3:
             raise ValueError("RoFormerForMultipleChoice expects input_ids of shape (batch, num_choices, seq_len) "

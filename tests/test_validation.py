@@ -157,3 +157,22 @@ def test_integer_multi_hot_labels_give_the_float_loss():
     multi_hot = torch.tensor([[0, 1, 1], [1, 0, 0]])
     torch.testing.assert_close(model(IDS, attention_mask=MASK, labels=multi_hot).loss,
                                model(IDS, attention_mask=MASK, labels=multi_hot.float()).loss)
+
+
+def test_decoder_only_switches_are_refused_on_an_encoder():
+    for switch in ("add_cross_attention", "prefix_lm"):
+        with pytest.raises(ValueError, match=f"{switch}=True: expected False unless is_decoder=True"):
+            tiny_config(**{switch: True})
+        tiny_config(is_decoder=True, **{switch: True})  # a decoder takes it
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("encoder_hidden_states", torch.zeros(1, 2, 32), "need cross-attention layers"),
+    ("encoder_attention_mask", torch.ones(1, 2), "need cross-attention layers"),
+    ("past_key_values", (), "need a decoder"),
+    ("use_cache", True, "need a decoder")])
+def test_decoder_inputs_are_refused_by_an_encoder(name, value, expected):
+    model = RoFormerForMaskedLM(tiny_config())
+    with pytest.raises(ValueError, match=expected):
+        model(torch.tensor([[2, 3]]), **{name: value})
+    model(torch.tensor([[2, 3]]), use_cache=False)  # asking for no cache is fine
