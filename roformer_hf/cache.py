@@ -28,6 +28,10 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            # Which buffer a tensor is a view of (data pointers, strides) is no part of a graph: a compiled step
+            # concatenates as `DynamicCache` does, and the next eager append starts a new buffer.
+            return super().update(key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys, self.key_buffer = appended(self.keys, key_states, self.key_buffer)
@@ -77,10 +81,15 @@ def create_cache(cross_attention: bool = False) -> Cache:
     return EncoderDecoderCache(GrowingCache(), DynamicCache()) if cross_attention else GrowingCache()
 
 
-def check_cache(config, past_key_values: Cache | None, use_cache: bool | None, batch_size: int | None = None) -> int:
-    """Checks a cache (only where the config has a place for it, of a kind the model can extend, holding keys of this
-    model's shape for a batch of `batch_size` rows) and returns how many tokens per row it holds (0 without one):
-    computed once per forward, for every check and mask that needs it."""
+def check_cache(config, past_key_values: Cache | None, use_cache: bool | None, batch_size: int | None = None,
+                dtype: torch.dtype | None = None) -> int:
+    """Checks a cache and returns how many tokens per row it holds (0 without one): computed once per forward, for
+    every check and mask that needs it.
+
+    A cache is taken only by a decoder, only of a kind the model can extend (one that grows), and only if it holds
+    what this model would have put there: one layer per layer of the model, keys and values ``(B, nkv, length, d)``
+    for a batch of `batch_size` rows, in `dtype` (the model's; ``None``: not checked, as under autocast).
+    """
     if (past_key_values is not None or use_cache) and not config.is_decoder:
         raise ValueError("past_key_values / use_cache=True need a decoder (RoFormerConfig.is_decoder=True): an encoder "
                          "reads the whole sequence at once and keeps no cache")
@@ -94,13 +103,33 @@ def check_cache(config, past_key_values: Cache | None, use_cache: bool | None, b
                          "generate(cache_implementation='static') builds); roformer_hf attends over the cache's filled "
                          "length only and takes caches that grow: DynamicCache, or none (generate's default)")
     past_length = past_key_values.get_seq_length()
-    if batch_size is not None and past_length:
-        keys = layer_cache(past_key_values, cross_attention=False).layers[0].keys  # (B, nkv, past, d)
-        expected = (batch_size, config.num_key_value_heads, keys.shape[2], config.head_dim)
-        if tuple(keys.shape) != expected:
-            raise ValueError(f"past_key_values holds keys of shape {tuple(keys.shape)}; expected {expected} (batch "
-                             "size, key/value heads, cached length, head size): a cache of another batch or model")
+    for cross_attention in (False, True):
+        cache = layer_cache(past_key_values, cross_attention)
+        filled = cache is not None and (cache.get_seq_length() if cross_attention else past_length)
+        if filled and batch_size is not None:
+            _check_layers(config, cache, "cross-attention" if cross_attention else "self-attention", batch_size,
+                          dtype)
     return past_length
+
+
+def _check_layers(config, cache: Cache, part: str, batch_size: int, dtype: torch.dtype | None) -> None:
+    """Every layer of a filled cache (or of its `part`) holds keys and values of this model's shape and dtype."""
+    name = "past_key_values" if part == "self-attention" else "past_key_values.cross_attention_cache"
+    if len(cache.layers) != config.num_hidden_layers:
+        raise ValueError(f"{name} holds {len(cache.layers)} layer(s) of {part} keys; expected "
+                         f"{config.num_hidden_layers} (num_hidden_layers): a cache of another model")
+    for index, layer in enumerate(cache.layers):
+        for kind, tensor in (("keys", layer.keys), ("values", layer.values)):
+            length = tensor.shape[2] if tensor is not None and tensor.dim() == 4 else None
+            expected = (batch_size, config.num_key_value_heads, length, config.head_dim)
+            if tensor is None or tuple(tensor.shape) != expected:
+                shape = None if tensor is None else tuple(tensor.shape)
+                raise ValueError(f"{name} holds {kind} of shape {shape}; expected {expected} (batch size, key/value "
+                                 f"heads, cached length, head size) in layer {index} of its {part} part: a cache of "
+                                 "another batch or model")
+            if dtype is not None and tensor.dtype != dtype:
+                raise ValueError(f"{name} holds {kind} in {tensor.dtype}; expected {dtype}, the dtype of the model's "
+                                 f"keys and values, in layer {index} of its {part} part: a cache of another model")
 
 
 def layer_cache(past_key_values: Cache | None, cross_attention: bool) -> Cache | None:

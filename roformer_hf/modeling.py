@@ -399,8 +399,9 @@ class RoFormerModel(RoFormerPreTrainedModel):
         `cu_seq_lens_q`/`cu_seq_lens_k` in `kwargs`, or, without an attention mask, from `position_ids` that
         restart. Requested hidden states are those the model computed with: they keep the padded layout.
 
-        `position_ids` `(B, L)`, default `arange(L)` (after a cache: from its length): the positions the rotation
-        reads. Without an attention mask, a position that does not follow its predecessor by exactly 1 starts a new
+        `position_ids` `(B, L)`, default `arange(L)` (after a cache: from its length; a decoder given an attention
+        mask counts its real tokens, as generation does, so that left padding takes no position): the positions the
+        rotation reads. An encoder counts left padding, as transformers' RoFormer does. Without an attention mask, a position that does not follow its predecessor by exactly 1 starts a new
         sequence (transformers' `find_packed_sequence_indices` rule), so positions that skip (e.g. `2 * arange(L)`)
         make every token attend alone. Pass `attention_mask` (ones where there is no padding) and they are read as
         positions only; to stretch positions for long inputs, use `config.rope_parameters` (e.g. `"linear"`) instead.
@@ -408,14 +409,15 @@ class RoFormerModel(RoFormerPreTrainedModel):
         Decoders (`config.is_decoder`) attend causally, or, with `config.prefix_lm`, bidirectionally within the
         prefix (`token_type_ids` 0) and causally after it. With a cache (`past_key_values`, created when `use_cache`,
         which defaults to `config.use_cache` outside training) the keys of earlier forwards come first:
-        `attention_mask` then covers them too, `(B, past + L)`, and positions continue from the cache's length
-        unless `position_ids` say otherwise (generation derives them from the attention mask, so that left padding
-        takes no position).
+        `attention_mask` then covers them too, `(B, past + L)`, and positions continue from the real tokens before
+        (from the cache's length without an attention mask) unless `position_ids` say otherwise.
         """
         if use_cache is None:
             use_cache = self.config.is_decoder and self.config.use_cache and not self.training
         source = input_ids if input_ids is not None else inputs_embeds
-        past_length = check_cache(self.config, past_key_values, use_cache, None if source is None else source.shape[0])
+        cache_dtype = None if source is None or torch.is_autocast_enabled(source.device.type) else self.dtype
+        past_length = check_cache(self.config, past_key_values, use_cache, None if source is None else source.shape[0],
+                                  cache_dtype)
         if source is not None:
             check_cross_attention_inputs(self.config, encoder_hidden_states, encoder_attention_mask, source.shape[0])
         check_encoder_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -426,7 +428,11 @@ class RoFormerModel(RoFormerPreTrainedModel):
             past_key_values = create_cache(self.config.add_cross_attention)
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
-        if position_ids is None and (past_length or kwargs.get("cache_position") is not None):
+        if position_ids is None and self.config.is_decoder and attention_mask is not None:
+            # A decoder's positions count real tokens only, as generation derives them: a left-padded row reads as
+            # the row alone (rotated values and the rope types that adapt to the length would see the padding).
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
+        elif position_ids is None and (past_length or kwargs.get("cache_position") is not None):
             position_ids = kwargs.get("cache_position", torch.arange(past_length, past_length + seq_len, device=device))
         if position_ids is not None:
             position_ids = position_ids.expand(batch_size, seq_len)
@@ -742,6 +748,8 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
         if labels is not None:
             check_token_labels(labels, (layout.batch_size, layout.seq_len), self.config.vocab_size)
             next_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # (B, L): the label after each token
+            if layout.token_mask is not None:  # padding predicts nothing (left padding: the label after it is real)
+                next_labels = next_labels.masked_fill(~layout.token_mask, -100)
             logits = self.cls.predictions(hidden_states)  # (*T, V)
             loss = self.loss_function(logits, None, vocab_size=self.config.vocab_size,
                                       shift_labels=layout.gather_tokens(next_labels).long().contiguous(), **kwargs)

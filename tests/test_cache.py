@@ -81,3 +81,38 @@ def test_growing_cache_survives_what_replaces_its_tensors():
             for c in (cache, reference):
                 c.crop(-5)
     assert cache.get_seq_length() == reference.get_seq_length()
+
+
+def foreign_cache(**overrides):
+    """The cache of another tiny decoder (`overrides` of its config) after a 4-token forward of 2 rows."""
+    torch.manual_seed(1)
+    other = RoFormerForCausalLM(tiny_config(is_decoder=True, **overrides)).eval()
+    ids, _ = padded_batch([4, 4])
+    with torch.no_grad():
+        return other(ids, use_cache=True).past_key_values
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_hidden_layers": 1}, r"holds 1 layer\(s\) of self-attention keys; expected 2 \(num_hidden_layers\)"),
+    ({"num_hidden_layers": 3}, r"holds 3 layer\(s\) of self-attention keys; expected 2 \(num_hidden_layers\)"),
+    ({"num_key_value_heads": 2}, r"keys of shape \(2, 2, 4, 8\); expected \(2, 4, 4, 8\)"),
+    ({"hidden_size": 64, "num_attention_heads": 4}, r"keys of shape \(2, 4, 4, 16\); expected \(2, 4, 4, 8\)"),
+    ({"dtype": torch.float64}, r"keys in torch.float64; expected torch.float32"),
+])
+@pytest.mark.parametrize("call", ["forward", "generate"])
+def test_a_cache_of_another_model_is_refused_naming_the_mismatch(overrides, message, call):
+    """Fewer layers would fail deep inside attention, more would be ignored, other heads or dtypes would be
+    concatenated to the model's own: each is refused by name, by the forward and by `generate()`."""
+    overrides = dict(overrides)  # the parameters are shared by both calls
+    dtype = overrides.pop("dtype", None)
+    cache = foreign_cache(**overrides)
+    if dtype is not None:
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
+    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
+    ids, _ = padded_batch([5, 5])
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        if call == "forward":
+            model(ids[:, 4:], past_key_values=cache)
+        else:
+            model.generate(ids, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
