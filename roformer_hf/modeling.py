@@ -810,10 +810,13 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
             elif isinstance(cache, EncoderDecoderCache) and type(cache.self_attention_cache) is DynamicCache:
                 model_kwargs["past_key_values"] = EncoderDecoderCache(GrowingCache(), cache.cross_attention_cache)
 
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None, **kwargs):
-        """transformers' preparation; with `config.prefix_lm`, the generated tokens (every step after the first,
-        which reads the prompt) are segment 1, as JunnYu's RoFormer-Sim generates."""
-        inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None,
+                                      inputs_embeds: torch.Tensor | None = None, **kwargs):
+        """transformers' preparation (`inputs_embeds`, named here, tells `generate()` that the prompt may be given as
+        embeddings); with `config.prefix_lm`, the generated tokens (every step after the first, which reads the
+        prompt) are segment 1, as JunnYu's RoFormer-Sim generates."""
+        inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values,
+                                                       inputs_embeds=inputs_embeds, **kwargs)
         if self.config.prefix_lm and past_key_values is not None and past_key_values.get_seq_length() > 0:
             inputs["token_type_ids"] = torch.ones_like(inputs["input_ids"])
         return inputs

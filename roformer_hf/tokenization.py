@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -47,7 +48,7 @@ class JiebaPreTokenizer:
     around each Chinese character, so WordPiece sees single characters rather than an unknown word. Without a
     vocabulary (while training one) every word stays whole.
 
-    Custom pre-tokenizers cannot be written into tokenizer.json: `RoFormerTokenizerFast` saves a `BertPreTokenizer`
+    Custom pre-tokenizers cannot be written into tokenizer.json: `RoFormerHFTokenizer` saves a `BertPreTokenizer`
     in its place and attaches this one again when it loads.
     """
 
@@ -85,10 +86,11 @@ class JiebaPreTokenizer:
 class RoFormerHFTokenizer(PreTrainedTokenizerFast):
     r"""RoFormer tokenizer (🤗 tokenizers backend): BERT's WordPiece, optionally after jieba word segmentation.
 
-    Exported as `RoFormerTokenizerFast`. Its class name, `RoFormerHFTokenizer`, is what saved folders record as
-    `tokenizer_class`: transformers resolves "RoFormerTokenizer(Fast)" to its own RoFormer tokenizer, so only a name
-    of its own lets `AutoTokenizer` find this class (registered by `import roformer_hf`) whatever config.json lies
-    beside the tokenizer, or none.
+    One name, `RoFormerHFTokenizer`: the class users import, what it reports when loaded, and what saved folders
+    record as `tokenizer_class`. transformers resolves "RoFormerTokenizer(Fast)" to its own RoFormer tokenizer, so
+    only a name of its own lets `AutoTokenizer` find this class (registered by `import roformer_hf`) whatever
+    config.json lies beside the tokenizer, or none. `RoFormerTokenizerFast`, the name it was once exported under,
+    still imports, with a `FutureWarning`.
 
     The pipeline is BERT's: a normalizer (control characters removed, optional lowercasing and accent stripping,
     spaces around Chinese characters), a whitespace-and-punctuation pre-tokenizer, WordPiece with `##`
@@ -112,9 +114,9 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
     Example:
 
     ```python
-    >>> from roformer_hf import RoFormerTokenizerFast
+    >>> from roformer_hf import RoFormerHFTokenizer
     >>> vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "rot", "##ary", "!"])}
-    >>> tokenizer = RoFormerTokenizerFast(vocab=vocab)
+    >>> tokenizer = RoFormerHFTokenizer(vocab=vocab)
     >>> tokenizer("Rotary!")["input_ids"]
     [2, 5, 6, 7, 3]
     >>> tokenizer.convert_ids_to_tokens(tokenizer("rotary", "rot")["input_ids"])
@@ -225,7 +227,6 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
             self._attach_jieba()
 
 
-RoFormerTokenizerFast = RoFormerHFTokenizer  # the public name
 
 
 def _normalizer(lowercase: bool, strip_accents: bool | None, tokenize_chinese_chars: bool,
@@ -290,8 +291,8 @@ def train_tokenizer(
     batch_size: int = 1000,
     show_progress: bool = False,
     **tokenizer_kwargs,
-) -> RoFormerTokenizerFast:
-    """Train a WordPiece vocabulary on `texts` and return a ready `RoFormerTokenizerFast`.
+) -> RoFormerHFTokenizer:
+    """Train a WordPiece vocabulary on `texts` and return a ready `RoFormerHFTokenizer`.
 
     `texts` is read once, in batches of `batch_size`, so a generator over a corpus larger than memory works. The
     vocabulary starts with `[PAD] [UNK] [CLS] [SEP] [MASK]` (ids 0 to 4; `RoFormerConfig.pad_token_id` is 0).
@@ -299,13 +300,13 @@ def train_tokenizer(
     Args:
         texts: Any iterable of strings (a list, a generator, a `datasets` column).
         vocab_size: The size of the vocabulary, special tokens included; a small corpus may give fewer.
-        lowercase, strip_accents, tokenize_chinese_chars, use_jieba: As in `RoFormerTokenizerFast`. With jieba,
+        lowercase, strip_accents, tokenize_chinese_chars, use_jieba: As in `RoFormerHFTokenizer`. With jieba,
             whole jieba words are counted, so frequent Chinese words can enter the vocabulary.
         min_frequency: How often a pair of pieces must occur to be merged.
         limit_alphabet: The most distinct characters to keep.
         batch_size: How many texts to hand to the trainer at a time.
         show_progress: Show the trainer's progress bar.
-        **tokenizer_kwargs: Passed to `RoFormerTokenizerFast` (e.g. `model_max_length`).
+        **tokenizer_kwargs: Passed to `RoFormerHFTokenizer` (e.g. `model_max_length`).
 
     Returns:
         The trained tokenizer.
@@ -340,7 +341,7 @@ def train_tokenizer(
     backend.train_from_iterator(_batches(texts, batch_size), trainer=trainer)
     vocab = backend.get_vocab(with_added_tokens=False)
     logger.info("trained a WordPiece vocabulary of %d tokens", len(vocab))
-    return RoFormerTokenizerFast(vocab=vocab, do_lower_case=lowercase, strip_accents=strip_accents,
+    return RoFormerHFTokenizer(vocab=vocab, do_lower_case=lowercase, strip_accents=strip_accents,
                                  tokenize_chinese_chars=tokenize_chinese_chars, use_jieba=use_jieba,
                                  **tokenizer_kwargs)
 
@@ -358,6 +359,14 @@ def _batches(texts: Iterable[str], batch_size: int) -> Iterator[list[str]]:
         yield batch
 
 
-RoFormerTokenizerFast.register_for_auto_class("AutoTokenizer")
+RoFormerHFTokenizer.register_for_auto_class("AutoTokenizer")
 
-__all__ = ["RoFormerTokenizerFast", "train_tokenizer"]
+__all__ = ["RoFormerHFTokenizer", "train_tokenizer"]
+
+
+def __getattr__(name: str):
+    if name == "RoFormerTokenizerFast":  # the former public name, which is also transformers' RoFormer tokenizer's
+        warnings.warn("roformer_hf.RoFormerTokenizerFast is now RoFormerHFTokenizer, the name the tokenizer reports "
+                      "and saves; the old name will be removed", FutureWarning, stacklevel=2)
+        return RoFormerHFTokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
