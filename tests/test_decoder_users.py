@@ -394,3 +394,50 @@ def test_cross_attention_decoder_on_padded_rows_equals_the_reference(left):
                                    msg=lambda m: f"{described(model)}: {m}")
         torch.testing.assert_close(out.loss.double(), reference_loss(expected, ids, mask), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{described(model)}: {m}")
+
+
+# --- a cache from another model ------------------------------------------------------------------------------------
+
+FOREIGN_CACHE = "a cache of another model is not checked against this one beyond its first layer's shape"
+
+
+def foreign_cache(**other) -> tuple[object, torch.Tensor]:
+    """The cache another decoder (`other` overrides the 2-layer tiny config) leaves after a 4-token prompt, and the
+    prompt."""
+    torch.manual_seed(1)
+    dtype = other.pop("dtype", torch.float32)
+    model = RoFormerForCausalLM(tiny_config(is_decoder=True, **other)).to(dtype).eval()
+    prompt = torch.tensor([[2, 15, 27, 9]])
+    with torch.no_grad():
+        return model(prompt, use_cache=True).past_key_values, prompt
+
+
+MISMATCHES = [
+    pytest.param(dict(num_hidden_layers=1), r"past_key_values holds 1 layer.*expected 2.*num_hidden_layers",
+                 id="fewer-layers", marks=pytest.mark.xfail(strict=True, reason=FOREIGN_CACHE)),
+    pytest.param(dict(num_hidden_layers=3), r"past_key_values holds 3 layer.*expected 2.*num_hidden_layers",
+                 id="more-layers", marks=pytest.mark.xfail(strict=True, reason=FOREIGN_CACHE)),
+    pytest.param(dict(num_attention_heads=2), r"past_key_values.*key/value heads", id="heads"),
+    pytest.param(dict(hidden_size=64, num_attention_heads=4), r"past_key_values.*head size", id="head-size"),
+    pytest.param(dict(dtype=torch.float64), r"past_key_values.*dtype.*float64.*float32", id="dtype",
+                 marks=pytest.mark.xfail(strict=True, reason=FOREIGN_CACHE)),
+]
+
+
+@pytest.mark.parametrize("other, message", MISMATCHES)
+def test_a_cache_of_another_model_is_refused_naming_the_mismatch_in_forward(other, message):
+    cache, prompt = foreign_cache(**other)
+    torch.manual_seed(0)
+    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
+    with pytest.raises(ValueError, match=message):
+        model(torch.tensor([[33]]), past_key_values=cache, attention_mask=torch.ones(1, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("other, message", MISMATCHES)
+def test_a_cache_of_another_model_is_refused_naming_the_mismatch_in_generate(other, message):
+    cache, prompt = foreign_cache(**other)
+    torch.manual_seed(0)
+    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.cat([prompt, torch.tensor([[33]])], 1), past_key_values=cache, max_new_tokens=3,
+                       do_sample=False, pad_token_id=0)
