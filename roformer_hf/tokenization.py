@@ -109,6 +109,10 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
         tokenize_chinese_chars: Split Chinese characters apart (with jieba: those of words not in the vocabulary).
         strip_accents: Strip accents; `None` follows `do_lower_case`, as in BERT.
         use_jieba: Segment Chinese words with jieba before WordPiece.
+        add_sep_token: End a single text with `[SEP]` (`[CLS] text [SEP]`, the default, which is also how a causal LM
+            trained on this tokenizer's output learns where a text ends); `False` gives `[CLS] text`, the form of a
+            prompt that a causal LM is to continue. Pairs keep both `[SEP]`s. Default: `True`, except when loading
+            from a causal LM's folder (its config.json: `is_decoder` without `prefix_lm`) that records no choice.
         unk_token, sep_token, pad_token, cls_token, mask_token: The special tokens.
 
     Example:
@@ -140,6 +144,7 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
         tokenize_chinese_chars: bool = True,
         strip_accents: bool | None = None,
         use_jieba: bool = False,
+        add_sep_token: bool | None = None,
         **kwargs,
     ):
         if use_jieba:
@@ -150,6 +155,9 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
         self.tokenize_chinese_chars = tokenize_chinese_chars
         self.strip_accents = strip_accents
         self.use_jieba = use_jieba
+        self._add_sep_token = True if add_sep_token is None else bool(add_sep_token)
+        if add_sep_token is not None:  # recorded by save_pretrained only when chosen
+            kwargs["add_sep_token"] = bool(add_sep_token)
 
         backend = Tokenizer(WordPiece(vocab, unk_token=str(unk_token)))
         backend.normalizer = _normalizer(do_lower_case, strip_accents, tokenize_chinese_chars, use_jieba)
@@ -174,15 +182,49 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *init_inputs, **kwargs):
-        """transformers' `from_pretrained`; a tokenizer saved by transformers' RoFormer gets `use_jieba=True`."""
+        """transformers' `from_pretrained`; a tokenizer saved by transformers' RoFormer gets `use_jieba=True`, one in
+        a causal LM's folder `add_sep_token=False` (prompts to continue) unless it records a choice."""
         if "use_jieba" not in kwargs and _saved_by_transformers_roformer(pretrained_model_name_or_path, kwargs):
             kwargs["use_jieba"] = True
+        if "add_sep_token" not in kwargs and _beside_a_causal_lm(pretrained_model_name_or_path, kwargs):
+            logger.info("%s: the tokenizer of a causal LM: single texts encode as [CLS] text, without [SEP], as prompts "
+                        "to continue (pass add_sep_token=True to encode training texts)", pretrained_model_name_or_path)
+            kwargs["add_sep_token"] = False
         return super().from_pretrained(pretrained_model_name_or_path, *init_inputs, **kwargs)
+
+    @property
+    def add_sep_token(self) -> bool:
+        """Whether a single text ends with `[SEP]` (see the class's arguments); settable."""
+        return self._add_sep_token
+
+    @add_sep_token.setter
+    def add_sep_token(self, value: bool) -> None:
+        self._add_sep_token = bool(value)
+        self.init_kwargs["add_sep_token"] = self._add_sep_token
+        self._tokenizer.post_processor = self._templates()
+
+    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None,
+                **kwargs) -> str:
+        """transformers' decoding, reading ids that do not start with `[CLS]` as the continuation of a text (the
+        tokens `generate()` adds, which the text-generation pipeline appends to the prompt): a leading `##` piece
+        joins the text before it, and a leading word starts with a space."""
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        text = super()._decode(ids, skip_special_tokens=skip_special_tokens,
+                               clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+        start = next((i for i in ids if i != self.pad_token_id), None)  # after left padding
+        first = next((i for i in ids if not (skip_special_tokens and i in self.all_special_ids)), None)
+        if start is None or start == self.cls_token_id or first is None or not text:
+            return text
+        piece = self.convert_ids_to_tokens(first)
+        if piece.startswith("##"):
+            return text.removeprefix("##")
+        # The decoder's clean-up (" ." -> ".", " 's" -> "'s") on the join, as inside a text.
+        return text if text.startswith(" ") else self.clean_up_tokenization(f" {text}")
 
     def _templates(self) -> processors.TemplateProcessing:
         cls, sep = str(self.cls_token), str(self.sep_token)
         return processors.TemplateProcessing(
-            single=f"{cls}:0 $A:0 {sep}:0",
+            single=f"{cls}:0 $A:0 {sep}:0" if self._add_sep_token else f"{cls}:0 $A:0",
             pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
             special_tokens=[(cls, self.cls_token_id), (sep, self.sep_token_id)],
         )
@@ -253,6 +295,24 @@ def _resolve_vocab(vocab: str | dict[str, int] | None, tokenizer_file: str | Non
         with open(tokenizer_file, encoding="utf-8") as handle:
             return json.load(handle)["model"]["vocab"]
     return {str(token): index for index, token in enumerate(special_tokens)}
+
+
+def _beside_a_causal_lm(name, kwargs: dict) -> bool:
+    """Whether `name` (a folder or a Hub repository) holds a causal LM (config.json: `is_decoder`, no `prefix_lm`)
+    and a tokenizer that records no `add_sep_token`."""
+    if os.path.isfile(name):
+        return False
+    download = {key: kwargs[key] for key in DOWNLOAD_ARGS if kwargs.get(key) is not None}
+    if "add_sep_token" in get_tokenizer_config(name, **download):
+        return False
+    config_file = cached_file(name, CONFIG_NAME, **download, _raise_exceptions_for_missing_entries=False,
+                              _raise_exceptions_for_connection_errors=False)
+    if config_file is None:
+        return False
+    with open(config_file, encoding="utf-8") as handle:
+        config = json.load(handle)
+    roformer_sim = config.get("model_type") == TRANSFORMERS_MODEL_TYPE and "pooler_activation" in config  # prefix-LM
+    return bool(config.get("is_decoder")) and not config.get("prefix_lm") and not roformer_sim
 
 
 def _saved_by_transformers_roformer(name, kwargs: dict) -> bool:

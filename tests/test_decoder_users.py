@@ -441,3 +441,75 @@ def test_a_cache_of_another_model_is_refused_naming_the_mismatch_in_generate(oth
     with pytest.raises(ValueError, match=message):
         model.generate(torch.cat([prompt, torch.tensor([[33]])], 1), past_key_values=cache, max_new_tokens=3,
                        do_sample=False, pad_token_id=0)
+
+
+# --- the text-generation pipeline -----------------------------------------------------------------------------------
+
+PIECES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "king", "queen", "speaks", "sm", "##ile", "##s", "."]
+
+
+def trained_causal_lm(folder, eos: bool = True):
+    """A tiny causal LM trained on two texts as the tokenizer encodes them (`[CLS] text [SEP]`: [SEP] ends a text),
+    saved to `folder` with its tokenizer; `eos`: its generation config says so."""
+    from roformer_hf import RoFormerHFTokenizer
+
+    tokenizer = RoFormerHFTokenizer(vocab={token: i for i, token in enumerate(PIECES)})
+    batch = tokenizer(["the king speaks.", "the queen smiles."], padding=True, return_tensors="pt")
+    assert tokenizer.convert_ids_to_tokens(batch["input_ids"][1])[-4:] == ["##ile", "##s", ".", "[SEP]"]
+    torch.manual_seed(0)
+    model = RoFormerForCausalLM(tiny_config(vocab_size=len(PIECES), is_decoder=True))
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    for _ in range(25):
+        optimizer.zero_grad()
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+    if eos:
+        model.generation_config.eos_token_id = tokenizer.sep_token_id  # training ended every text with [SEP]
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def causal_lm_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("causal_lm")
+    trained_causal_lm(folder)
+    return folder
+
+
+def test_text_generation_pipeline_continues_a_prompt_and_stops_at_the_end(causal_lm_folder):
+    generator = transformers.pipeline("text-generation", model=str(causal_lm_folder))
+    tokenizer = generator.tokenizer
+    assert not tokenizer.add_sep_token  # a causal LM's folder: prompts are [CLS] text, to be continued
+    assert tokenizer("the queen")["input_ids"] == [2, 5, 7]
+    options = dict(max_new_tokens=8, do_sample=False)
+    assert generator("the queen", **options)[0]["generated_text"] == "the queen smiles."  # pieces joined, stops
+    assert generator("the king", **options)[0]["generated_text"] == "the king speaks."
+    assert generator("the queen", return_full_text=False, **options)[0]["generated_text"] == " smiles."
+
+
+def test_a_causal_lm_tokenizer_encodes_training_texts_when_asked(causal_lm_folder, tmp_path):
+    import shutil
+
+    from roformer_hf import RoFormerHFTokenizer
+
+    shutil.copytree(causal_lm_folder, tmp_path, dirs_exist_ok=True)
+    assert RoFormerHFTokenizer.from_pretrained(tmp_path, add_sep_token=True)("the king")["input_ids"] == [2, 5, 6, 3]
+    tokenizer = RoFormerHFTokenizer.from_pretrained(tmp_path)
+    tokenizer.add_sep_token = True  # recorded: the folder keeps it
+    assert tokenizer("the king")["input_ids"] == [2, 5, 6, 3]
+    tokenizer.save_pretrained(tmp_path)
+    assert RoFormerHFTokenizer.from_pretrained(tmp_path)("the king")["input_ids"] == [2, 5, 6, 3]
+    assert tokenizer("the king", "speaks")["input_ids"] == [2, 5, 6, 3, 8, 3]  # pairs keep both [SEP]s
+
+
+def test_decoding_a_continuation_joins_it_to_the_text_before_it():
+    from roformer_hf import RoFormerHFTokenizer
+
+    tokenizer = RoFormerHFTokenizer(vocab={token: i for i, token in enumerate(PIECES)})
+    ids = tokenizer("the queen smiles.")["input_ids"]  # [CLS] the queen sm ##ile ##s . [SEP]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "the queen smiles."  # a whole text: unchanged
+    assert tokenizer.decode([0, 0] + ids, skip_special_tokens=True) == "the queen smiles."  # left-padded
+    for split in range(2, len(ids) - 1):
+        head = tokenizer.decode(ids[:split], skip_special_tokens=True)
+        assert head + tokenizer.decode(ids[split:], skip_special_tokens=True) == "the queen smiles.", split
