@@ -49,7 +49,7 @@ def fetch(version: str = transformers.__version__, timeout: float = 300) -> Path
         return root
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "-m", "pip", "download", f"transformers=={version}", "--no-binary", ":all:",
-                   "--no-deps", "--quiet", "-d", tmp]
+                   "--no-deps", "--quiet", "--timeout", "20", "--retries", "1", "-d", tmp]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
