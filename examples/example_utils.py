@@ -138,7 +138,7 @@ def load_or_train_tokenizer(model_args: ModelArguments, texts, training_args: tr
 
 
 def _train_tokenizer_once(texts, vocab_size: int, training_args: transformers.TrainingArguments,
-                          max_length: int) -> roformer_hf.RoFormerTokenizerFast:
+                          max_length: int) -> roformer_hf.RoFormerHFTokenizer:
     vocab = None
     if training_args.process_index == 0:
         logger.info("Training a %d-token WordPiece tokenizer on the training text", vocab_size)
@@ -147,7 +147,7 @@ def _train_tokenizer_once(texts, vocab_size: int, training_args: transformers.Tr
         shared = [vocab]
         torch.distributed.broadcast_object_list(shared, src=0)
         vocab = shared[0]
-    return roformer_hf.RoFormerTokenizerFast(vocab=vocab, model_max_length=max_length)
+    return roformer_hf.RoFormerHFTokenizer(vocab=vocab, model_max_length=max_length)
 
 
 def vocabulary_hash(tokenizer: transformers.PreTrainedTokenizerBase) -> str:

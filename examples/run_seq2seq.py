@@ -88,7 +88,8 @@ def generate_targets(model, tokenizer, sources: list[str], seq2seq: Seq2SeqArgum
         generated = model.generate(**prompts, max_new_tokens=seq2seq.max_target_length, do_sample=False,
                                    eos_token_id=tokenizer.sep_token_id, pad_token_id=tokenizer.pad_token_id)
     new_tokens = generated[:, prompts["input_ids"].shape[1]:]
-    return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+    # The target is a text of its own, not a continuation of the source's words: no leading space.
+    return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
 
 
 def main(argv: list[str] | None = None) -> dict:

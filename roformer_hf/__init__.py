@@ -11,7 +11,7 @@ from . import hub, modeling
 from .configuration import RoFormerConfig
 from .modeling import *  # noqa: F403  (the classes of modeling.HEADS, see modeling.__all__)
 from .summary import summary
-from .tokenization import RoFormerTokenizerFast, train_tokenizer
+from .tokenization import RoFormerHFTokenizer, train_tokenizer
 
 __version__ = "0.3.0.dev0"
 
@@ -19,6 +19,14 @@ modeling.RoFormerPreTrainedModel.hub = hub
 transformers.AutoConfig.register(RoFormerConfig.model_type, RoFormerConfig, exist_ok=True)
 for _head in modeling.HEADS:
     getattr(transformers, _head.auto_class).register(RoFormerConfig, _head.model_class, exist_ok=True)
-transformers.AutoTokenizer.register(RoFormerConfig, tokenizer_class=RoFormerTokenizerFast, exist_ok=True)
+transformers.AutoTokenizer.register(RoFormerConfig, tokenizer_class=RoFormerHFTokenizer, exist_ok=True)
 
-__all__ = ["RoFormerConfig", *modeling.__all__, "RoFormerTokenizerFast", "train_tokenizer", "summary"]
+__all__ = ["RoFormerConfig", *modeling.__all__, "RoFormerHFTokenizer", "train_tokenizer", "summary"]
+
+
+def __getattr__(name: str):
+    if name == "RoFormerTokenizerFast":  # the tokenizer's former name (tokenization.__getattr__ warns)
+        from . import tokenization
+
+        return tokenization.RoFormerTokenizerFast
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

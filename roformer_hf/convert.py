@@ -8,7 +8,7 @@ classes) and `trust_remote_code=True` users without the package all get roformer
 - the weights, read from safetensors only by roformer_hf's own `from_pretrained` of the head class that the source
   config's `architectures` names, and written by its `save_pretrained`: config.json with `model_type: "roformer_hf"`
   and an `auto_map` for every Auto class, and the code files next to the weights;
-- the tokenizer, as roformer_hf's `RoFormerTokenizerFast` (a tokenizer of transformers' RoFormer keeps its jieba
+- the tokenizer, as roformer_hf's `RoFormerHFTokenizer` (a tokenizer of transformers' RoFormer keeps its jieba
   segmentation);
 - every other file of the source (model card, sentence-transformers' modules.json and pooling folders), except
   weights in other formats.
@@ -29,15 +29,15 @@ from pathlib import Path
 
 from .configuration import TRANSFORMERS_MODEL_TYPE, RoFormerConfig
 from .modeling import HEADS
-from .tokenization import RoFormerTokenizerFast
+from .tokenization import RoFormerHFTokenizer
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.txt", "special_tokens_map.json",
                    "added_tokens.json")
-# Tokenizers whose folders RoFormerTokenizerFast reads faithfully: BERT's WordPiece, with or without jieba.
-WORDPIECE_TOKENIZERS = ("RoFormerTokenizer", "BertTokenizer", RoFormerTokenizerFast.__name__.removesuffix("Fast"))
+# Tokenizers whose folders RoFormerHFTokenizer reads faithfully: BERT's WordPiece, with or without jieba.
+WORDPIECE_TOKENIZERS = ("RoFormerTokenizer", "BertTokenizer", RoFormerHFTokenizer.__name__)
 # Not copied from the source: weights (the converted ones replace them; other formats would be stale or pickled),
 # code files (the current ones are written) and hidden files (.git).
 SKIPPED_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.h5", "*.msgpack",
@@ -128,7 +128,7 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise FileExistsError(f"dst={os.fspath(dst)!r} is not empty: pass --overwrite (overwrite=True) to replace it")
 
 
-def _tokenizer(src: Path) -> RoFormerTokenizerFast | None:
+def _tokenizer(src: Path) -> RoFormerHFTokenizer | None:
     """The source's tokenizer as roformer_hf's, or None when it has none."""
     if not any((src / name).is_file() for name in TOKENIZER_FILES):
         logger.info("%s has no tokenizer files: converting the model only", src)
@@ -139,7 +139,7 @@ def _tokenizer(src: Path) -> RoFormerTokenizerFast | None:
     if tokenizer_class is not None and tokenizer_class.removesuffix("Fast") not in WORDPIECE_TOKENIZERS:
         raise ValueError(f"{config_file} has tokenizer_class={tokenizer_class!r}: expected one of "
                          f"{list(WORDPIECE_TOKENIZERS)} (WordPiece, which roformer_hf's tokenizer reads)")
-    return RoFormerTokenizerFast.from_pretrained(src)
+    return RoFormerHFTokenizer.from_pretrained(src)
 
 
 def _not_copied(src: Path):

@@ -4,7 +4,10 @@
   pickled weights gets an error that says so and how to convert them.
 - A truncated or corrupted safetensors file raises an `OSError` naming the checkpoint.
 - Task heads missing from a checkpoint start fresh (fine-tuning starts that way); missing encoder weights (those
-  under the model's `base_model_prefix`) raise, unless `allow_missing_encoder_weights=True`.
+  under the model's `base_model_prefix`) raise, unless `allow_missing_encoder_weights=True`. Cross-attention, new by
+  definition when a decoder is warm-started from an encoder's checkpoint (BERT2BERT:
+  `EncoderDecoderModel.from_encoder_decoder_pretrained(encoder_folder, encoder_folder)`), starts fresh too (logged)
+  when the checkpoint has none of it; a checkpoint with only part of it is refused.
 - Weights that disagree with the config (`check_checkpoint_weights`: RoFormer's norm weights and biases under a
   RoFormer-V2 config, or their absence under a RoFormer config) raise, naming the mismatch.
 - A saved folder loads with every Auto class through `trust_remote_code=True` (`auto_map` in config.json).
@@ -16,18 +19,22 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from safetensors import SafetensorError
 from torch import nn
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, has_file
 
+logger = logging.getLogger(__name__)
 
 
 class CheckpointPolicy:
     """Mixin for `PreTrainedModel` subclasses; `auto_map` (class attribute) is what `save_pretrained` writes."""
 
     auto_map: dict[str, str] = {}
+    # Modules that a checkpoint may lack as a whole: new by definition when warm-starting from an encoder's checkpoint.
+    warm_start_modules: tuple[str, ...] = ("crossattention",)
     hub = None  # the model-card and upload module (`roformer_hf.hub`), set when the package is imported
 
     @classmethod
@@ -56,13 +63,33 @@ class CheckpointPolicy:
                 ".save_pretrained(new_folder, safe_serialization=True)`, then load new_folder, or make it a "
                 "roformer_hf folder with `python -m roformer_hf.convert new_folder DST`") from error
         missing = sorted(key for key in info["missing_keys"] if model.is_encoder_weight(key))
+        fresh = model.warm_started_weights(missing)
+        if fresh:
+            logger.info("%r has no %s weights (an encoder's checkpoint): %d initialised, as a warm start does",
+                        name, "/".join(model.warm_start_modules), len(fresh))
+            missing = [key for key in missing if key not in fresh]
         model.check_checkpoint_weights(name, [] if allow_missing_encoder_weights else missing, info["unexpected_keys"])
         if missing and not allow_missing_encoder_weights:
             raise ValueError(
                 f"{name!r} lacks {len(missing)} encoder weight(s), e.g. {missing[:3]}: the model would be half "
                 "random. Check the checkpoint, or pass allow_missing_encoder_weights=True to initialise them "
-                "randomly on purpose")
+                "randomly on purpose (through EncoderDecoderModel.from_encoder_decoder_pretrained: "
+                "decoder_allow_missing_encoder_weights=True for its decoder, encoder_allow_missing_encoder_weights=True "
+                "for its encoder)")
         return (model, info) if want_info else model
+
+    def warm_started_weights(self, missing_keys: list[str]) -> set[str]:
+        """The weights of `warm_start_modules` among `missing_keys`, when the checkpoint lacks every one of them
+        (it was written without such modules); none when it has some (then the rest are missing by accident)."""
+        own = {key for key in self.state_dict() if set(key.split(".")) & set(self.warm_start_modules)}
+        return own if own and own <= set(missing_keys) else set()
+
+    def refuse_unsaveable_layers(self, action: str) -> None:
+        """Raises for a model holding a layer that declares a `save_refusal` (`quantization.Int8Linear`)."""
+        for module_name, module in self.named_modules():
+            if refusal := getattr(module, "save_refusal", None):
+                raise ValueError(f"{type(self).__name__}.{action}: {module_name} is a {type(module).__name__}; "
+                                 f"{refusal}")
 
     def check_checkpoint_weights(self, name: str, missing_keys: list[str], unexpected_keys: list[str]) -> None:
         """Refuses a checkpoint of the other member of the family: norm weights or dense-layer biases that this
@@ -103,7 +130,9 @@ class CheckpointPolicy:
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' `save_pretrained`; config.json maps every Auto class to this package's classes, and a model
-        card is written unless the folder has a README.md (`hub.write_model_card`)."""
+        card is written unless the folder has a README.md (`hub.write_model_card`). Refused for a model holding
+        layers that declare a `save_refusal` (int8 layers, `quantization.Int8Linear`): it would not load back."""
+        self.refuse_unsaveable_layers(f"save_pretrained({os.fspath(save_directory)!r})")
         self.config.auto_map = dict(self.auto_map)
         super().save_pretrained(save_directory, *args, **kwargs)
         if self.hub is not None:
@@ -111,7 +140,8 @@ class CheckpointPolicy:
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """transformers' `push_to_hub`, uploading this model's card unless the repository has one (see
-        `hub.push_to_hub_with_card`)."""
+        `hub.push_to_hub_with_card`); refused, before anything is uploaded, where `save_pretrained` is."""
+        self.refuse_unsaveable_layers(f"push_to_hub({repo_id!r})")
         if self.hub is None:
             return super().push_to_hub(repo_id, **kwargs)
         return self.hub.push_to_hub_with_card(self, repo_id, **kwargs)

@@ -12,6 +12,8 @@ T the token shape of the batch's layout: (N,) when padding is skipped, else (B, 
 
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -57,6 +59,8 @@ from .validation import (
     check_token_labels,
     sequence_problem_type,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def linear(config: RoFormerConfig, in_features: int, out_features: int) -> nn.Linear:
@@ -690,8 +694,10 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
     """RoFormer as a decoder with a language-modelling head (`text-generation` pipeline, `generate()`), transformers'
     `RoFormerForCausalLM`: its checkpoints load unchanged, and so do those of JunnYu's RoFormer-Sim.
 
-    Needs `config.is_decoder=True`: attention is causal, keys and values are cached (`past_key_values`, transformers'
-    `DynamicCache`) and positions continue from the cache. The loss is next-token cross-entropy: the logits at each
+    Always a decoder: attention is causal, keys and values are cached (`past_key_values`, transformers'
+    `DynamicCache`) and positions continue from the cache. A config with `is_decoder=False` (an encoder's, as
+    `AutoModelForCausalLM.from_pretrained(encoder_folder)` reads it) builds the decoder on a copy with
+    `is_decoder=True` (logged), never transformers' bidirectional "causal LM". The loss is next-token cross-entropy: the logits at each
     token against the label of the token after it (-100 ignored), as transformers computes it. With
     `config.prefix_lm` (UniLM, RoFormer-Sim) the tokens of segment 0 (`token_type_ids`) see each other
     bidirectionally and those of segment 1 are causal; `generate()` then gives the new tokens segment 1. With
@@ -713,9 +719,11 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
     """
 
     def __init__(self, config: RoFormerConfig):
-        if not config.is_decoder:
-            raise ValueError("RoFormerForCausalLM needs RoFormerConfig.is_decoder=True (causal attention, a cache); "
-                             "got is_decoder=False. Set it in the config, or use RoFormerForMaskedLM for an encoder")
+        if not config.is_decoder:  # an encoder's config (or its folder): a causal LM is a decoder all the same
+            logger.info("RoFormerForCausalLM: config.is_decoder=False; building a decoder (causal attention, a cache) "
+                        "on a copy of the config with is_decoder=True")
+            config = copy.deepcopy(config)
+            config.is_decoder = True
         super().__init__(config)
 
     @can_return_tuple
@@ -730,26 +738,35 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
             `use_cache` defaults to False (a loss needs no cache, and without one padding is skipped).
         labels (`(B, L)`, optional): the tokens to predict, -100 where nothing is; the logits at token `t` are scored
             against `labels[:, t + 1]`, so `labels=input_ids` (with -100 at padding) trains next-token prediction.
+        shift_labels (`(B, L)`, optional): the targets already shifted, as transformers' sequence and context
+            parallelism pass them: the logits at token `t` are scored against `shift_labels[:, t]`, and `labels`
+            are not read.
         logits_to_keep: compute the logits of the last `n` positions only (`0`: all), as generation asks.
         """
         loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KWARGS if name in kwargs}
-        if use_cache is None and labels is not None:
+        shift_labels = kwargs.pop("shift_labels", None)
+        if use_cache is None and (labels is not None or shift_labels is not None):
             use_cache = False
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                       position_ids=position_ids, inputs_embeds=inputs_embeds,
                       encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask,
                       past_key_values=past_key_values, use_cache=use_cache, **kwargs)
-        return self.encode_and_predict(inputs, labels, logits_to_keep=logits_to_keep, **loss_kwargs)
+        return self.encode_and_predict(inputs, labels, logits_to_keep=logits_to_keep, shift_labels=shift_labels,
+                                       **loss_kwargs)
 
     def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, logits_to_keep: int | torch.Tensor = 0,
-                **kwargs) -> RoFormerCausalLMOutput:
+                shift_labels: torch.Tensor | None = None, **kwargs) -> RoFormerCausalLMOutput:
         hidden_states, layout = encoding.last_hidden_state, encoding.layout  # (*T, H)
         loss = None
-        if labels is not None:
-            check_token_labels(labels, (layout.batch_size, layout.seq_len), self.config.vocab_size)
-            next_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # (B, L): the label after each token
-            if layout.token_mask is not None:  # padding predicts nothing (left padding: the label after it is real)
-                next_labels = next_labels.masked_fill(~layout.token_mask, -100)
+        if labels is not None or shift_labels is not None:
+            # (B, L): the label after each token; given as `shift_labels` (sequence parallelism shifts before it
+            # shards), it is taken as is and `labels` are not read.
+            name, next_labels = ("shift_labels", shift_labels) if shift_labels is not None else ("labels", labels)
+            check_token_labels(next_labels, (layout.batch_size, layout.seq_len), self.config.vocab_size, name)
+            if shift_labels is None:
+                next_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+                if layout.token_mask is not None:  # padding predicts nothing (left padding: the label after it is real)
+                    next_labels = next_labels.masked_fill(~layout.token_mask, -100)
             logits = self.cls.predictions(hidden_states)  # (*T, V)
             loss = self.loss_function(logits, None, vocab_size=self.config.vocab_size,
                                       shift_labels=layout.gather_tokens(next_labels).long().contiguous(), **kwargs)
@@ -772,10 +789,13 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
             if type(cache.self_attention_cache if cross_attention else cache) is DynamicCache:
                 model_kwargs["past_key_values"] = create_cache(cross_attention)
 
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None, **kwargs):
-        """transformers' preparation; with `config.prefix_lm`, the generated tokens (every step after the first,
-        which reads the prompt) are segment 1, as JunnYu's RoFormer-Sim generates."""
-        inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None,
+                                      inputs_embeds: torch.Tensor | None = None, **kwargs):
+        """transformers' preparation (`inputs_embeds`, named here, tells `generate()` that the prompt may be given as
+        embeddings); with `config.prefix_lm`, the generated tokens (every step after the first, which reads the
+        prompt) are segment 1, as JunnYu's RoFormer-Sim generates."""
+        inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values,
+                                                       inputs_embeds=inputs_embeds, **kwargs)
         if self.config.prefix_lm and past_key_values is not None and past_key_values.get_seq_length() > 0:
             inputs["token_type_ids"] = torch.ones_like(inputs["input_ids"])
         return inputs

@@ -93,6 +93,13 @@ class Int8Linear(nn.Module):
 
     fuses_post_ops = True  # `fused_linear` hands it the activation or residual add to apply (`fused`)
 
+    # What `save_pretrained` of a model holding one says (loading.CheckpointPolicy): its buffers would be written, but
+    # `from_pretrained` builds `nn.Linear`s and would find no weights for them.
+    save_refusal = ("its int8 layers (Int8Linear, from roformer_hf.quantization.quantize_int8) cannot be saved in a "
+                    "form that from_pretrained reads back. Save the model before quantizing it and call quantize_int8 "
+                    "after loading it, or, for a quantized checkpoint, use torchao through transformers' TorchAoConfig "
+                    "(docs/quantization.md)")
+
     def __init__(self, linear: nn.Linear, saturation_safe: bool | None = None):
         super().__init__()
         if not int8_kernel_available():
@@ -241,8 +248,8 @@ def quantize_int8(model: nn.Module, include: Callable[[str, nn.Linear], bool] | 
     """Replaces, in place, every `nn.Linear` of `model` (those for which ``include(name, layer)`` is true, if
     given) by an `Int8Linear`, and returns `model`, for CPU inference: its remaining parameters (embeddings, norms)
     stop requiring grad, so a plain call works as under `torch.inference_mode()`. Quantize after loading the weights:
-    the quantized model is not meant to be saved (save the fp32 one, or use torchao through transformers'
-    `TorchAoConfig` for a quantized checkpoint). `saturation_safe` is `Int8Linear`'s (default: on CPUs without
+    the quantized model cannot be saved (a roformer_hf model's `save_pretrained` refuses it, saying so: save the
+    fp32 one, or use torchao through transformers' `TorchAoConfig` for a quantized checkpoint). `saturation_safe` is `Int8Linear`'s (default: on CPUs without
     VNNI)."""
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is nn.Linear and (include is None or include(name, module))]

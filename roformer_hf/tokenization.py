@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -47,7 +48,7 @@ class JiebaPreTokenizer:
     around each Chinese character, so WordPiece sees single characters rather than an unknown word. Without a
     vocabulary (while training one) every word stays whole.
 
-    Custom pre-tokenizers cannot be written into tokenizer.json: `RoFormerTokenizerFast` saves a `BertPreTokenizer`
+    Custom pre-tokenizers cannot be written into tokenizer.json: `RoFormerHFTokenizer` saves a `BertPreTokenizer`
     in its place and attaches this one again when it loads.
     """
 
@@ -85,10 +86,11 @@ class JiebaPreTokenizer:
 class RoFormerHFTokenizer(PreTrainedTokenizerFast):
     r"""RoFormer tokenizer (🤗 tokenizers backend): BERT's WordPiece, optionally after jieba word segmentation.
 
-    Exported as `RoFormerTokenizerFast`. Its class name, `RoFormerHFTokenizer`, is what saved folders record as
-    `tokenizer_class`: transformers resolves "RoFormerTokenizer(Fast)" to its own RoFormer tokenizer, so only a name
-    of its own lets `AutoTokenizer` find this class (registered by `import roformer_hf`) whatever config.json lies
-    beside the tokenizer, or none.
+    One name, `RoFormerHFTokenizer`: the class users import, what it reports when loaded, and what saved folders
+    record as `tokenizer_class`. transformers resolves "RoFormerTokenizer(Fast)" to its own RoFormer tokenizer, so
+    only a name of its own lets `AutoTokenizer` find this class (registered by `import roformer_hf`) whatever
+    config.json lies beside the tokenizer, or none. `RoFormerTokenizerFast`, the name it was once exported under,
+    still imports, with a `FutureWarning`.
 
     The pipeline is BERT's: a normalizer (control characters removed, optional lowercasing and accent stripping,
     spaces around Chinese characters), a whitespace-and-punctuation pre-tokenizer, WordPiece with `##`
@@ -107,14 +109,18 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
         tokenize_chinese_chars: Split Chinese characters apart (with jieba: those of words not in the vocabulary).
         strip_accents: Strip accents; `None` follows `do_lower_case`, as in BERT.
         use_jieba: Segment Chinese words with jieba before WordPiece.
+        add_sep_token: End a single text with `[SEP]` (`[CLS] text [SEP]`, the default, which is also how a causal LM
+            trained on this tokenizer's output learns where a text ends); `False` gives `[CLS] text`, the form of a
+            prompt that a causal LM is to continue. Pairs keep both `[SEP]`s. Default: `True`, except when loading
+            from a causal LM's folder (its config.json: `is_decoder` without `prefix_lm`) that records no choice.
         unk_token, sep_token, pad_token, cls_token, mask_token: The special tokens.
 
     Example:
 
     ```python
-    >>> from roformer_hf import RoFormerTokenizerFast
+    >>> from roformer_hf import RoFormerHFTokenizer
     >>> vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "rot", "##ary", "!"])}
-    >>> tokenizer = RoFormerTokenizerFast(vocab=vocab)
+    >>> tokenizer = RoFormerHFTokenizer(vocab=vocab)
     >>> tokenizer("Rotary!")["input_ids"]
     [2, 5, 6, 7, 3]
     >>> tokenizer.convert_ids_to_tokens(tokenizer("rotary", "rot")["input_ids"])
@@ -138,6 +144,7 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
         tokenize_chinese_chars: bool = True,
         strip_accents: bool | None = None,
         use_jieba: bool = False,
+        add_sep_token: bool | None = None,
         **kwargs,
     ):
         if use_jieba:
@@ -148,6 +155,9 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
         self.tokenize_chinese_chars = tokenize_chinese_chars
         self.strip_accents = strip_accents
         self.use_jieba = use_jieba
+        self._add_sep_token = True if add_sep_token is None else bool(add_sep_token)
+        if add_sep_token is not None:  # recorded by save_pretrained only when chosen
+            kwargs["add_sep_token"] = bool(add_sep_token)
 
         backend = Tokenizer(WordPiece(vocab, unk_token=str(unk_token)))
         backend.normalizer = _normalizer(do_lower_case, strip_accents, tokenize_chinese_chars, use_jieba)
@@ -172,15 +182,49 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *init_inputs, **kwargs):
-        """transformers' `from_pretrained`; a tokenizer saved by transformers' RoFormer gets `use_jieba=True`."""
+        """transformers' `from_pretrained`; a tokenizer saved by transformers' RoFormer gets `use_jieba=True`, one in
+        a causal LM's folder `add_sep_token=False` (prompts to continue) unless it records a choice."""
         if "use_jieba" not in kwargs and _saved_by_transformers_roformer(pretrained_model_name_or_path, kwargs):
             kwargs["use_jieba"] = True
+        if "add_sep_token" not in kwargs and _beside_a_causal_lm(pretrained_model_name_or_path, kwargs):
+            logger.info("%s: the tokenizer of a causal LM: single texts encode as [CLS] text, without [SEP], as prompts "
+                        "to continue (pass add_sep_token=True to encode training texts)", pretrained_model_name_or_path)
+            kwargs["add_sep_token"] = False
         return super().from_pretrained(pretrained_model_name_or_path, *init_inputs, **kwargs)
+
+    @property
+    def add_sep_token(self) -> bool:
+        """Whether a single text ends with `[SEP]` (see the class's arguments); settable."""
+        return self._add_sep_token
+
+    @add_sep_token.setter
+    def add_sep_token(self, value: bool) -> None:
+        self._add_sep_token = bool(value)
+        self.init_kwargs["add_sep_token"] = self._add_sep_token
+        self._tokenizer.post_processor = self._templates()
+
+    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None,
+                **kwargs) -> str:
+        """transformers' decoding, reading ids that do not start with `[CLS]` as the continuation of a text (the
+        tokens `generate()` adds, which the text-generation pipeline appends to the prompt): a leading `##` piece
+        joins the text before it, and a leading word starts with a space."""
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        text = super()._decode(ids, skip_special_tokens=skip_special_tokens,
+                               clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+        start = next((i for i in ids if i != self.pad_token_id), None)  # after left padding
+        first = next((i for i in ids if not (skip_special_tokens and i in self.all_special_ids)), None)
+        if start is None or start == self.cls_token_id or first is None or not text:
+            return text
+        piece = self.convert_ids_to_tokens(first)
+        if piece.startswith("##"):
+            return text.removeprefix("##")
+        # The decoder's clean-up (" ." -> ".", " 's" -> "'s") on the join, as inside a text.
+        return text if text.startswith(" ") else self.clean_up_tokenization(f" {text}")
 
     def _templates(self) -> processors.TemplateProcessing:
         cls, sep = str(self.cls_token), str(self.sep_token)
         return processors.TemplateProcessing(
-            single=f"{cls}:0 $A:0 {sep}:0",
+            single=f"{cls}:0 $A:0 {sep}:0" if self._add_sep_token else f"{cls}:0 $A:0",
             pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
             special_tokens=[(cls, self.cls_token_id), (sep, self.sep_token_id)],
         )
@@ -225,7 +269,6 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
             self._attach_jieba()
 
 
-RoFormerTokenizerFast = RoFormerHFTokenizer  # the public name
 
 
 def _normalizer(lowercase: bool, strip_accents: bool | None, tokenize_chinese_chars: bool,
@@ -252,6 +295,24 @@ def _resolve_vocab(vocab: str | dict[str, int] | None, tokenizer_file: str | Non
         with open(tokenizer_file, encoding="utf-8") as handle:
             return json.load(handle)["model"]["vocab"]
     return {str(token): index for index, token in enumerate(special_tokens)}
+
+
+def _beside_a_causal_lm(name, kwargs: dict) -> bool:
+    """Whether `name` (a folder or a Hub repository) holds a causal LM (config.json: `is_decoder`, no `prefix_lm`)
+    and a tokenizer that records no `add_sep_token`."""
+    if os.path.isfile(name):
+        return False
+    download = {key: kwargs[key] for key in DOWNLOAD_ARGS if kwargs.get(key) is not None}
+    if "add_sep_token" in get_tokenizer_config(name, **download):
+        return False
+    config_file = cached_file(name, CONFIG_NAME, **download, _raise_exceptions_for_missing_entries=False,
+                              _raise_exceptions_for_connection_errors=False)
+    if config_file is None:
+        return False
+    with open(config_file, encoding="utf-8") as handle:
+        config = json.load(handle)
+    roformer_sim = config.get("model_type") == TRANSFORMERS_MODEL_TYPE and "pooler_activation" in config  # prefix-LM
+    return bool(config.get("is_decoder")) and not config.get("prefix_lm") and not roformer_sim
 
 
 def _saved_by_transformers_roformer(name, kwargs: dict) -> bool:
@@ -290,8 +351,8 @@ def train_tokenizer(
     batch_size: int = 1000,
     show_progress: bool = False,
     **tokenizer_kwargs,
-) -> RoFormerTokenizerFast:
-    """Train a WordPiece vocabulary on `texts` and return a ready `RoFormerTokenizerFast`.
+) -> RoFormerHFTokenizer:
+    """Train a WordPiece vocabulary on `texts` and return a ready `RoFormerHFTokenizer`.
 
     `texts` is read once, in batches of `batch_size`, so a generator over a corpus larger than memory works. The
     vocabulary starts with `[PAD] [UNK] [CLS] [SEP] [MASK]` (ids 0 to 4; `RoFormerConfig.pad_token_id` is 0).
@@ -299,13 +360,13 @@ def train_tokenizer(
     Args:
         texts: Any iterable of strings (a list, a generator, a `datasets` column).
         vocab_size: The size of the vocabulary, special tokens included; a small corpus may give fewer.
-        lowercase, strip_accents, tokenize_chinese_chars, use_jieba: As in `RoFormerTokenizerFast`. With jieba,
+        lowercase, strip_accents, tokenize_chinese_chars, use_jieba: As in `RoFormerHFTokenizer`. With jieba,
             whole jieba words are counted, so frequent Chinese words can enter the vocabulary.
         min_frequency: How often a pair of pieces must occur to be merged.
         limit_alphabet: The most distinct characters to keep.
         batch_size: How many texts to hand to the trainer at a time.
         show_progress: Show the trainer's progress bar.
-        **tokenizer_kwargs: Passed to `RoFormerTokenizerFast` (e.g. `model_max_length`).
+        **tokenizer_kwargs: Passed to `RoFormerHFTokenizer` (e.g. `model_max_length`).
 
     Returns:
         The trained tokenizer.
@@ -340,7 +401,7 @@ def train_tokenizer(
     backend.train_from_iterator(_batches(texts, batch_size), trainer=trainer)
     vocab = backend.get_vocab(with_added_tokens=False)
     logger.info("trained a WordPiece vocabulary of %d tokens", len(vocab))
-    return RoFormerTokenizerFast(vocab=vocab, do_lower_case=lowercase, strip_accents=strip_accents,
+    return RoFormerHFTokenizer(vocab=vocab, do_lower_case=lowercase, strip_accents=strip_accents,
                                  tokenize_chinese_chars=tokenize_chinese_chars, use_jieba=use_jieba,
                                  **tokenizer_kwargs)
 
@@ -358,6 +419,14 @@ def _batches(texts: Iterable[str], batch_size: int) -> Iterator[list[str]]:
         yield batch
 
 
-RoFormerTokenizerFast.register_for_auto_class("AutoTokenizer")
+RoFormerHFTokenizer.register_for_auto_class("AutoTokenizer")
 
-__all__ = ["RoFormerTokenizerFast", "train_tokenizer"]
+__all__ = ["RoFormerHFTokenizer", "train_tokenizer"]
+
+
+def __getattr__(name: str):
+    if name == "RoFormerTokenizerFast":  # the former public name, which is also transformers' RoFormer tokenizer's
+        warnings.warn("roformer_hf.RoFormerTokenizerFast is now RoFormerHFTokenizer, the name the tokenizer reports "
+                      "and saves; the old name will be removed", FutureWarning, stacklevel=2)
+        return RoFormerHFTokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

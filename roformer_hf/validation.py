@@ -33,11 +33,11 @@ def check_range(name: str, tensor: torch.Tensor, high: int, allowed: int | None 
                          f"[0, {high}){extra}")
 
 
-def check_token_labels(labels: torch.Tensor, shape: tuple[int, ...], high: int) -> None:
+def check_token_labels(labels: torch.Tensor, shape: tuple[int, ...], high: int, name: str = "labels") -> None:
     """Per-token labels (MLM, token classification): the input's `(B, L)`, values in [0, high) or -100."""
-    _check_shape("labels", labels, shape)
-    _check_integer("labels", labels)
-    check_range("labels", labels, high, allowed=-100)
+    _check_shape(name, labels, shape)
+    _check_integer(name, labels)
+    check_range(name, labels, high, allowed=-100)
 
 
 def sequence_problem_type(config, labels: torch.Tensor) -> str:

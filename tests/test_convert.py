@@ -78,7 +78,7 @@ def test_auto_classes_load_roformer_hf_with_transformers_outputs(source, convert
     model = transformers.AutoModelForMaskedLM.from_pretrained(converted).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(converted)
     assert type(model) is roformer_hf.RoFormerForMaskedLM
-    assert type(tokenizer) is roformer_hf.RoFormerTokenizerFast and tokenizer.use_jieba
+    assert type(tokenizer) is roformer_hf.RoFormerHFTokenizer and tokenizer.use_jieba
     assert tokenizer.model_max_length == model.config.max_position_embeddings  # pipelines truncate there
 
     batch = _batch(tokenizer)
@@ -95,7 +95,7 @@ def test_fill_mask_pipeline_on_the_converted_folder(source, converted, reference
     _, reference = source
     fill = transformers.pipeline("fill-mask", model=str(converted), top_k=3)
     assert type(fill.model) is roformer_hf.RoFormerForMaskedLM
-    assert type(fill.tokenizer) is roformer_hf.RoFormerTokenizerFast
+    assert type(fill.tokenizer) is roformer_hf.RoFormerHFTokenizer
     text = "我们[MASK]北京的天气。"
     predictions = fill(text)
     encoded = reference_tokenizer(text, return_tensors="pt")

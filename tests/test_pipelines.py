@@ -8,14 +8,14 @@ from roformer_hf import (
     RoFormerForCausalLM,
     RoFormerForMaskedLM,
     RoFormerForSequenceClassification,
-    RoFormerTokenizerFast,
+    RoFormerHFTokenizer,
 )
 
 
 def _tokenizer(folder):
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tokenizer = RoFormerTokenizerFast.from_pretrained(folder)
+    tokenizer = RoFormerHFTokenizer.from_pretrained(folder)
     assert tokenizer.tokenize("the king") == ["the", "king"]  # the vocabulary really loaded
     return tokenizer
 

@@ -435,3 +435,15 @@ def test_module_docstring_example_runs():
     runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
     runner.run(test)
     assert blocks and runner.summarize(verbose=False).failed == 0
+
+
+@needs_int8_kernel
+def test_saving_an_int8_model_is_refused_saying_what_to_do(tmp_path):
+    torch.manual_seed(0)
+    model = quantize_int8(RoFormerForCausalLM(tiny_config(is_decoder=True)).eval())
+    with pytest.raises(ValueError, match=r"save_pretrained.*Int8Linear.*Save the model before quantizing it and call "
+                                         r"quantize_int8 after loading it.*TorchAoConfig"):
+        model.save_pretrained(tmp_path / "int8")
+    assert not (tmp_path / "int8").exists()  # nothing half-written that would load as random weights
+    with pytest.raises(ValueError, match="Int8Linear"):
+        model.push_to_hub("user/int8-model")  # refused before anything is uploaded

@@ -15,7 +15,7 @@ from helpers import BLOCK_ROFORMER_HF
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from roformer_hf import RoFormerConfig, RoFormerModel, RoFormerTokenizerFast, train_tokenizer
+from roformer_hf import RoFormerConfig, RoFormerModel, RoFormerHFTokenizer, train_tokenizer
 from roformer_hf.tokenization import _batches
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -77,12 +77,12 @@ def reference_jieba_tokenizer(vocab):
 
 @pytest.fixture(scope="module")
 def tokenizer(vocab_dir):
-    return RoFormerTokenizerFast.from_pretrained(vocab_dir)
+    return RoFormerHFTokenizer.from_pretrained(vocab_dir)
 
 
 @pytest.fixture(scope="module")
 def jieba_tokenizer(vocab_dir):
-    return RoFormerTokenizerFast.from_pretrained(vocab_dir, use_jieba=True)
+    return RoFormerHFTokenizer.from_pretrained(vocab_dir, use_jieba=True)
 
 
 def _ids(tokenizer, texts=SENTENCES) -> list[list[int]]:
@@ -101,7 +101,7 @@ def test_vocab_txt_loads_with_ids_by_line(tokenizer):
 @pytest.mark.parametrize("options", [{}, {"do_lower_case": False}, {"strip_accents": False},
                                      {"tokenize_chinese_chars": False}])
 def test_matches_bert_on_the_same_vocab(vocab_dir, vocab, options):
-    ours = RoFormerTokenizerFast.from_pretrained(vocab_dir, **options)
+    ours = RoFormerHFTokenizer.from_pretrained(vocab_dir, **options)
     reference = transformers.BertTokenizer(vocab=vocab, **options)
     for first, second in zip(SENTENCES, SENTENCES[1:] + SENTENCES[:1]):
         got = ours(first, second, return_offsets_mapping=True)
@@ -111,13 +111,13 @@ def test_matches_bert_on_the_same_vocab(vocab_dir, vocab, options):
 
 
 def test_options_change_the_ids(vocab_dir):
-    lower = RoFormerTokenizerFast.from_pretrained(vocab_dir)
-    cased = RoFormerTokenizerFast.from_pretrained(vocab_dir, do_lower_case=False)
+    lower = RoFormerHFTokenizer.from_pretrained(vocab_dir)
+    cased = RoFormerHFTokenizer.from_pretrained(vocab_dir, do_lower_case=False)
     assert lower.tokenize("Héllo") == ["hello"]
     assert cased.tokenize("Héllo") == ["[UNK]"]  # "H" and "é" are not in the vocabulary
-    keep_accents = RoFormerTokenizerFast.from_pretrained(vocab_dir, strip_accents=False)
+    keep_accents = RoFormerHFTokenizer.from_pretrained(vocab_dir, strip_accents=False)
     assert keep_accents.tokenize("héllo") == ["[UNK]"]
-    whole = RoFormerTokenizerFast.from_pretrained(vocab_dir, tokenize_chinese_chars=False)
+    whole = RoFormerHFTokenizer.from_pretrained(vocab_dir, tokenize_chinese_chars=False)
     assert whole.tokenize("北京 北上") == ["北京", "[UNK]"]  # "北上" is one word, and "##上" is not in the vocabulary
     assert lower.tokenize("北京 北上") == ["北", "京", "北", "上"]
 
@@ -200,10 +200,10 @@ def test_matches_bert_on_random_text(tokenizer, bert_tokenizer, text):
 def test_missing_rjieba_names_the_extra(vocab, monkeypatch):
     monkeypatch.setitem(sys.modules, "rjieba", None)  # makes `import rjieba` raise ImportError
     with pytest.raises(ImportError, match=r"pip install roformer_hf\[chinese\]"):
-        RoFormerTokenizerFast(vocab=vocab, use_jieba=True)
+        RoFormerHFTokenizer(vocab=vocab, use_jieba=True)
     with pytest.raises(ImportError, match=r"roformer_hf\[chinese\]"):
         train_tokenizer(["北京"] * 10, vocab_size=20, use_jieba=True)
-    assert RoFormerTokenizerFast(vocab=vocab).tokenize("北京") == ["北", "京"]  # jieba stays optional
+    assert RoFormerHFTokenizer(vocab=vocab).tokenize("北京") == ["北", "京"]  # jieba stays optional
 
 
 def test_jieba_survives_pickle(jieba_tokenizer):
@@ -217,9 +217,9 @@ def test_jieba_survives_pickle(jieba_tokenizer):
 
 @pytest.mark.parametrize("use_jieba", [False, True])
 def test_ids_equal_after_save_and_load(vocab_dir, tmp_path, use_jieba):
-    tokenizer = RoFormerTokenizerFast.from_pretrained(vocab_dir, use_jieba=use_jieba, do_lower_case=False)
+    tokenizer = RoFormerHFTokenizer.from_pretrained(vocab_dir, use_jieba=use_jieba, do_lower_case=False)
     tokenizer.save_pretrained(tmp_path)
-    reloaded = RoFormerTokenizerFast.from_pretrained(tmp_path)
+    reloaded = RoFormerHFTokenizer.from_pretrained(tmp_path)
     assert (reloaded.use_jieba, reloaded.do_lower_case) == (use_jieba, False)
     assert _ids(reloaded) == _ids(tokenizer)
     assert reloaded("今天", "北京")["token_type_ids"] == tokenizer("今天", "北京")["token_type_ids"]
@@ -233,7 +233,7 @@ def test_saved_config_carries_jieba_and_the_remote_code_entry(jieba_tokenizer, t
     assert config["use_jieba"] is True
     assert config["auto_map"] == {"AutoTokenizer": ["tokenization.RoFormerHFTokenizer", None]}
     # Our class's own name: "RoFormerTokenizer" would resolve to transformers' tokenizer.
-    assert config["tokenizer_class"] == RoFormerTokenizerFast.__name__ == "RoFormerHFTokenizer"
+    assert config["tokenizer_class"] == RoFormerHFTokenizer.__name__ == "RoFormerHFTokenizer"
     assert (tmp_path / "tokenization.py").is_file()
     # tokenizer.json cannot hold a Python pre-tokenizer: BERT's stands in for jieba.
     saved_backend = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
@@ -249,7 +249,7 @@ def test_auto_tokenizer_in_process(jieba_tokenizer, tmp_path):
     _tiny_config(len(jieba_tokenizer)).save_pretrained(tmp_path)
     jieba_tokenizer.save_pretrained(tmp_path)
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    assert type(loaded) is RoFormerTokenizerFast
+    assert type(loaded) is RoFormerHFTokenizer
     assert _ids(loaded) == _ids(jieba_tokenizer)
 
 
@@ -315,7 +315,7 @@ TRANSFORMERS_LAYOUTS = ["tokenizer.json", "vocab.txt", "unnamed"]
 @pytest.mark.parametrize("layout", TRANSFORMERS_LAYOUTS)
 def test_transformers_roformer_folder_loads_with_jieba(vocab, reference_jieba_tokenizer, tmp_path, layout):
     folder = _written_by_transformers(vocab, tmp_path, layout)
-    ours = RoFormerTokenizerFast.from_pretrained(folder)
+    ours = RoFormerHFTokenizer.from_pretrained(folder)
     assert ours.use_jieba
     assert ours.tokenize("我们喜欢北京") == ["我们", "喜欢", "北京"]
     for first, second in zip(SENTENCES, SENTENCES[1:] + SENTENCES[:1]):
@@ -324,17 +324,17 @@ def test_transformers_roformer_folder_loads_with_jieba(vocab, reference_jieba_to
         for key in ("input_ids", "token_type_ids", "offset_mapping"):
             assert got[key] == expected[key], (key, first, second)
     # An explicit choice still wins.
-    assert RoFormerTokenizerFast.from_pretrained(folder, use_jieba=False).tokenize("我们") == ["我", "们"]
+    assert RoFormerHFTokenizer.from_pretrained(folder, use_jieba=False).tokenize("我们") == ["我", "们"]
 
 
 def test_transformers_roformer_folder_through_our_save_and_auto_tokenizer(vocab, reference_jieba_tokenizer, tmp_path):
     """Load transformers' folder with our class, save it beside our model's config: AutoTokenizer gives our class,
     jieba on, the ids of transformers' tokenizer."""
     folder = _written_by_transformers(vocab, tmp_path / "transformers", "vocab.txt")
-    RoFormerTokenizerFast.from_pretrained(folder).save_pretrained(tmp_path / "ours")
+    RoFormerHFTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "ours")
     _tiny_config(len(vocab)).save_pretrained(tmp_path / "ours")
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "ours")
-    assert type(loaded) is RoFormerTokenizerFast and loaded.use_jieba
+    assert type(loaded) is RoFormerHFTokenizer and loaded.use_jieba
     assert _ids(loaded) == _ids(reference_jieba_tokenizer)
 
 
@@ -342,7 +342,7 @@ def test_transformers_roformer_folder_without_rjieba_names_the_extra(vocab, tmp_
     folder = _written_by_transformers(vocab, tmp_path, "tokenizer.json")
     monkeypatch.setitem(sys.modules, "rjieba", None)
     with pytest.raises(ImportError, match=r"pip install roformer_hf\[chinese\]"):
-        RoFormerTokenizerFast.from_pretrained(folder)
+        RoFormerHFTokenizer.from_pretrained(folder)
 
 
 @pytest.mark.parametrize("beside", [None, "transformers' config"])
@@ -350,13 +350,13 @@ def test_transformers_roformer_folder_without_rjieba_names_the_extra(vocab, tmp_
 def test_auto_tokenizer_in_process_by_the_saved_class_name(vocab_dir, tmp_path, use_jieba, beside):
     """No config.json (or transformers' RoFormer config): the saved tokenizer_config.json names our class, which
     AutoTokenizer finds registered by `import roformer_hf`, without remote code."""
-    tokenizer = RoFormerTokenizerFast.from_pretrained(vocab_dir, use_jieba=use_jieba)
+    tokenizer = RoFormerHFTokenizer.from_pretrained(vocab_dir, use_jieba=use_jieba)
     tokenizer.save_pretrained(tmp_path)
     if beside:
         transformers.RoFormerConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
                                     num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    assert type(loaded) is RoFormerTokenizerFast and loaded.use_jieba == use_jieba
+    assert type(loaded) is RoFormerHFTokenizer and loaded.use_jieba == use_jieba
     assert _ids(loaded) == _ids(tokenizer)
 
 
@@ -388,7 +388,7 @@ def test_train_tokenizer_streams_a_generator(tmp_path):
     reference = transformers.BertTokenizer(vocab=tokenizer.get_vocab())
     assert tokenizer(line, "rotary")["input_ids"] == reference(line, "rotary")["input_ids"]
     tokenizer.save_pretrained(tmp_path)
-    assert _ids(RoFormerTokenizerFast.from_pretrained(tmp_path), [line]) == _ids(tokenizer, [line])
+    assert _ids(RoFormerHFTokenizer.from_pretrained(tmp_path), [line]) == _ids(tokenizer, [line])
 
 
 def test_training_reads_texts_lazily_in_batches():
@@ -418,3 +418,27 @@ def test_train_tokenizer_with_jieba_learns_words():
 def test_train_tokenizer_rejects_bad_arguments(texts, vocab_size, argument):
     with pytest.raises(ValueError, match=argument):
         train_tokenizer(texts, vocab_size)
+
+
+def test_one_name_in_the_docs_the_code_and_the_saved_folder(tokenizer, tmp_path):
+    from pathlib import Path
+
+    import roformer_hf
+
+    root = Path(__file__).resolve().parents[1]
+    ours = type(tokenizer).__name__
+    assert ours == RoFormerHFTokenizer.__name__ == "RoFormerHFTokenizer"
+    assert repr(tokenizer).startswith(ours)
+    tokenizer.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == ours
+    assert type(transformers.AutoTokenizer.from_pretrained(tmp_path)).__name__ == ours
+    # Every tokenizer class the docs name as roformer_hf's is that one (transformers' own are RoFormerTokenizer and,
+    # before transformers 5, RoFormerTokenizerFast, named with "transformers'" before them).
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for line in page.read_text().splitlines():
+            if "roformer_hf.RoFormerTokenizerFast" in line or "from roformer_hf import" in line and \
+                    "RoFormerTokenizerFast" in line:
+                raise AssertionError(f"{page.name} names the tokenizer RoFormerTokenizerFast: {line}")
+    assert "RoFormerTokenizerFast" not in roformer_hf.__all__
+    with pytest.warns(FutureWarning, match="now RoFormerHFTokenizer"):
+        assert roformer_hf.RoFormerTokenizerFast is RoFormerHFTokenizer  # the former name, still importable

@@ -5,12 +5,12 @@ import torch
 from collator import ResumableMLMCollator
 from helpers import WORDS
 
-from roformer_hf import RoFormerTokenizerFast
+from roformer_hf import RoFormerHFTokenizer
 
 
 def _tokenizer(tmp_path):
     (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    return RoFormerTokenizerFast.from_pretrained(tmp_path)
+    return RoFormerHFTokenizer.from_pretrained(tmp_path)
 
 
 def test_masks_depend_only_on_seed_and_batch(tmp_path):

@@ -82,7 +82,7 @@ def test_run_mlm_trains_tokenizer_and_model(pretrained):
     model = transformers.AutoModelForMaskedLM.from_pretrained(output_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(output_dir)
     assert isinstance(model, roformer_hf.RoFormerForMaskedLM)
-    assert isinstance(tokenizer, roformer_hf.RoFormerTokenizerFast)
+    assert isinstance(tokenizer, roformer_hf.RoFormerHFTokenizer)
     assert model.config.vocab_size == len(tokenizer) == 120
     assert model.config.hidden_size == 32 and model.config.num_hidden_layers == 2
     # The saved tokenizer truncates at the length the model was trained at (was: model_max_length 1e30).
