@@ -108,22 +108,33 @@ class RoFormerRotaryEmbedding(nn.Module):
     `configuration.ROPE_TYPES`): RoFormer's own frequencies (`inverse_frequencies`, in float64) for ``"default"``,
     else those of transformers' ``ROPE_INIT_FUNCTIONS``. Types that adapt to the input (``"dynamic"``,
     ``"longrope"``) see the batch's longest sequence: its largest real position + 1. No parameters, no buffers: the
-    frequencies are computed per forward (a few dozen numbers), so nothing stale survives loading."""
+    frequencies are computed per forward (a few dozen numbers), so nothing stale survives loading.
+
+    The model calls `rotation` (phases in the batch's layout, and the attention factor apart, so that rotated values
+    stay unscaled); `forward` is transformers' interface for a rotary module (`LlamaRotaryEmbedding`):
+    ``(cos, sin)``, each ``(B, L, d/2)``, times the attention factor.
+    """
 
     def __init__(self, config: RoFormerConfig):
         super().__init__()
         self.config = config
 
-    def frequencies(self, device: torch.device, longest: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    def frequencies(self, device: torch.device | None = None,
+                    longest: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
         """The rotation speeds theta ``(d/2,)`` and the attention factor; `longest`: a 0-d tensor, for the rope types
-        that adapt to the length."""
+        that adapt to the length (``None``: the training length)."""
         rope_type = self.config.rope_parameters["rope_type"]
         if rope_type == "default":
             return inverse_frequencies(self.config.head_dim, self.config.rope_theta, device), 1.0
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](self.config, device, seq_len=longest)
         return inv_freq, float(attention_factor)
 
-    def forward(self, position_ids: torch.Tensor, layout: BatchLayout) -> Rotation:
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The frequencies at the training length (transformers' name)."""
+        return self.frequencies()[0]
+
+    def rotation(self, position_ids: torch.Tensor, layout: BatchLayout) -> Rotation:
         """The rotation of the batch's `(B, L)` positions, in the layout's token shape."""
         longest = None
         if ROPE_TYPES[self.config.rope_parameters["rope_type"]].adapts_to_length:
@@ -132,6 +143,14 @@ class RoFormerRotaryEmbedding(nn.Module):
         inv_freq, attention_factor = self.frequencies(position_ids.device, longest)
         phases = rotary_phases(layout.gather_tokens(position_ids), inv_freq).unsqueeze(-3)  # (*T, 1, d/2, 2)
         return Rotation(phases, attention_factor)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' interface: ``(cos, sin)`` of `position_ids` ``(B, L)``, each ``(B, L, d/2)`` in `x`'s dtype,
+        scaled by the attention factor as transformers' rotary modules scale them."""
+        layout = BatchLayout.from_attention_mask(None, *position_ids.shape)
+        rotation = self.rotation(position_ids.to(x.device), layout)
+        cos, sin = (rotation.phases.squeeze(-3) * rotation.attention_factor).unbind(-1)
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 class RoFormerSelfAttention(nn.Module):
@@ -466,7 +485,7 @@ class RoFormerModel(RoFormerPreTrainedModel):
             hidden_states = self.embeddings_project(hidden_states)
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-        layer_inputs = {"position_embeddings": self.rotary_emb(position_ids, layout),
+        layer_inputs = {"position_embeddings": self.rotary_emb.rotation(position_ids, layout),
                         "past_key_values": past_key_values, "output_attentions": output_attentions}
         if encoder_hidden_states is not None:
             encoder_padding = (torch.ones(encoder_hidden_states.shape[:2], dtype=torch.bool, device=device)

@@ -97,7 +97,7 @@ def foreign_cache(**overrides):
     ({"num_hidden_layers": 3}, r"holds 3 layer\(s\) of self-attention keys; expected 2 \(num_hidden_layers\)"),
     ({"num_key_value_heads": 2}, r"keys of shape \(2, 2, 4, 8\); expected \(2, 4, 4, 8\)"),
     ({"hidden_size": 64, "num_attention_heads": 4}, r"keys of shape \(2, 4, 4, 16\); expected \(2, 4, 4, 8\)"),
-    ({"dtype": torch.float64}, r"keys in torch.float64; expected torch.float32"),
+    ({"dtype": torch.float64}, r"keys of dtype torch.float64; expected torch.float32"),
 ])
 @pytest.mark.parametrize("call", ["forward", "generate"])
 def test_a_cache_of_another_model_is_refused_naming_the_mismatch(overrides, message, call):

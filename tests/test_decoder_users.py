@@ -303,23 +303,10 @@ def described(model: RoFormerForCausalLM) -> dict:
     """The randomly chosen part of a model's configuration, for failure messages."""
     return {key: getattr(model.config, key) for key in ("num_attention_heads", "num_hidden_layers", "rotary_value",
                                                            "hidden_act", "rope_parameters")}
-LEFT_PADDING_POSITIONS = (
-    "a forward without position_ids gives left-padded rows positions that count their padding (arange(L)), on every "
-    "path (causal LM, prefix-LM, cross-attention; the encoder too), where generate() takes them from the attention "
-    "mask; visible with rotary_value and the length-adaptive rope types")
-LEFT_PADDING_LOSS = (
-    "the causal-LM loss of left-padded rows scores the padding just before a row's first real token against that "
-    "token (padded layout: prefix-LM, cross-attention)")
+PADDING_SIDES = pytest.mark.parametrize("left", [pytest.param(False, id="right"), pytest.param(True, id="left")])
 
 
-def padding_side(xfail_left: str | None):
-    """Right and left padding; left marked as a known failure when `xfail_left` says why."""
-    left = pytest.param(True, id="left", marks=pytest.mark.xfail(strict=True, reason=xfail_left)) if xfail_left \
-        else pytest.param(True, id="left")
-    return pytest.mark.parametrize("left", [pytest.param(False, id="right"), left])
-
-
-@padding_side(LEFT_PADDING_POSITIONS)
+@PADDING_SIDES
 def test_causal_lm_logits_of_padded_rows_equal_the_reference(left):
     for seed in CONFIG_SEEDS:
         model = random_decoder(seed)
@@ -332,7 +319,7 @@ def test_causal_lm_logits_of_padded_rows_equal_the_reference(left):
                                    msg=lambda m: f"{described(model)}: {m}")
 
 
-@padding_side(None)
+@PADDING_SIDES
 def test_causal_lm_loss_of_padded_rows_equals_the_reference(left):
     for seed in CONFIG_SEEDS:
         model = random_decoder(seed, rotary_value=False, rope_parameters=None)  # positions aside
@@ -344,7 +331,7 @@ def test_causal_lm_loss_of_padded_rows_equals_the_reference(left):
                                    msg=lambda m: f"{described(model)}: {m}")
 
 
-@padding_side(LEFT_PADDING_POSITIONS)
+@PADDING_SIDES
 def test_prefix_lm_logits_of_padded_rows_equal_the_reference(left):
     for seed in CONFIG_SEEDS:
         model = random_decoder(seed, prefix_lm=True)
@@ -357,7 +344,7 @@ def test_prefix_lm_logits_of_padded_rows_equal_the_reference(left):
                                    msg=lambda m: f"{described(model)}: {m}")
 
 
-@padding_side(LEFT_PADDING_LOSS)
+@PADDING_SIDES
 def test_prefix_lm_loss_of_padded_rows_equals_the_reference(left):
     for seed in CONFIG_SEEDS:
         model = random_decoder(seed, prefix_lm=True, rotary_value=False, rope_parameters=None)  # positions aside
@@ -378,7 +365,7 @@ def random_encoder_states(seed: int, batch: int) -> tuple[torch.Tensor, torch.Te
     return states, (torch.arange(6) < lengths[:, None]).long()
 
 
-@padding_side(f"{LEFT_PADDING_POSITIONS}; {LEFT_PADDING_LOSS}")
+@PADDING_SIDES
 def test_cross_attention_decoder_on_padded_rows_equals_the_reference(left):
     for seed in CONFIG_SEEDS:
         model = random_decoder(seed, add_cross_attention=True)
@@ -394,53 +381,6 @@ def test_cross_attention_decoder_on_padded_rows_equals_the_reference(left):
                                    msg=lambda m: f"{described(model)}: {m}")
         torch.testing.assert_close(out.loss.double(), reference_loss(expected, ids, mask), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{described(model)}: {m}")
-
-
-# --- a cache from another model ------------------------------------------------------------------------------------
-
-FOREIGN_CACHE = "a cache of another model is not checked against this one beyond its first layer's shape"
-
-
-def foreign_cache(**other) -> tuple[object, torch.Tensor]:
-    """The cache another decoder (`other` overrides the 2-layer tiny config) leaves after a 4-token prompt, and the
-    prompt."""
-    torch.manual_seed(1)
-    dtype = other.pop("dtype", torch.float32)
-    model = RoFormerForCausalLM(tiny_config(is_decoder=True, **other)).to(dtype).eval()
-    prompt = torch.tensor([[2, 15, 27, 9]])
-    with torch.no_grad():
-        return model(prompt, use_cache=True).past_key_values, prompt
-
-
-MISMATCHES = [
-    pytest.param(dict(num_hidden_layers=1), r"past_key_values holds 1 layer.*expected 2.*num_hidden_layers",
-                 id="fewer-layers", marks=pytest.mark.xfail(strict=True, reason=FOREIGN_CACHE)),
-    pytest.param(dict(num_hidden_layers=3), r"past_key_values holds 3 layer.*expected 2.*num_hidden_layers",
-                 id="more-layers", marks=pytest.mark.xfail(strict=True, reason=FOREIGN_CACHE)),
-    pytest.param(dict(num_attention_heads=2), r"past_key_values.*key/value heads", id="heads"),
-    pytest.param(dict(hidden_size=64, num_attention_heads=4), r"past_key_values.*head size", id="head-size"),
-    pytest.param(dict(dtype=torch.float64), r"past_key_values.*dtype.*float64.*float32", id="dtype",
-                 marks=pytest.mark.xfail(strict=True, reason=FOREIGN_CACHE)),
-]
-
-
-@pytest.mark.parametrize("other, message", MISMATCHES)
-def test_a_cache_of_another_model_is_refused_naming_the_mismatch_in_forward(other, message):
-    cache, prompt = foreign_cache(**other)
-    torch.manual_seed(0)
-    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
-    with pytest.raises(ValueError, match=message):
-        model(torch.tensor([[33]]), past_key_values=cache, attention_mask=torch.ones(1, 5, dtype=torch.long))
-
-
-@pytest.mark.parametrize("other, message", MISMATCHES)
-def test_a_cache_of_another_model_is_refused_naming_the_mismatch_in_generate(other, message):
-    cache, prompt = foreign_cache(**other)
-    torch.manual_seed(0)
-    model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
-    with pytest.raises(ValueError, match=message):
-        model.generate(torch.cat([prompt, torch.tensor([[33]])], 1), past_key_values=cache, max_new_tokens=3,
-                       do_sample=False, pad_token_id=0)
 
 
 # --- the text-generation pipeline -----------------------------------------------------------------------------------
