@@ -74,8 +74,8 @@ class CheckpointPolicy:
                 f"{name!r} lacks {len(missing)} encoder weight(s), e.g. {missing[:3]}: the model would be half "
                 "random. Check the checkpoint, or pass allow_missing_encoder_weights=True to initialise them "
                 "randomly on purpose (through EncoderDecoderModel.from_encoder_decoder_pretrained: "
-                "decoder_allow_missing_encoder_weights=True for its decoder, encoder_allow_missing_encoder_weights=True "
-                "for its encoder)")
+                "decoder_allow_missing_encoder_weights=True for its decoder, "
+                "encoder_allow_missing_encoder_weights=True for its encoder)")
         return (model, info) if want_info else model
 
     def warm_started_weights(self, missing_keys: list[str]) -> set[str]:

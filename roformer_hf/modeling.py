@@ -716,8 +716,8 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
     Always a decoder: attention is causal, keys and values are cached (`past_key_values`, transformers'
     `DynamicCache`) and positions continue from the cache. A config with `is_decoder=False` (an encoder's, as
     `AutoModelForCausalLM.from_pretrained(encoder_folder)` reads it) builds the decoder on a copy with
-    `is_decoder=True` (logged), never transformers' bidirectional "causal LM". The loss is next-token cross-entropy: the logits at each
-    token against the label of the token after it (-100 ignored), as transformers computes it. With
+    `is_decoder=True` (logged), never transformers' bidirectional "causal LM". The loss is next-token cross-entropy:
+    the logits at each token against the label of the token after it (-100 ignored), as transformers computes it. With
     `config.prefix_lm` (UniLM, RoFormer-Sim) the tokens of segment 0 (`token_type_ids`) see each other
     bidirectionally and those of segment 1 are causal; `generate()` then gives the new tokens segment 1. With
     `config.add_cross_attention` it is the decoder of an `EncoderDecoderModel`.

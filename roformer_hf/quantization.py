@@ -249,8 +249,8 @@ def quantize_int8(model: nn.Module, include: Callable[[str, nn.Linear], bool] | 
     given) by an `Int8Linear`, and returns `model`, for CPU inference: its remaining parameters (embeddings, norms)
     stop requiring grad, so a plain call works as under `torch.inference_mode()`. Quantize after loading the weights:
     the quantized model cannot be saved (a roformer_hf model's `save_pretrained` refuses it, saying so: save the
-    fp32 one, or use torchao through transformers' `TorchAoConfig` for a quantized checkpoint). `saturation_safe` is `Int8Linear`'s (default: on CPUs without
-    VNNI)."""
+    fp32 one, or use torchao through transformers' `TorchAoConfig` for a quantized checkpoint). `saturation_safe` is
+    `Int8Linear`'s (default: on CPUs without VNNI)."""
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is nn.Linear and (include is None or include(name, module))]
     for name, module in targets:

@@ -187,8 +187,9 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
         if "use_jieba" not in kwargs and _saved_by_transformers_roformer(pretrained_model_name_or_path, kwargs):
             kwargs["use_jieba"] = True
         if "add_sep_token" not in kwargs and _beside_a_causal_lm(pretrained_model_name_or_path, kwargs):
-            logger.info("%s: the tokenizer of a causal LM: single texts encode as [CLS] text, without [SEP], as prompts "
-                        "to continue (pass add_sep_token=True to encode training texts)", pretrained_model_name_or_path)
+            logger.info("%s: the tokenizer of a causal LM: single texts encode as [CLS] text, without [SEP], as "
+                        "prompts to continue (pass add_sep_token=True to encode training texts)",
+                        pretrained_model_name_or_path)
             kwargs["add_sep_token"] = False
         return super().from_pretrained(pretrained_model_name_or_path, *init_inputs, **kwargs)
 

@@ -231,7 +231,8 @@ def reference_logits(model: RoFormerForCausalLM, ids: torch.Tensor, mask: torch.
     allowed = (visible & real[:, None, :]) | (query_index == key_index)  # a padding query sees itself
     allowed = allowed.expand(batch, length, length)[:, None]
 
-    x = w["roformer.embeddings.word_embeddings.weight"][ids] + w["roformer.embeddings.token_type_embeddings.weight"][types]
+    embeddings = "roformer.embeddings"
+    x = w[f"{embeddings}.word_embeddings.weight"][ids] + w[f"{embeddings}.token_type_embeddings.weight"][types]
     x = layer_norm(x, "roformer.embeddings.LayerNorm")
     for index in range(config.num_hidden_layers):
         prefix_name = f"roformer.encoder.layer.{index}"

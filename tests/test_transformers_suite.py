@@ -11,7 +11,6 @@ from __future__ import annotations
 import unittest
 
 import pytest
-import torch
 
 from roformer_hf import RoFormerConfig
 from roformer_hf.modeling import HEADS
