@@ -57,6 +57,22 @@ print(json.dumps({"class": type(model).__module__ + "." + type(model).__name__,
 """
 
 
+def evaluation_seconds(log_history: list[dict]) -> float:
+    """Seconds a Trainer spent evaluating, from its log history: every `*_runtime` but the training run's own (which
+    includes the evaluations made during training)."""
+    return sum(value for entry in log_history for key, value in entry.items()
+               if key.endswith("_runtime") and key != "train_runtime")
+
+
+def time_split(total: float, pretraining: float, fine_tuning: float, evaluation: float) -> str:
+    """One line: where the demo's `total` seconds went, each part in minutes and as a share of the total;
+    `pretraining` and `fine_tuning` without their evaluations, which `evaluation` holds."""
+    parts = {"pretraining": pretraining, "fine-tuning": fine_tuning, "evaluation": evaluation,
+             "the rest": total - pretraining - fine_tuning - evaluation}
+    return " | ".join(f"{name} {seconds / 60:.1f} min ({seconds / total:.0%})" for name, seconds in parts.items()) + (
+        f" | total {total / 60:.1f} min")
+
+
 def banner(text: str) -> None:
     print(f"\n{'=' * 8} {text} {'=' * max(0, 70 - len(text))}", flush=True)
 
@@ -104,9 +120,11 @@ def main() -> None:
         "--warmup_steps", str(max(1, args.mlm_steps // 10)), "--weight_decay", "0.01", "--max_eval_samples", "2000",
         "--eval_strategy", "steps", "--eval_steps", str(max(1, args.mlm_steps // 4))])
     mlm_metrics = mlm["metrics"]
-    mlm_minutes = (time.time() - started) / 60
+    mlm_seconds = time.time() - started
+    mlm_evaluation = evaluation_seconds(mlm["trainer"].state.log_history)
 
     banner(f"2/5 fine-tuning: a passage {TASK}")
+    cls_started = time.time()
     cls = run_classification.main(common_args(out / "classifier", args) + [
         "--model_name_or_path", str(out / "mlm"), "--task", "word_order", "--max_seq_length", str(SEQ_LEN),
         "--num_train_epochs", str(args.cls_epochs), "--per_device_train_batch_size", "16",
@@ -118,14 +136,18 @@ def main() -> None:
         "--save_total_limit", "1", "--load_best_model_at_end", "true", "--metric_for_best_model", "accuracy"])
     metrics, split, raw, column = cls["metrics"], cls["final_split"], cls["raw"], cls["text_column"]
     trainer = cls["trainer"]
+    cls_seconds = time.time() - cls_started
+    cls_evaluation = evaluation_seconds(trainer.state.log_history)
     model_accuracy = metrics[f"{split}_accuracy"]
     majority_accuracy = metrics[f"{split}_majority_baseline_accuracy"]
 
+    baseline_started = time.time()
     bag_of_words = bag_of_words_baseline(raw["train"][column], raw["train"]["label"], raw["validation"][column],
                                          raw["validation"]["label"], raw[split][column], raw[split]["label"])
     print(f"bag-of-words baseline (TF-IDF + logistic regression, C={bag_of_words.C:g} chosen on validation): "
           f"{split} accuracy {bag_of_words.test_accuracy:.3f}; a shuffled passage holds the same words as the "
           "original, so any model blind to word order is at chance here")
+    baseline_seconds = time.time() - baseline_started
 
     banner("3/5 a Hub-ready folder, reloaded where roformer_hf is not installed")
     hub_ready = out / "hub-ready"
@@ -177,11 +199,13 @@ def main() -> None:
     banner("result")
     print(f"MLM validation perplexity {mlm_metrics['eval_perplexity']:.0f} (a uniform guess over the vocabulary: "
           f"{mlm['trainer'].model.config.vocab_size}), masked-token accuracy {mlm_metrics['eval_accuracy']:.3f}; "
-          f"pretraining took {mlm_minutes:.1f} min")
+          f"{mlm['trainer'].state.global_step} pretraining steps")
     print(f"passage {TASK} ({split} plays: {', '.join(sorted(set(raw[split]['play'])))}): macro-F1 "
-          f"{metrics[f'{split}_macro_f1']:.3f}; total time {(time.time() - started) / 60:.1f} min")
+          f"{metrics[f'{split}_macro_f1']:.3f}; {trainer.state.global_step} fine-tuning steps")
     print(f"{split} accuracy: model {model_accuracy:.2f} | bag-of-words baseline {bag_of_words.test_accuracy:.2f} | "
           f"majority baseline {majority_accuracy:.2f}")
+    print("time: " + time_split(time.time() - started, mlm_seconds - mlm_evaluation, cls_seconds - cls_evaluation,
+                                mlm_evaluation + cls_evaluation + baseline_seconds))
 
 
 if __name__ == "__main__":
