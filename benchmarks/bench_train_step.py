@@ -18,8 +18,9 @@ What it does:
 2. Times the step of each, interleaved (rotating which goes first), with the CPU's fp32 GEMM rate sampled between
    them at the model's largest product (the FFN expansion): the step's analytic FLOPs (3x the forward's, real
    tokens; see `workload.forward_flops`) per second as a share of that rate.
-3. Times roformer_hf's step with each AdamW implementation torch has (`for`-loop, `foreach`, `fused`) and the
-   phases of one step (collator, forward, backward, clipping, optimizer).
+3. Times roformer_hf's step with each AdamW implementation torch has (`for`-loop, `foreach`, `fused`: Trainer's
+   default), without attention dropout (hidden dropout kept: SDPA's fused kernel instead of
+   `BlockedDropoutAttention`), and the phases of one step (collator, forward, backward, clipping, optimizer).
 4. Profiles one roformer_hf step and one transformers step and groups self CPU time by part (GEMMs, attention,
    elementwise, optimizer, ...).
 """
@@ -130,10 +131,11 @@ def check_parity(args: argparse.Namespace, example: Example) -> dict[str, float]
 
 
 class Step:
-    """Trainer's step on one model: batch from the collator, forward, backward, clip to norm 1, AdamW, zero_grad.
+    """Trainer's step on one model: batch from the collator, forward, backward, clip to norm 1, AdamW (fused, as
+    Trainer's default `adamw_torch_fused`), zero_grad.
     Keeps the seconds of each phase of its last call."""
 
-    def __init__(self, model, example: Example, lr: float, implementation: str = "foreach"):
+    def __init__(self, model, example: Example, lr: float, implementation: str = "fused"):
         self.model, self.example = model, example
         flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
         # Trainer's AdamW with weight decay 0.01 on the weights, none on biases and LayerNorm (as Trainer groups them)
@@ -222,7 +224,14 @@ def main(argv: list[str] | None = None) -> None:
         models = build_models(args, folder, args.dropout)
         steps = {side: Step(model, example, args.lr) for side, model in models.items()}
         steps.update({f"roformer_hf, AdamW {kind}": Step(models["roformer_hf"], example, args.lr, kind)
-                      for kind in ("for-loop", "fused")})
+                      for kind in ("for-loop", "foreach")})
+        if args.dropout:  # attention dropout runs BlockedDropoutAttention; without it, SDPA's fused kernel
+            import roformer_hf
+
+            no_attention_dropout = roformer_hf.RoFormerForMaskedLM.from_pretrained(
+                folder, sparse_prediction=True, hidden_dropout_prob=args.dropout,
+                attention_probs_dropout_prob=0.0).train()
+            steps["roformer_hf, attention dropout 0"] = Step(no_attention_dropout, example, args.lr)
         gemm = gemm_sampler(tokens, args.hidden, args.intermediate)
         progress("timing the steps and the GEMM rate, interleaved")
         phases = {name: [] for name in steps}
@@ -239,11 +248,12 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"\nfp32 GEMM rate, ({tokens} x {args.hidden}) @ ({args.hidden} x {args.intermediate}) with torch.mm, "
               f"sampled between the steps: {gemm_rate:.0f} GFLOP/s\n")
-        print("| step (median of %d, min-max) | seconds | vs transformers | GFLOP/s | share of GEMM rate |" % args.repeats)
+        print(f"| step (median of {args.repeats}, min-max) | seconds | vs transformers | GFLOP/s | "
+              "share of GEMM rate |")
         print("|---|---|---|---|---|")
         reference = median(times["transformers"])
         for name, samples in times.items():
-            side = "transformers" if name == "transformers" else "roformer_hf"
+            side = "transformers" if name == "transformers" else "roformer_hf"  # its variants too
             rate = step_flops[side] / median(samples) / 1e9
             print(f"| {name} | {spread(samples)} | {reference / median(samples):.2f}x | {rate:.0f} | "
                   f"{rate / gemm_rate:.0%} |")
