@@ -57,6 +57,22 @@ print(json.dumps({"class": type(model).__module__ + "." + type(model).__name__,
 """
 
 
+def evaluation_seconds(log_history: list[dict]) -> float:
+    """Seconds a Trainer spent evaluating, from its log history: every `*_runtime` but the training run's own (which
+    includes the evaluations made during training)."""
+    return sum(value for entry in log_history for key, value in entry.items()
+               if key.endswith("_runtime") and key != "train_runtime")
+
+
+def time_split(total: float, pretraining: float, fine_tuning: float, evaluation: float) -> str:
+    """One line: where the demo's `total` seconds went, each part in minutes and as a share of the total;
+    `pretraining` and `fine_tuning` without their evaluations, which `evaluation` holds."""
+    parts = {"pretraining": pretraining, "fine-tuning": fine_tuning, "evaluation": evaluation,
+             "the rest": total - pretraining - fine_tuning - evaluation}
+    return " | ".join(f"{name} {seconds / 60:.1f} min ({seconds / total:.0%})" for name, seconds in parts.items()) + (
+        f" | total {total / 60:.1f} min")
+
+
 def banner(text: str) -> None:
     print(f"\n{'=' * 8} {text} {'=' * max(0, 70 - len(text))}", flush=True)
 
@@ -65,6 +81,41 @@ def common_args(output_dir: Path, args) -> list[str]:
     return ["--output_dir", str(output_dir), "--use_cpu", "true",
             "--report_to", "none", "--seed", str(args.seed), "--logging_steps", "20", "--save_strategy", "no",
             "--dataloader_num_workers", "0", "--disable_tqdm", "false", "--do_train", "true", "--do_eval", "true"]
+
+
+def pretraining_arguments(output_dir: Path, args: argparse.Namespace) -> list[str]:
+    """run_mlm.py's command line for the demo's pretraining."""
+    return common_args(output_dir, args) + [
+        "--config_overrides", args.config_overrides + ",sparse_prediction=true", "--tokenizer_vocab_size", "8000",
+        "--line_by_line", "false", "--max_seq_length", str(SEQ_LEN),
+        "--max_steps", str(args.mlm_steps), "--per_device_train_batch_size", "16", "--learning_rate", "1e-3",
+        "--warmup_steps", str(max(1, args.mlm_steps // 10)), "--weight_decay", "0.01", "--max_eval_samples", "2000",
+        "--eval_strategy", "steps", "--eval_steps", str(max(1, args.mlm_steps // 4))]
+
+
+def fine_tuning_arguments(output_dir: Path, pretrained: Path, args: argparse.Namespace) -> list[str]:
+    """run_classification.py's command line for the demo's fine-tuning of the `pretrained` folder."""
+    return common_args(output_dir, args) + [
+        "--model_name_or_path", str(pretrained), "--task", "word_order", "--max_seq_length", str(SEQ_LEN),
+        "--num_train_epochs", str(args.cls_epochs), "--per_device_train_batch_size", "16",
+        "--per_device_eval_batch_size", "64",
+        "--learning_rate", str(args.cls_learning_rate), "--warmup_steps", "20", "--weight_decay", "0.01",
+        # Passages of a few plays overfit: evaluate four times and keep the best checkpoint.
+        "--eval_strategy", "steps", "--eval_steps", "0.25", "--save_strategy", "steps", "--save_steps", "0.25",
+        "--save_total_limit", "1", "--load_best_model_at_end", "true", "--metric_for_best_model", "accuracy"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", default="runs/demo")
+    parser.add_argument("--mlm_steps", type=int, default=400)
+    parser.add_argument("--cls_epochs", type=float, default=2)
+    parser.add_argument("--cls_learning_rate", type=float, default=2e-4)
+    parser.add_argument("--config_overrides", default=MODEL)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--figures_dir", default=None,
+                        help="where the pictures go; default: OUTPUT_DIR/pictures (the README shows copies in docs/)")
+    return parser
 
 
 def chosen_examples(split, column: str, per_class: int, seed: int) -> list[dict]:
@@ -82,50 +133,35 @@ def shorten(text: str, width: int = 110) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output_dir", default="runs/demo")
-    parser.add_argument("--mlm_steps", type=int, default=400)
-    parser.add_argument("--cls_epochs", type=float, default=2)
-    parser.add_argument("--config_overrides", default=MODEL)
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--figures_dir", default=None,
-                        help="where the pictures go; default: OUTPUT_DIR/pictures (the README shows copies in docs/)")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     out = Path(args.output_dir)
     figures_dir = Path(args.figures_dir) if args.figures_dir else out / "pictures"
     figures_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
     banner("1/5 masked-LM pretraining on Shakespeare, blocks of 256 tokens")
-    mlm = run_mlm.main(common_args(out / "mlm", args) + [
-        "--config_overrides", args.config_overrides + ",sparse_prediction=true", "--tokenizer_vocab_size", "8000",
-        "--line_by_line", "false", "--max_seq_length", str(SEQ_LEN),
-        "--max_steps", str(args.mlm_steps), "--per_device_train_batch_size", "16", "--learning_rate", "1e-3",
-        "--warmup_steps", str(max(1, args.mlm_steps // 10)), "--weight_decay", "0.01", "--max_eval_samples", "2000",
-        "--eval_strategy", "steps", "--eval_steps", str(max(1, args.mlm_steps // 4))])
+    mlm = run_mlm.main(pretraining_arguments(out / "mlm", args))
     mlm_metrics = mlm["metrics"]
-    mlm_minutes = (time.time() - started) / 60
+    mlm_seconds = time.time() - started
+    mlm_evaluation = evaluation_seconds(mlm["trainer"].state.log_history)
 
     banner(f"2/5 fine-tuning: a passage {TASK}")
-    cls = run_classification.main(common_args(out / "classifier", args) + [
-        "--model_name_or_path", str(out / "mlm"), "--task", "word_order", "--max_seq_length", str(SEQ_LEN),
-        "--num_train_epochs", str(args.cls_epochs), "--per_device_train_batch_size", "16",
-        "--per_device_eval_batch_size", "64",
-        "--learning_rate", "2e-4", "--warmup_steps", "20", "--weight_decay", "0.01",
-        # Passages of a few plays overfit: evaluate every half epoch and keep the best checkpoint.
-        "--eval_strategy", "epoch" if args.cls_epochs <= 1 else "steps", "--eval_steps", "0.25",
-        "--save_strategy", "epoch" if args.cls_epochs <= 1 else "steps", "--save_steps", "0.25",
-        "--save_total_limit", "1", "--load_best_model_at_end", "true", "--metric_for_best_model", "accuracy"])
+    cls_started = time.time()
+    cls = run_classification.main(fine_tuning_arguments(out / "classifier", out / "mlm", args))
     metrics, split, raw, column = cls["metrics"], cls["final_split"], cls["raw"], cls["text_column"]
     trainer = cls["trainer"]
+    cls_seconds = time.time() - cls_started
+    cls_evaluation = evaluation_seconds(trainer.state.log_history)
     model_accuracy = metrics[f"{split}_accuracy"]
     majority_accuracy = metrics[f"{split}_majority_baseline_accuracy"]
 
+    baseline_started = time.time()
     bag_of_words = bag_of_words_baseline(raw["train"][column], raw["train"]["label"], raw["validation"][column],
                                          raw["validation"]["label"], raw[split][column], raw[split]["label"])
     print(f"bag-of-words baseline (TF-IDF + logistic regression, C={bag_of_words.C:g} chosen on validation): "
           f"{split} accuracy {bag_of_words.test_accuracy:.3f}; a shuffled passage holds the same words as the "
           "original, so any model blind to word order is at chance here")
+    baseline_seconds = time.time() - baseline_started
 
     banner("3/5 a Hub-ready folder, reloaded where roformer_hf is not installed")
     hub_ready = out / "hub-ready"
@@ -177,11 +213,13 @@ def main() -> None:
     banner("result")
     print(f"MLM validation perplexity {mlm_metrics['eval_perplexity']:.0f} (a uniform guess over the vocabulary: "
           f"{mlm['trainer'].model.config.vocab_size}), masked-token accuracy {mlm_metrics['eval_accuracy']:.3f}; "
-          f"pretraining took {mlm_minutes:.1f} min")
+          f"{mlm['trainer'].state.global_step} pretraining steps")
     print(f"passage {TASK} ({split} plays: {', '.join(sorted(set(raw[split]['play'])))}): macro-F1 "
-          f"{metrics[f'{split}_macro_f1']:.3f}; total time {(time.time() - started) / 60:.1f} min")
+          f"{metrics[f'{split}_macro_f1']:.3f}; {trainer.state.global_step} fine-tuning steps")
     print(f"{split} accuracy: model {model_accuracy:.2f} | bag-of-words baseline {bag_of_words.test_accuracy:.2f} | "
           f"majority baseline {majority_accuracy:.2f}")
+    print("time: " + time_split(time.time() - started, mlm_seconds - mlm_evaluation, cls_seconds - cls_evaluation,
+                                mlm_evaluation + cls_evaluation + baseline_seconds))
 
 
 if __name__ == "__main__":

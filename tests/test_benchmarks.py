@@ -126,3 +126,18 @@ def test_quantization_benchmark_times_every_path_and_judges_the_targets():
     assert rows["roformer_hf int8 (quantize_int8)"][5].startswith("quantize ")
     assert any(key.startswith("int8 forward ≥ 2x faster than ONNX Runtime's int8") for key in rows)
     assert "int8 matrix units: " in result.stdout
+
+
+def test_train_step_benchmark_compares_equal_models():
+    """`bench_train_step.py --quick`: both libraries' steps on the same weights (loss and gradients checked equal
+    first), every variant timed, and the step's parts profiled."""
+    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_train_step.py"), "--quick", "--repeats", "1",
+                             "--warmup", "0"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    loss_diff, grad_diff = map(float, re.search(r"loss diff (\S+), largest gradient diff (\S+)", out).groups())
+    assert loss_diff < 1e-4 and grad_diff < 1e-3
+    for step in ("roformer_hf", "transformers", "roformer_hf, AdamW for-loop", "roformer_hf, AdamW foreach",
+                 "roformer_hf, attention dropout 0"):
+        assert re.search(rf"^\| {re.escape(step)} \| \d", out, re.MULTILINE), step
+    assert "GEMM (linear layers, decoder)" in out and "optimizer (AdamW)" in out

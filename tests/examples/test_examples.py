@@ -11,7 +11,9 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 
+import demo
 import pytest
 import run_classification
 import run_mlm
@@ -367,3 +369,23 @@ def test_run_seq2seq_builtin_next_line_task(tmp_path, capsys):
                                       num_examples_to_print=2))
     assert result["metrics"]["eval_loss"] > 0
     assert "next line:" in capsys.readouterr().out
+
+
+def test_demo_time_split_counts_trainer_evaluations(text_files, tmp_path):
+    """The demo's time report: `evaluation_seconds` reads the evaluations' seconds from a Trainer's log (here timed
+    around two `evaluate()` calls made after training, which must be all it adds), and `time_split` gives the
+    rest of the total as "the rest"."""
+    result = run_mlm.main(_mlm_args(text_files, tmp_path, max_steps=2))
+    trainer = result["trainer"]
+    before = demo.evaluation_seconds(trainer.state.log_history)
+    assert before > 0  # run_mlm's final evaluation
+    start = time.perf_counter()
+    trainer.evaluate()
+    trainer.evaluate()
+    elapsed = time.perf_counter() - start
+    added = demo.evaluation_seconds(trainer.state.log_history) - before
+    assert 0.5 * elapsed < added <= elapsed
+
+    line = demo.time_split(600.0, pretraining=300.0, fine_tuning=150.0, evaluation=60.0)
+    assert line == ("pretraining 5.0 min (50%) | fine-tuning 2.5 min (25%) | evaluation 1.0 min (10%) | "
+                    "the rest 1.5 min (15%) | total 10.0 min")
