@@ -9,9 +9,10 @@
   RoFormer-V2 config, or their absence under a RoFormer config) raise, naming the mismatch.
 - A saved folder loads with every Auto class through `trust_remote_code=True` (`auto_map` in config.json).
 - With the package imported, `save_pretrained` writes a model card unless the folder has one, and `push_to_hub`
-  uploads it (`hub.py`). This module does not import `hub.py`: transformers copies into a saved folder the files
-  that the modeling file imports relatively, and a model folder carries the model's code, not upload code. A model
-  loaded as remote code (without the package) saves and pushes as any transformers model does.
+  uploads it (`hub.py`); it also writes sentence-transformers' module files, whose agreement with the config
+  `from_pretrained` checks (`sentence.py`). This module imports neither: transformers copies into a saved folder the
+  files that the modeling file imports relatively, and a model folder carries the model's code, not upload code. A
+  model loaded as remote code (without the package) saves and pushes as any transformers model does.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class CheckpointPolicy:
 
     auto_map: dict[str, str] = {}
     hub = None  # the model-card and upload module (`roformer_hf.hub`), set when the package is imported
+    sentence = None  # sentence-transformers' module files (`roformer_hf.sentence`), set when the package is imported
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_missing_encoder_weights: bool = False,
@@ -61,6 +63,8 @@ class CheckpointPolicy:
                 f"{name!r} lacks {len(missing)} encoder weight(s), e.g. {missing[:3]}: the model would be half "
                 "random. Check the checkpoint, or pass allow_missing_encoder_weights=True to initialise them "
                 "randomly on purpose")
+        if cls.sentence is not None and pretrained_model_name_or_path is not None and os.path.isdir(name):
+            cls.sentence.check_sentence_modules(os.path.join(name, kwargs.get("subfolder") or ""), model.config)
         return (model, info) if want_info else model
 
     def check_checkpoint_weights(self, name: str, missing_keys: list[str], unexpected_keys: list[str]) -> None:
@@ -74,11 +78,14 @@ class CheckpointPolicy:
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' `save_pretrained`; config.json maps every Auto class to this package's classes, and a model
-        card is written unless the folder has a README.md (`hub.write_model_card`)."""
+        card is written unless the folder has a README.md (`hub.write_model_card`), and sentence-transformers' module
+        files unless it has a modules.json (`sentence.write_sentence_modules`)."""
         self.config.auto_map = dict(self.auto_map)
         super().save_pretrained(save_directory, *args, **kwargs)
         if self.hub is not None:
             self.hub.write_model_card(self, save_directory)
+        if self.sentence is not None:
+            self.sentence.write_sentence_modules(self, save_directory)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """transformers' `push_to_hub`, uploading this model's card unless the repository has one (see
