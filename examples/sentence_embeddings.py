@@ -124,13 +124,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max_seq_length", type=int, default=48)
     parser.add_argument("--eval_pairs", type=int, default=None, help="evaluate on the first N held-out pairs only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's choice); 1 is faster on a machine busy with other work")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few steps, a small model and pool")
     args = parser.parse_args(argv)
     if args.quick:
         args.max_steps, args.batch_size, args.hidden_size, args.layers = 6, 16, 32, 1
         args.vocab_size, args.eval_pairs = 500, args.eval_pairs or 200
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     start, start_cpu = time.perf_counter(), time.process_time()
 
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         "roformer_hf": retrieval_metrics(ours), "tfidf": retrieval_metrics(baseline),
         "train_loss": [entry["loss"] for entry in log_history if "loss" in entry],
         "seconds": round(time.perf_counter() - start, 1), "cpu_seconds": round(time.process_time() - start_cpu, 1),
+        "threads": torch.get_num_threads(),
         "roformer_hf_version": roformer_hf.__version__,
     }
     (args.output_dir / "retrieval.json").write_text(json.dumps(results, indent=2) + "\n")
