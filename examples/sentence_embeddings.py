@@ -34,21 +34,34 @@ KS = (1, 10, 100)
 
 
 def ranks(scores: np.ndarray, queries: list[str], candidates: list[str], gold: list[str]) -> np.ndarray:
-    """The rank (0 = first) of each query's gold line among `candidates`, by `scores` `(Q, C)`: how many candidates
-    score above the best-scoring copy of the gold text. Candidates equal to the query's own text are left out."""
+    """Where each query's gold line falls among `candidates`, by `scores` `(Q, C)`: `(Q, 2)`, the candidates scoring
+    above the best-scoring copy of the gold text, and those scoring exactly as high (ties, e.g. TF-IDF's zeros for
+    lines without a word in common: the gold line is equally likely anywhere among them). Candidates equal to the
+    query's own text are left out."""
     candidate_text = np.array(candidates, dtype=object)
-    result = np.empty(len(queries), dtype=np.int64)
+    result = np.empty((len(queries), 2), dtype=np.int64)
     for i, (row, query, target) in enumerate(zip(scores, queries, gold)):
         row = np.where(candidate_text == query, -np.inf, row)
-        best_gold = row[candidate_text == target].max()
-        result[i] = int((row > best_gold).sum())
+        is_gold = candidate_text == target
+        best_gold = row[is_gold].max()
+        result[i] = (row > best_gold).sum(), ((row == best_gold) & ~is_gold).sum()
     return result
 
 
+def recall_at(rank: np.ndarray, k: int) -> float:
+    """The share of queries whose gold line is among the first `k`, ties broken at random (in expectation)."""
+    above, ties = rank[:, 0], rank[:, 1]
+    return float(np.clip((k - above) / (ties + 1), 0, 1).mean())
+
+
 def retrieval_metrics(rank: np.ndarray) -> dict[str, float]:
-    metrics = {f"recall@{k}": float((rank < k).mean()) for k in KS}
-    metrics["mrr"] = float((1.0 / (rank + 1)).mean())
-    return metrics
+    """recall@k for `KS` and the mean reciprocal rank, ties broken at random (in expectation)."""
+    from scipy.special import digamma
+
+    above, ties = rank[:, 0], rank[:, 1]
+    # The mean of 1 / (position + 1) over the positions above .. above + ties: a difference of harmonic numbers.
+    reciprocal = (digamma(above + ties + 2) - digamma(above + 1)) / (ties + 1)
+    return {**{f"recall@{k}": recall_at(rank, k) for k in KS}, "mrr": float(reciprocal.mean())}
 
 
 def tfidf_scores(train_texts: list[str], queries: list[str], candidates: list[str]) -> np.ndarray:
@@ -67,7 +80,7 @@ def build_model(train_texts: list[str], folder: Path, args) -> Path:
                                 model_max_length=args.max_seq_length)
     config = RoFormerConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                             num_attention_heads=args.hidden_size // 32, intermediate_size=4 * args.hidden_size,
-                            max_position_embeddings=args.max_seq_length, hidden_dropout_prob=0.1,
+                            max_position_embeddings=args.max_seq_length, hidden_dropout_prob=args.dropout,
                             attention_probs_dropout_prob=0.0, sentence_pooling="mean")
     torch.manual_seed(args.seed)
     RoFormerModel(config).save_pretrained(folder)
@@ -101,7 +114,7 @@ def plot(ranks_by_method: dict[str, np.ndarray], pool: int, path: Path) -> Path:
     ks = np.unique(np.logspace(0, np.log10(pool), 60).astype(int))
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, rank in ranks_by_method.items():
-        ax.plot(ks, [(rank < k).mean() for k in ks], label=name)
+        ax.plot(ks, [recall_at(rank, k) for k in ks], label=name)
     ax.set(xscale="log", xlabel=f"k (candidates: {pool:,} lines of held-out plays)", ylabel="recall@k",
            title="Which line comes next? Retrieval on unseen plays", ylim=(0, 1))
     ax.grid(alpha=0.3)
@@ -118,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max_steps", type=int, default=700)
     parser.add_argument("--batch_size", type=int, default=128, help="pairs per step; the rest of a batch are negatives")
     parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--dropout", type=float, default=0.1, help="hidden dropout")
     parser.add_argument("--hidden_size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab_size", type=int, default=6000)

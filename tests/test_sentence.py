@@ -7,13 +7,14 @@ import doctest
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from helpers import TINY, WORDS, tiny_config
+from helpers import BLOCK_ROFORMER_HF, PYTHON, TINY, WORDS, tiny_config
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 from sentence_transformers.base.modules import Normalize, Transformer
@@ -270,3 +271,29 @@ def test_sentence_transformers_trainer_with_a_contrastive_loss_skips_padding(tmp
     for tokens, _, shape, mode in seen:
         assert mode == "varlen" and shape == (tokens, TINY["hidden_size"])
     assert roformer_hf.RoFormerModel is type(encoder)
+
+
+REMOTE = BLOCK_ROFORMER_HF + """
+import json, sys
+from sentence_transformers import SentenceTransformer
+model = SentenceTransformer(sys.argv[1], device="cpu", trust_remote_code=True)
+print(json.dumps({"module": type(model[0].model).__module__,
+                  "embeddings": model.encode(json.loads(sys.argv[2])).tolist()}))
+"""
+
+
+def test_sentence_transformers_without_the_package_reads_the_same_embedding(tmp_path):
+    """With `trust_remote_code=True` and no roformer_hf installed, the folder's own code and module files give the
+    pooler output too."""
+    torch.manual_seed(0)
+    model = RoFormerForCausalLM(tiny_config(vocab_size=len(SPECIALS) + len(WORDS), is_decoder=True, prefix_lm=True,
+                                            add_pooling_layer=True, initializer_range=0.2)).eval()
+    folder = saved(tmp_path / "sim", model)
+    result = subprocess.run([PYTHON, "-c", REMOTE, str(folder), json.dumps(SENTENCES)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    remote = json.loads(result.stdout.strip().splitlines()[-1])
+    assert remote["module"].startswith("transformers_modules.")
+    with torch.no_grad():
+        expected = model(**padded()).pooler_output
+    torch.testing.assert_close(torch.tensor(remote["embeddings"]), expected, atol=1e-5, rtol=0)

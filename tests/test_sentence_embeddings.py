@@ -6,21 +6,27 @@ import json
 import numpy as np
 import pytest
 import torch
-from sentence_embeddings import main, ranks, retrieval_metrics
+from sentence_embeddings import main, ranks, recall_at, retrieval_metrics
 from sentence_transformers import SentenceTransformer
 
 
 def test_ranks_count_the_candidates_above_the_gold_line_and_skip_the_query_itself():
-    candidates = ["a", "b", "c", "b", "q"]
+    candidates = ["a", "b", "c", "b", "q", "d"]
     queries, gold = ["q", "x"], ["b", "c"]
-    scores = np.array([[0.9, 0.1, 0.5, 0.3, 1.0],  # "q" itself scores 1.0 but is no candidate; best "b" is 0.3
-                       [0.2, 0.8, 0.7, 0.1, 0.0]])
-    expected = [sum(s > 0.3 for s in (0.9, 0.5)), sum(s > 0.7 for s in (0.2, 0.8, 0.1, 0.0))]
-    assert ranks(scores, queries, candidates, gold).tolist() == expected == [2, 1]
-    metrics = retrieval_metrics(np.array([0, 2, 150]))
-    assert metrics["recall@1"] == pytest.approx(1 / 3) and metrics["recall@10"] == pytest.approx(2 / 3)
-    assert metrics["recall@100"] == pytest.approx(2 / 3)
-    assert metrics["mrr"] == pytest.approx((1 + 1 / 3 + 1 / 151) / 3)
+    scores = np.array([[0.9, 0.1, 0.5, 0.3, 1.0, 0.3],  # "q" itself scores 1.0 but is no candidate; best "b" is 0.3
+                       [0.2, 0.8, 0.7, 0.1, 0.0, 0.0]])
+    rank = ranks(scores, queries, candidates, gold)
+    assert rank.tolist() == [[2, 1], [1, 0]]  # above the gold line, and tied with it ("d" at 0.3)
+    # Ties broken at random: the first query's gold line is 3rd or 4th, each with probability 1/2.
+    metrics = retrieval_metrics(rank)
+    assert metrics["recall@1"] == 0 and metrics["recall@10"] == 1
+    assert recall_at(rank, 2) == pytest.approx(0.5) and recall_at(rank, 3) == pytest.approx((0.5 + 1) / 2)
+    assert recall_at(rank, 4) == 1
+    assert metrics["mrr"] == pytest.approx(((1 / 3 + 1 / 4) / 2 + 1 / 2) / 2)
+    brute = retrieval_metrics(np.array([[0, 0], [2, 0], [150, 0]]))
+    assert brute["recall@1"] == pytest.approx(1 / 3) and brute["recall@10"] == pytest.approx(2 / 3)
+    assert brute["recall@100"] == pytest.approx(2 / 3)
+    assert brute["mrr"] == pytest.approx((1 + 1 / 3 + 1 / 151) / 3)
 
 
 def test_quick_run_trains_saves_and_scores_both_methods(tmp_path):
