@@ -7,7 +7,7 @@ next_line_splits`); the loss is MultipleNegativesRankingLoss (the other lines of
 model is a small RoFormer built from scratch with a WordPiece vocabulary trained on the training plays; the folder it
 is saved to loads with `SentenceTransformer(folder)`.
 
-    python examples/sentence_embeddings.py                    # a few minutes on 2 cores
+    python examples/sentence_embeddings.py                    # about 6 CPU-minutes (--threads 1 on a busy machine)
     python examples/sentence_embeddings.py --quick            # a smoke run, seconds
 
 It prints recall@1/10/100 and MRR for both, writes them to `OUTPUT_DIR/retrieval.json`, and draws recall@k
@@ -96,8 +96,8 @@ def train(folder: Path, pairs, args):
     model = SentenceTransformer(str(folder), device="cpu")
     training_args = SentenceTransformerTrainingArguments(
         output_dir=str(args.output_dir / "checkpoints"), max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate, warmup_steps=args.max_steps // 10,
-        weight_decay=0.01, use_cpu=True, report_to=[], save_strategy="no", logging_steps=max(1, args.max_steps // 10),
+        per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
+        warmup_steps=args.max_steps // 10, weight_decay=0.01, use_cpu=True, report_to=[], save_strategy="no", logging_steps=max(1, args.max_steps // 10),
         seed=args.seed, batch_sampler="no_duplicates", dataloader_drop_last=True, disable_tqdm=True)
     trainer = SentenceTransformerTrainer(model=model, args=training_args, train_dataset=pairs,
                                          loss=MultipleNegativesRankingLoss(model))
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch_size", type=int, default=128, help="pairs per step; the rest of a batch are negatives")
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden dropout")
-    parser.add_argument("--hidden_size", type=int, default=128)
+    parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab_size", type=int, default=6000)
     parser.add_argument("--max_seq_length", type=int, default=48)
