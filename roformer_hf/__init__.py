@@ -2,12 +2,13 @@
 
 Importing the package registers `model_type="roformer_hf"` with AutoConfig, AutoTokenizer and every Auto model
 class it implements (`modeling.HEADS`); transformers' own `model_type="roformer"` is left untouched. It also gives
-the models their model cards (`hub.py`), which the modeling code, copied into every saved folder, does not import.
+the models their model cards (`hub.py`) and sentence-transformers' module files (`sentence.py`), which the modeling
+code, copied into every saved folder, does not import.
 """
 
 import transformers
 
-from . import hub, modeling
+from . import hub, modeling, sentence
 from .configuration import RoFormerConfig
 from .modeling import *  # noqa: F403  (the classes of modeling.HEADS, see modeling.__all__)
 from .summary import summary
@@ -16,6 +17,7 @@ from .tokenization import RoFormerHFTokenizer, train_tokenizer
 __version__ = "0.3.0.dev0"
 
 modeling.RoFormerPreTrainedModel.hub = hub
+modeling.RoFormerPreTrainedModel.sentence = sentence
 transformers.AutoConfig.register(RoFormerConfig.model_type, RoFormerConfig, exist_ok=True)
 for _head in modeling.HEADS:
     getattr(transformers, _head.auto_class).register(RoFormerConfig, _head.model_class, exist_ok=True)

@@ -12,9 +12,10 @@
   RoFormer-V2 config, or their absence under a RoFormer config) raise, naming the mismatch.
 - A saved folder loads with every Auto class through `trust_remote_code=True` (`auto_map` in config.json).
 - With the package imported, `save_pretrained` writes a model card unless the folder has one, and `push_to_hub`
-  uploads it (`hub.py`). This module does not import `hub.py`: transformers copies into a saved folder the files
-  that the modeling file imports relatively, and a model folder carries the model's code, not upload code. A model
-  loaded as remote code (without the package) saves and pushes as any transformers model does.
+  uploads it (`hub.py`); it also writes sentence-transformers' module files, whose agreement with the config
+  `from_pretrained` checks (`sentence.py`). This module imports neither: transformers copies into a saved folder the
+  files that the modeling file imports relatively, and a model folder carries the model's code, not upload code. A
+  model loaded as remote code (without the package) saves and pushes as any transformers model does.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class CheckpointPolicy:
     # Modules that a checkpoint may lack as a whole: new by definition when warm-starting from an encoder's checkpoint.
     warm_start_modules: tuple[str, ...] = ("crossattention",)
     hub = None  # the model-card and upload module (`roformer_hf.hub`), set when the package is imported
+    sentence = None  # sentence-transformers' module files (`roformer_hf.sentence`), set when the package is imported
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_missing_encoder_weights: bool = False,
@@ -76,6 +78,8 @@ class CheckpointPolicy:
                 "randomly on purpose (through EncoderDecoderModel.from_encoder_decoder_pretrained: "
                 "decoder_allow_missing_encoder_weights=True for its decoder, "
                 "encoder_allow_missing_encoder_weights=True for its encoder)")
+        if cls.sentence is not None and pretrained_model_name_or_path is not None and os.path.isdir(name):
+            cls.sentence.check_sentence_modules(os.path.join(name, kwargs.get("subfolder") or ""), model.config)
         return (model, info) if want_info else model
 
     def warm_started_weights(self, missing_keys: list[str]) -> set[str]:
@@ -130,13 +134,16 @@ class CheckpointPolicy:
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' `save_pretrained`; config.json maps every Auto class to this package's classes, and a model
-        card is written unless the folder has a README.md (`hub.write_model_card`). Refused for a model holding
-        layers that declare a `save_refusal` (int8 layers, `quantization.Int8Linear`): it would not load back."""
+        card is written unless the folder has a README.md (`hub.write_model_card`), and sentence-transformers' module
+        files unless it has a modules.json (`sentence.write_sentence_modules`). Refused for a model holding layers that
+        declare a `save_refusal` (int8 layers, `quantization.Int8Linear`): it would not load back."""
         self.refuse_unsaveable_layers(f"save_pretrained({os.fspath(save_directory)!r})")
         self.config.auto_map = dict(self.auto_map)
         super().save_pretrained(save_directory, *args, **kwargs)
         if self.hub is not None:
             self.hub.write_model_card(self, save_directory)
+        if self.sentence is not None:
+            self.sentence.write_sentence_modules(self, save_directory)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """transformers' `push_to_hub`, uploading this model's card unless the repository has one (see

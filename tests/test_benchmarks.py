@@ -141,3 +141,21 @@ def test_train_step_benchmark_compares_equal_models():
                  "roformer_hf, attention dropout 0"):
         assert re.search(rf"^\| {re.escape(step)} \| \d", out, re.MULTILINE), step
     assert "GEMM (linear layers, decoder)" in out and "optimizer (AdamW)" in out
+
+
+def test_embedding_benchmark_times_every_model_on_every_set():
+    """`bench_embeddings.py --quick`: transformers' RoFormer, roformer_hf (fp32 and int8) and ModernBERT timed on
+    short, ~128-token and mixed sentences at batch 32 and 1; roformer_hf's embeddings checked against transformers'."""
+    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_embeddings.py"), "--quick", "--count", "8", "--single",
+                             "2", "--repeats", "1", "--warmup", "0"],
+                            capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if re.match(r"\| (short|~128|mixed) \|", line)]
+    assert [(row[0].strip(), row[1].strip()) for row in rows] == [
+        (name, batch) for name in ("short", "~128", "mixed") for batch in ("32", "1")]
+    for row in rows:
+        assert all(float(cell) > 0 for cell in row[3:7])  # sentences per second of the four models
+    cosines = re.findall(r"roformer_hf fp32 vs transformers ([0-9.]+); int8 vs transformers fp32 ([0-9.]+)",
+                         result.stdout)
+    assert len(cosines) == 3 and all(float(fp32) >= 0.99999 and float(int8) > 0.99 for fp32, int8 in cosines)
+    assert "scaled_dot_product" in result.stdout or "linear" in result.stdout  # the operator table

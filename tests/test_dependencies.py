@@ -9,7 +9,7 @@ from helpers import PYTHON, block_imports, padded_batch, tiny_config
 from roformer_hf import RoFormerForMaskedLM
 
 # What the examples and the summary extras bring, none of which `import roformer_hf` may need.
-EXTRAS_ONLY = ("accelerate", "datasets", "evaluate", "torchao", "torchinfo")
+EXTRAS_ONLY = ("accelerate", "datasets", "evaluate", "sentence_transformers", "torchao", "torchinfo")
 
 CORE_ONLY = block_imports(*EXTRAS_ONLY) + """
 import json, sys, torch

@@ -54,7 +54,7 @@ def python_block(page: str, index: int) -> str:
     return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.DOTALL)[index]
 
 
-@pytest.mark.parametrize("page, index", [("docs/packing.md", 1), ("docs/serving.md", 0)])
+@pytest.mark.parametrize("page, index", [("docs/packing.md", 1), ("docs/serving.md", 0), ("docs/embeddings.md", 0)])
 def test_docs_code_runs_as_written(tmp_path, page, index):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([PYTHON, "-c", python_block(page, index)], cwd=tmp_path, env=env, capture_output=True,

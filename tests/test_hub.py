@@ -65,8 +65,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 repo, texts = sys.argv[1], json.loads(sys.argv[2])
 snapshot = snapshot_download(repo)
-digests = {name: hashlib.sha256(open(os.path.join(snapshot, name), "rb").read()).hexdigest()
-           for name in os.listdir(snapshot)}
+digests = {os.path.relpath(os.path.join(folder, name), snapshot):  # sentence-transformers' modules are in subfolders
+           hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
+           for folder, _, names in os.walk(snapshot) for name in names}
 config_path = hf_hub_download(repo, "config.json")
 model = AutoModelForSequenceClassification.from_pretrained(repo, trust_remote_code=True).eval()
 tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)

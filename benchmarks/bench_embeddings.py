@@ -1,0 +1,206 @@
+"""Sentence embeddings on CPU, where embedding users live: short sentences, in sorted batches or one at a time.
+
+    python benchmarks/bench_embeddings.py            # base width, 4 layers (several minutes on 2 cores)
+    python benchmarks/bench_embeddings.py --quick    # tiny smoke configuration (seconds)
+
+What it does:
+1. Builds transformers' `RoFormerModel` (dropout 0, eager attention, its only kernel), saves it, and loads the folder
+   in roformer_hf: the same weights. ModernBERT (transformers' `ModernBertModel`, SDPA) at the same width and depth,
+   GeGLU intermediate 2/3 of RoFormer's so that both do the same multiply-adds per token, random weights of its own.
+2. Three sets of sentences (random ids): "short" (8-32 tokens), "~128" (120-136 tokens) and "mixed" (8-256
+   tokens), each embedded as sentence-transformers does: sorted by length, batches of 32, mean pooling of the last
+   hidden state over the real tokens; and one sentence at a time (batch 1, the first `--single` sentences).
+3. Checks roformer_hf's embeddings against transformers' (cosine at least 0.99999), then times every model on every
+   set, interleaved (rotating which goes first) under `torch.inference_mode`, and reports sentences per second,
+   roformer_hf over transformers, and the share of the CPU's GEMM rate that roformer_hf reaches on the short set.
+4. roformer_hf int8 (`roformer_hf.quantization.quantize_int8` on the loaded model): speed over transformers' fp32 and
+   the cosine of its embeddings with fp32's (lowest over the sentences).
+5. Where a short batch's time goes: roformer_hf's operators on one batch of 32 short sentences (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_lines, progress, spread, time_interleaved, verdict  # noqa: E402
+from workload import add_size_arguments, parse_args, size_of, transformers_config  # noqa: E402
+
+SETS = {"short": (8, 32), "~128": (120, 136), "mixed": (8, 256)}
+COSINE_TARGET, INT8_TARGET, INT8_COSINE_TARGET = 0.99999, 1.5, 0.999
+
+
+def sentences(low: int, high: int, count: int, vocab: int, seed: int) -> list[torch.Tensor]:
+    """`count` random id sequences of `low`..`high` tokens ([CLS]=2 ... [SEP]=3, ids from 5)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (count,), generator=generator).tolist()
+    return [torch.cat([torch.tensor([2]), torch.randint(5, vocab, (n - 2,), generator=generator), torch.tensor([3])])
+            for n in lengths]
+
+
+def batches(seqs: list[torch.Tensor], batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """sentence-transformers' batching: longest first, `batch_size` at a time, right-padded with 0."""
+    ordered = sorted(seqs, key=len, reverse=True)
+    out = []
+    for start in range(0, len(ordered), batch_size):
+        group = ordered[start:start + batch_size]
+        ids = torch.nn.utils.rnn.pad_sequence(group, batch_first=True)
+        mask = (torch.arange(ids.shape[1])[None] < torch.tensor([len(s) for s in group])[:, None]).long()
+        out.append((ids, mask))
+    return out
+
+
+def embed(model, batch_list) -> torch.Tensor:
+    """Mean pooling over the real tokens, as sentence-transformers' Pooling module computes it."""
+    vectors = []
+    with torch.inference_mode():
+        for ids, mask in batch_list:
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            weights = mask.unsqueeze(-1).to(hidden.dtype)
+            vectors.append((hidden * weights).sum(1) / weights.sum(1))
+    return torch.cat(vectors)
+
+
+def gemm_rate(tokens: int, hidden: int, intermediate: int, repeats: int = 5) -> float:
+    """fp32 GFLOP/s of the feed-forward's first GEMM at `tokens` rows, the best of `repeats`."""
+    a, b = torch.randn(tokens, hidden), torch.randn(hidden, intermediate)
+    with torch.inference_mode():
+        a @ b
+        best = min(_timed_call(lambda: a @ b) for _ in range(repeats))
+    return 2 * tokens * hidden * intermediate / best / 1e9
+
+
+def _timed_call(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def flops_per_token(size, length: float) -> float:
+    """Forward multiply-adds x2 of one RoFormer token: projections, feed-forward, attention over `length` keys."""
+    h, i = size.hidden, size.intermediate
+    return 2 * size.layers * (4 * h * h + 2 * h * i + 2 * h * length)
+
+
+def build_models(size, max_positions: int, folder: str) -> dict[str, torch.nn.Module]:
+    import transformers
+
+    import roformer_hf
+
+    torch.manual_seed(0)
+    reference = transformers.RoFormerModel(transformers_config(size, max_positions)).eval()
+    reference.save_pretrained(folder)
+    ours = roformer_hf.RoFormerModel.from_pretrained(folder).eval()
+    modernbert = transformers.ModernBertModel(transformers.ModernBertConfig(
+        vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=size.layers,
+        num_attention_heads=size.heads, intermediate_size=size.intermediate * 2 // 3,
+        max_position_embeddings=max_positions, attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0,
+        pad_token_id=0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
+        attn_implementation="sdpa")).eval()
+    int8 = roformer_hf.quantization.quantize_int8(copy.deepcopy(ours))
+    return {"transformers RoFormer": reference, "roformer_hf": ours, "roformer_hf int8": int8,
+            "ModernBERT (sdpa)": modernbert}
+
+
+def where_time_goes(model, batch, rows: int = 10) -> str:
+    ids, mask = batch
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                model(input_ids=ids, attention_mask=mask)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_size_arguments(parser)
+    parser.add_argument("--count", type=int, default=256, help="sentences per set (batch 32)")
+    parser.add_argument("--single", type=int, default=32, help="sentences timed one at a time per set")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(build_parser(), argv, count=32, single=4, repeats=2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    size = size_of(args)
+    progress(f"model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}")
+    with tempfile.TemporaryDirectory() as folder:
+        models = build_models(size, 512, folder)
+    rows, checks = [], []
+    short_batches = None
+    for set_name, (low, high) in SETS.items():
+        seqs = sentences(low, high, args.count, size.vocab, args.seed)
+        work = {32: batches(seqs, 32), 1: batches(seqs[:args.single], 1)}
+        if set_name == "short":
+            short_batches = work[32]
+        reference = embed(models["transformers RoFormer"], work[32])
+        ours = embed(models["roformer_hf"], work[32])
+        int8 = embed(models["roformer_hf int8"], work[32])
+        cos = F.cosine_similarity(ours, reference, dim=-1).min().item()
+        cos8 = F.cosine_similarity(int8, reference, dim=-1).min().item()
+        checks.append((set_name, cos, cos8))
+        if cos < COSINE_TARGET:
+            raise RuntimeError(f"{set_name}: roformer_hf's embeddings differ from transformers' (cosine {cos})")
+        for batch_size, batch_list in work.items():
+            progress(f"timing {set_name}, batch {batch_size}")
+            runners = {name: (lambda m=model, b=batch_list: _timed(m, b)) for name, model in models.items()}
+            times = time_interleaved(runners, args.warmup, args.repeats)
+            count = sum(len(ids) for ids, _ in batch_list)
+            tokens = sum(int(mask.sum()) for _, mask in batch_list)
+            rows.append((set_name, batch_size, count, tokens, times))
+    rate = gemm_rate(sum(int(m.sum()) for _, m in short_batches[:1]), size.hidden, size.intermediate)
+    report(args, size, rows, checks, rate)
+    print("\nWhere one batch of 32 short sentences spends roformer_hf's time (fp32, 3 forwards):\n")
+    print(where_time_goes(models["roformer_hf"], short_batches[0]))
+
+
+def _timed(model, batch_list) -> float:
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for ids, mask in batch_list:
+            model(input_ids=ids, attention_mask=mask)
+    return time.perf_counter() - start
+
+
+def report(args, size, rows, checks, rate) -> None:
+    names = list(rows[0][4])
+    print("\n## Sentence embeddings on CPU (sentences per second, median of the interleaved repeats)\n")
+    print(*machine_lines(), sep="\n")
+    print(f"- model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}, "
+          f"vocab {size.vocab}; fp32 GEMM rate ({size.hidden}x{size.intermediate}, one short batch's rows): "
+          f"{rate:.0f} GFLOP/s; repeats {args.repeats}\n")
+    print("| set | batch | sentences | " + " | ".join(names) + " | roformer_hf / transformers | int8 / transformers |"
+          " roformer_hf % of GEMM rate |")
+    print("|---|---|---|" + "---|" * (len(names) + 3))
+    for set_name, batch_size, count, tokens, times in rows:
+        per_second = {name: count / median(samples) for name, samples in times.items()}
+        ratio = per_second["roformer_hf"] / per_second["transformers RoFormer"]
+        ratio8 = per_second["roformer_hf int8"] / per_second["transformers RoFormer"]
+        achieved = flops_per_token(size, tokens / count) * tokens / median(times["roformer_hf"]) / 1e9
+        cells = " | ".join(f"{per_second[name]:.1f}" for name in names)
+        print(f"| {set_name} | {batch_size} | {count} | {cells} | {ratio:.2f}x ({verdict(ratio >= 1.0)}) | "
+              f"{ratio8:.2f}x ({verdict(ratio8 >= INT8_TARGET)}) | {100 * achieved / rate:.0f}% |")
+    print("\nseconds per set, median (min-max):")
+    for set_name, batch_size, _, _, times in rows:
+        print(f"- {set_name}, batch {batch_size}: " + "; ".join(f"{n} {spread(s)}" for n, s in times.items()))
+    print("\nembeddings, lowest cosine over the sentences (batch 32):")
+    for set_name, cos, cos8 in checks:
+        print(f"- {set_name}: roformer_hf fp32 vs transformers {cos:.6f}; int8 vs transformers fp32 {cos8:.5f} "
+              f"({verdict(cos8 >= INT8_COSINE_TARGET)} at {INT8_COSINE_TARGET})")
+
+
+if __name__ == "__main__":
+    main()

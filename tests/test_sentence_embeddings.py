@@ -1,0 +1,47 @@
+"""examples/sentence_embeddings.py: the retrieval ranks and metrics against brute force, and a smoke run end to end
+(training, the saved folder, the figure, both methods scored)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from sentence_embeddings import main, ranks, recall_at, retrieval_metrics
+from sentence_transformers import SentenceTransformer
+
+
+def test_ranks_count_the_candidates_above_the_gold_line_and_skip_the_query_itself():
+    candidates = ["a", "b", "c", "b", "q", "d"]
+    queries, gold = ["q", "x"], ["b", "c"]
+    scores = np.array([[0.9, 0.1, 0.5, 0.3, 1.0, 0.3],  # "q" itself scores 1.0 but is no candidate; best "b" is 0.3
+                       [0.2, 0.8, 0.7, 0.1, 0.0, 0.0]])
+    rank = ranks(scores, queries, candidates, gold)
+    assert rank.tolist() == [[2, 1], [1, 0]]  # above the gold line, and tied with it ("d" at 0.3)
+    # Ties broken at random: the first query's gold line is 3rd or 4th, each with probability 1/2.
+    metrics = retrieval_metrics(rank)
+    assert metrics["recall@1"] == 0 and metrics["recall@10"] == 1
+    assert recall_at(rank, 2) == pytest.approx(0.5) and recall_at(rank, 3) == pytest.approx((0.5 + 1) / 2)
+    assert recall_at(rank, 4) == 1
+    assert metrics["mrr"] == pytest.approx(((1 / 3 + 1 / 4) / 2 + 1 / 2) / 2)
+    brute = retrieval_metrics(np.array([[0, 0], [2, 0], [150, 0]]))
+    assert brute["recall@1"] == pytest.approx(1 / 3) and brute["recall@10"] == pytest.approx(2 / 3)
+    assert brute["recall@100"] == pytest.approx(2 / 3)
+    assert brute["mrr"] == pytest.approx((1 + 1 / 3 + 1 / 151) / 3)
+
+
+def test_quick_run_trains_saves_and_scores_both_methods(tmp_path):
+    results = main(["--quick", "--output_dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "retrieval.json").read_text())
+    assert saved == results
+    for method in ("roformer_hf", "tfidf"):
+        assert set(results[method]) == {"recall@1", "recall@10", "recall@100", "mrr"}
+        assert all(0 <= value <= 1 for value in results[method].values())
+    assert results["queries"] == 200 and 0 < results["candidates"] <= 200
+    assert len(results["train_loss"]) >= 1
+    assert (tmp_path / "retrieval.png").stat().st_size > 10_000
+    model = SentenceTransformer(str(tmp_path / "model"), device="cpu")
+    lines = ["To be, or not to be, that is the question:", "Whether 'tis nobler in the mind to suffer"]
+    embeddings = model.encode(lines, convert_to_tensor=True)
+    assert embeddings.shape == (2, 32) and torch.isfinite(embeddings).all()
+    assert [m["type"].rpartition(".")[2] for m in json.loads((tmp_path / "model" / "modules.json").read_text())] == [
+        "Transformer", "Pooling"]
