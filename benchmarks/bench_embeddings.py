@@ -95,6 +95,7 @@ def build_models(size, max_positions: int, folder: str) -> dict[str, torch.nn.Mo
     import transformers
 
     import roformer_hf
+    import roformer_hf.quantization
 
     torch.manual_seed(0)
     reference = transformers.RoFormerModel(transformers_config(size, max_positions)).eval()

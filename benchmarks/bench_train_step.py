@@ -81,11 +81,11 @@ class Example:
 
     def __init__(self, args: argparse.Namespace, tokenizer_vocab: int):
         from collator import ResumableMLMCollator
-        from roformer_hf import RoFormerTokenizerFast
+        from roformer_hf import RoFormerHFTokenizer
 
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
         vocab = {token: i for i, token in enumerate(specials + [f"w{i}" for i in range(tokenizer_vocab - 5)])}
-        self.collator = ResumableMLMCollator(RoFormerTokenizerFast(vocab=vocab), mlm_probability=0.15,
+        self.collator = ResumableMLMCollator(RoFormerHFTokenizer(vocab=vocab), mlm_probability=0.15,
                                              seed=args.seed)
         generator = torch.Generator().manual_seed(args.seed)
         self.examples = [{"input_ids": row.tolist()} for row in

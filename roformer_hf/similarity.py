@@ -63,10 +63,10 @@ def encode(model, tokenizer, sentences: Sequence[str], *, pooling: str | None = 
 
     ```python
     >>> import torch
-    >>> from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerTokenizerFast
+    >>> from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerHFTokenizer
     >>> from roformer_hf.similarity import encode
     >>> words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "be", "or", "not"]
-    >>> tokenizer = RoFormerTokenizerFast(vocab={word: i for i, word in enumerate(words)})
+    >>> tokenizer = RoFormerHFTokenizer(vocab={word: i for i, word in enumerate(words)})
     >>> model = RoFormerForCausalLM(RoFormerConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
     ...     num_attention_heads=2, intermediate_size=64, is_decoder=True, prefix_lm=True, add_pooling_layer=True))
     >>> embeddings = encode(model.eval(), tokenizer, ["to be or not to be", "not to be"])
@@ -108,10 +108,10 @@ def similarity(model, tokenizer, sentences1: Sequence[str], sentences2: Sequence
     Example:
 
     ```python
-    >>> from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerTokenizerFast
+    >>> from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerHFTokenizer
     >>> from roformer_hf.similarity import similarity
     >>> words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "be", "or", "not"]
-    >>> tokenizer = RoFormerTokenizerFast(vocab={word: i for i, word in enumerate(words)})
+    >>> tokenizer = RoFormerHFTokenizer(vocab={word: i for i, word in enumerate(words)})
     >>> model = RoFormerForCausalLM(RoFormerConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
     ...     num_attention_heads=2, intermediate_size=64, is_decoder=True, prefix_lm=True, add_pooling_layer=True))
     >>> scores = similarity(model.eval(), tokenizer, ["to be", "or not"], ["to be", "to be or not"])
@@ -181,10 +181,10 @@ def generate_similar(model, tokenizer, sentences: Sequence[str], n: int = 8, *, 
     Example, with random weights (a trained RoFormer-Sim gives paraphrases):
 
     ```python
-    >>> from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerTokenizerFast
+    >>> from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerHFTokenizer
     >>> from roformer_hf.similarity import generate_similar
     >>> words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "be", "or", "not"]
-    >>> tokenizer = RoFormerTokenizerFast(vocab={word: i for i, word in enumerate(words)})
+    >>> tokenizer = RoFormerHFTokenizer(vocab={word: i for i, word in enumerate(words)})
     >>> model = RoFormerForCausalLM(RoFormerConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
     ...     num_attention_heads=2, intermediate_size=64, is_decoder=True, prefix_lm=True, add_pooling_layer=True))
     >>> ranked = generate_similar(model.eval(), tokenizer, ["to be or not to be", "not to be"], n=4, seed=1,

@@ -22,7 +22,7 @@ from sentence_transformers.sentence_transformer.losses import MultipleNegativesR
 from sentence_transformers.sentence_transformer.modules import Pooling
 
 import roformer_hf
-from roformer_hf import RoFormerForCausalLM, RoFormerForMaskedLM, RoFormerModel, RoFormerTokenizerFast
+from roformer_hf import RoFormerForCausalLM, RoFormerForMaskedLM, RoFormerModel, RoFormerHFTokenizer
 from roformer_hf.convert import convert_checkpoint
 from roformer_hf.sentence import check_sentence_modules, sentence_pooling, write_sentence_modules
 
@@ -31,8 +31,8 @@ SENTENCES = ["the king dies", "a queen loves the crown and the sword at night", 
 SIM = Path(__file__).resolve().parent / "fixtures" / "roformer_sim"
 
 
-def tokenizer(words=WORDS) -> RoFormerTokenizerFast:
-    return RoFormerTokenizerFast(vocab={token: i for i, token in enumerate(SPECIALS + list(words))})
+def tokenizer(words=WORDS) -> RoFormerHFTokenizer:
+    return RoFormerHFTokenizer(vocab={token: i for i, token in enumerate(SPECIALS + list(words))})
 
 
 def saved(folder, model, tok=None):
@@ -94,7 +94,7 @@ def test_sim_encode_equals_the_models_pooler_output_on_a_padded_batch(sim_folder
     texts = ["w1 w2 w3 w4 w5 w6 w7", "w9", "w10 w11 w12", "w40 w41 w42 w43 w44"]
     model = SentenceTransformer(str(sim_folder), device="cpu")
     causal = RoFormerForCausalLM.from_pretrained(sim_folder).eval()
-    batch = padded(texts, RoFormerTokenizerFast.from_pretrained(sim_folder))
+    batch = padded(texts, RoFormerHFTokenizer.from_pretrained(sim_folder))
     assert (batch["attention_mask"] == 0).any()
     with torch.no_grad():
         expected = causal(**batch).pooler_output

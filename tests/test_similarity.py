@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import WORDS, tiny_config
 from sentence_transformers import SentenceTransformer
 
-from roformer_hf import RoFormerForCausalLM, RoFormerModel, RoFormerTokenizerFast
+from roformer_hf import RoFormerForCausalLM, RoFormerModel, RoFormerHFTokenizer
 from roformer_hf.similarity import SeededSampling, encode, generate_similar, similarity
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -20,7 +20,7 @@ SENTENCES = ["the king dies", "a queen loves the crown and the sword at night", 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return RoFormerTokenizerFast(vocab={token: i for i, token in enumerate(SPECIALS + WORDS)})
+    return RoFormerHFTokenizer(vocab={token: i for i, token in enumerate(SPECIALS + WORDS)})
 
 
 @pytest.fixture(scope="module")
