@@ -594,34 +594,6 @@ class RoFormerLMPredictions(nn.Module):
         return fused_linear(self.decoder, hidden_states)
 
 
-def logits_in_padded_layout(head: RoFormerLMPredictions, hidden_states: torch.Tensor, layout: BatchLayout,
-                            min_rows: int = 64, max_rows: int = 512) -> torch.Tensor:
-    """``layout.to_padded(head(hidden_states))`` for the MLM head, whose output is wide: ``(B, L, vocab_size)``.
-
-    On CPU, with contiguous sequences of ``min_rows`` tokens on average or more, the head runs one sequence at a
-    time, at most ``max_rows`` tokens per call, and its logits are copied into their rows of the padded output: no
-    packed ``(N, vocab)`` intermediate, only ``max_rows`` tokens' logits at a time (25 MB at 12000 words in fp32),
-    whose memory the allocator reuses. Shorter sequences would make each GEMM too
-    small (re-reading the whole decoder weight), so they, other devices and masks with holes take
-    ``to_padded(head(x))``.
-    """
-    blocks = layout.blocks() if hidden_states.device.type == "cpu" else None
-    if not blocks or hidden_states.shape[0] < min_rows * len(blocks):
-        return layout.to_padded(head(hidden_states))
-    padded, end = None, 0
-    for packed_start, padded_start, length in blocks:
-        for offset in range(0, length, max_rows):
-            rows = min(max_rows, length - offset)
-            logits = head(hidden_states[packed_start + offset:packed_start + offset + rows])  # (rows, V)
-            if padded is None:  # the logits' width and dtype (autocast, adapters, quantized layers), as computed
-                padded = logits.new_empty(layout.batch_size * layout.seq_len, logits.shape[-1])
-            padded[padded_start + offset:padded_start + offset + rows] = logits
-        padded[end:padded_start] = 0
-        end = padded_start + length
-    padded[end:] = 0
-    return padded.view(layout.batch_size, layout.seq_len, -1)
-
-
 class RoFormerLanguageModel(RoFormerHeadModel):
     """Base of the language-model heads (masked and causal): the encoder and `cls.predictions`, the decoder tied to
     the word embeddings; the loss averages over labelled tokens (Trainer's `num_items_in_batch` when given)."""
