@@ -424,9 +424,10 @@ class RoFormerModel(RoFormerPreTrainedModel):
 
         `position_ids` `(B, L)`, default `arange(L)` (after a cache: from its length; a decoder given an attention
         mask counts its real tokens, as generation does, so that left padding takes no position): the positions the
-        rotation reads. An encoder counts left padding, as transformers' RoFormer does. Without an attention mask, a position that does not follow its predecessor by exactly 1 starts a new
-        sequence (transformers' `find_packed_sequence_indices` rule), so positions that skip (e.g. `2 * arange(L)`)
-        make every token attend alone. Pass `attention_mask` (ones where there is no padding) and they are read as
+        rotation reads. An encoder counts left padding, as transformers' RoFormer does. Without an attention mask, a
+        position that does not follow its predecessor by exactly 1 starts a new sequence (transformers'
+        `find_packed_sequence_indices` rule), so positions that skip (e.g. `2 * arange(L)`) make every token attend
+        alone. Pass `attention_mask` (ones where there is no padding) and they are read as
         positions only; to stretch positions for long inputs, use `config.rope_parameters` (e.g. `"linear"`) instead.
 
         Decoders (`config.is_decoder`) attend causally, or, with `config.prefix_lm`, bidirectionally within the
