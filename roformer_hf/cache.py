@@ -128,8 +128,8 @@ def _check_layers(config, cache: Cache, part: str, batch_size: int, dtype: torch
                                  f"heads, cached length, head size) in layer {index} of its {part} part: a cache of "
                                  "another batch or model")
             if dtype is not None and tensor.dtype != dtype:
-                raise ValueError(f"{name} holds {kind} of dtype {tensor.dtype}; expected {dtype}, the model's, in layer "
-                                 f"{index} of its {part} part: a cache of another model")
+                raise ValueError(f"{name} holds {kind} of dtype {tensor.dtype}; expected {dtype}, the model's, in "
+                                 f"layer {index} of its {part} part: a cache of another model")
 
 
 def layer_cache(past_key_values: Cache | None, cross_attention: bool) -> Cache | None:
