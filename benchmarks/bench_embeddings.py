@@ -71,11 +71,15 @@ def embed(model, batch_list) -> torch.Tensor:
 
 
 def gemm_rate(tokens: int, hidden: int, intermediate: int, repeats: int = 5) -> float:
-    """fp32 GFLOP/s of the feed-forward's first GEMM at `tokens` rows, the best of `repeats`."""
-    a, b = torch.randn(tokens, hidden), torch.randn(hidden, intermediate)
+    """fp32 GFLOP/s of the feed-forward's first GEMM at `tokens` rows, the best of `repeats`, in the kernel roformer_hf
+    runs it with: oneDNN's (`fused.fused_linear`), where MKL's `torch.mm` can be much slower (on AMD CPUs it takes
+    its AVX2 path); `torch.mm` where this build has no oneDNN kernel."""
+    a, weight = torch.randn(tokens, hidden), torch.randn(intermediate, hidden)  # (N, K), as a linear layer holds it
+    kernel = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    product = (lambda: kernel(a, weight, None, "none", [], "")) if kernel is not None else (lambda: a @ weight.t())
     with torch.inference_mode():
-        a @ b
-        best = min(_timed_call(lambda: a @ b) for _ in range(repeats))
+        product()
+        best = min(_timed_call(product) for _ in range(repeats))
     return 2 * tokens * hidden * intermediate / best / 1e9
 
 
@@ -181,7 +185,7 @@ def report(args, size, rows, checks, rate) -> None:
     print("\n## Sentence embeddings on CPU (sentences per second, median of the interleaved repeats)\n")
     print(*machine_lines(), sep="\n")
     print(f"- model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}, "
-          f"vocab {size.vocab}; fp32 GEMM rate ({size.hidden}x{size.intermediate}, one short batch's rows): "
+          f"vocab {size.vocab}; fp32 GEMM rate (oneDNN, {size.hidden}x{size.intermediate}, one short batch's rows): "
           f"{rate:.0f} GFLOP/s; repeats {args.repeats}\n")
     print("| set | batch | sentences | " + " | ".join(names) + " | roformer_hf / transformers | int8 / transformers |"
           " roformer_hf % of GEMM rate |")
