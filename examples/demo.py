@@ -32,7 +32,8 @@ from baseline import bag_of_words_baseline
 
 import roformer_hf
 
-MODEL = "hidden_size=256,num_hidden_layers=4,num_attention_heads=4,intermediate_size=1024"
+MODEL = ("hidden_size=256,num_hidden_layers=4,num_attention_heads=4,intermediate_size=1024,"
+         "hidden_dropout_prob=0,attention_probs_dropout_prob=0")
 SEQ_LEN = 256
 FILL_MASK_LINES = ["To be, or not to [MASK], that is the question.", "Now is the [MASK] of our discontent.",
                    "O Romeo, Romeo, wherefore art thou [MASK]?"]
@@ -84,20 +85,27 @@ def common_args(output_dir: Path, args) -> list[str]:
 
 
 def pretraining_arguments(output_dir: Path, args: argparse.Namespace) -> list[str]:
-    """run_mlm.py's command line for the demo's pretraining."""
+    """run_mlm.py's command line for the demo's pretraining.
+
+    A few minutes of pretraining is far from fitting the data, so the recipe buys learning per FLOP: no dropout
+    (it only slows a model that underfits), small batches (more updates from the same tokens) and 30% of the
+    tokens masked (twice the predictions from the same forward pass). `benchmarks/RESULTS.md` has the ablation."""
     return common_args(output_dir, args) + [
         "--config_overrides", args.config_overrides + ",sparse_prediction=true", "--tokenizer_vocab_size", "8000",
-        "--line_by_line", "false", "--max_seq_length", str(SEQ_LEN),
-        "--max_steps", str(args.mlm_steps), "--per_device_train_batch_size", "16", "--learning_rate", "1e-3",
-        "--warmup_steps", str(max(1, args.mlm_steps // 10)), "--weight_decay", "0.01", "--max_eval_samples", "2000",
-        "--eval_strategy", "steps", "--eval_steps", str(max(1, args.mlm_steps // 4))]
+        "--line_by_line", "false", "--max_seq_length", str(SEQ_LEN), "--mlm_probability", str(args.mlm_probability),
+        "--max_steps", str(args.mlm_steps), "--per_device_train_batch_size", str(args.mlm_batch_size),
+        "--learning_rate", "1e-3", "--warmup_steps", str(max(1, args.mlm_steps // 10)), "--weight_decay", "0.01",
+        "--max_eval_samples", "2000", "--eval_strategy", "steps", "--eval_steps", str(max(1, args.mlm_steps // 4))]
 
 
 def fine_tuning_arguments(output_dir: Path, pretrained: Path, args: argparse.Namespace) -> list[str]:
-    """run_classification.py's command line for the demo's fine-tuning of the `pretrained` folder."""
+    """run_classification.py's command line for the demo's fine-tuning of the `pretrained` folder.
+
+    Small batches again: one epoch of 8 passages a step takes the validation accuracy to about 0.98, where 16 a step
+    (the same passages, half the updates) ended at 0.90-0.92."""
     return common_args(output_dir, args) + [
         "--model_name_or_path", str(pretrained), "--task", "word_order", "--max_seq_length", str(SEQ_LEN),
-        "--num_train_epochs", str(args.cls_epochs), "--per_device_train_batch_size", "16",
+        "--num_train_epochs", str(args.cls_epochs), "--per_device_train_batch_size", str(args.cls_batch_size),
         "--per_device_eval_batch_size", "64",
         "--learning_rate", str(args.cls_learning_rate), "--warmup_steps", "20", "--weight_decay", "0.01",
         # Passages of a few plays overfit: evaluate four times and keep the best checkpoint.
@@ -109,8 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="runs/demo")
     parser.add_argument("--mlm_steps", type=int, default=400)
-    parser.add_argument("--cls_epochs", type=float, default=2)
-    parser.add_argument("--cls_learning_rate", type=float, default=2e-4)
+    parser.add_argument("--mlm_batch_size", type=int, default=8)
+    parser.add_argument("--mlm_probability", type=float, default=0.3)
+    parser.add_argument("--cls_epochs", type=float, default=1)
+    parser.add_argument("--cls_learning_rate", type=float, default=5e-4)
+    parser.add_argument("--cls_batch_size", type=int, default=8)
     parser.add_argument("--config_overrides", default=MODEL)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--figures_dir", default=None,
@@ -211,7 +222,8 @@ def main() -> None:
     print("pictures:", ", ".join(str(path) for path in written))
 
     banner("result")
-    print(f"MLM validation perplexity {mlm_metrics['eval_perplexity']:.0f} (a uniform guess over the vocabulary: "
+    print(f"MLM validation perplexity {mlm_metrics['eval_perplexity']:.0f} with {args.mlm_probability:.0%} of the "
+          f"tokens masked (a uniform guess over the vocabulary: "
           f"{mlm['trainer'].model.config.vocab_size}), masked-token accuracy {mlm_metrics['eval_accuracy']:.3f}; "
           f"{mlm['trainer'].state.global_step} pretraining steps")
     print(f"passage {TASK} ({split} plays: {', '.join(sorted(set(raw[split]['play'])))}): macro-F1 "
