@@ -107,13 +107,17 @@ def training_pairs(pairs, by_play: bool):
 
 def contrastive_loss(model, args):
     """MultipleNegativesRankingLoss at `args.scale`: each line against the batch's next lines, and with `args.loss ==
-    "symmetric"` also each next line against the batch's lines (the two softmaxes averaged)."""
+    "symmetric"` also each next line against the batch's lines (the two softmaxes averaged). `args.hardness > 0`
+    weights the negatives that already score high more (sentence-transformers' `hardness_mode="in_batch_negatives"`).
+    """
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
+    options = {"scale": args.scale}
     if args.loss == "symmetric":
-        return MultipleNegativesRankingLoss(model, scale=args.scale, directions=("query_to_doc", "doc_to_query"),
-                                            partition_mode="per_direction")
-    return MultipleNegativesRankingLoss(model, scale=args.scale)
+        options.update(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction")
+    if args.hardness:
+        options.update(hardness_mode="in_batch_negatives", hardness_strength=args.hardness)
+    return MultipleNegativesRankingLoss(model, **options)
 
 
 def train(folder: Path, pairs, args):
@@ -170,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--loss", choices=("mnrl", "symmetric"), default="mnrl",
                         help="mnrl: line -> next line; symmetric: both directions")
     parser.add_argument("--scale", type=float, default=20.0, help="the loss's scale (1 / temperature)")
+    parser.add_argument("--hardness", type=float, default=0.0,
+                        help="weight the in-batch negatives by how close they already are (0: off)")
     parser.add_argument("--batches", choices=("mixed", "play"), default="mixed",
                         help="mixed: pairs of all training plays shuffled together; play: each batch from one play")
     parser.add_argument("--eval_split", choices=("validation", "dev"), default="validation",
