@@ -11,7 +11,7 @@ loads with `SentenceTransformer(folder)`.
 Besides the validation plays that a run reports on, a tenth of the plays is held out for development and never
 trained on: settings are chosen with `--eval_split dev`, which scores those instead.
 
-    python examples/sentence_embeddings.py                    # about 7 CPU-minutes (--threads 1 on a busy machine)
+    python examples/sentence_embeddings.py                    # about 8 CPU-minutes (--threads 1 on a busy machine)
     python examples/sentence_embeddings.py --eval_split dev   # the same run, scored on the development plays
     python examples/sentence_embeddings.py --quick            # a smoke run, seconds
 
