@@ -3,11 +3,16 @@ plays the model never saw, against a TF-IDF baseline in the same run.
 
 The task: given a spoken line, find the line that follows it in the same speech among every such line of the
 held-out plays. Training pairs are neighbouring lines of one speech in the other plays (`shakespeare.
-next_line_splits`); the loss is MultipleNegativesRankingLoss (the other lines of a batch are the negatives). The
-model is a small RoFormer built from scratch with a WordPiece vocabulary trained on the training plays; the folder it
-is saved to loads with `SentenceTransformer(folder)`.
+next_line_splits`); the loss is MultipleNegativesRankingLoss in both directions (each line against the batch's next
+lines, each next line against the batch's lines; the other pairs of a batch are the negatives). The model is a small
+RoFormer built from scratch with a WordPiece vocabulary trained on the training plays; the folder it is saved to
+loads with `SentenceTransformer(folder)`.
 
-    python examples/sentence_embeddings.py                    # about 6 CPU-minutes (--threads 1 on a busy machine)
+Besides the validation plays that a run reports on, a tenth of the plays is held out for development and never
+trained on: settings are chosen with `--eval_split dev`, which scores those instead.
+
+    python examples/sentence_embeddings.py                    # about 8 CPU-minutes (--threads 1 on a busy machine)
+    python examples/sentence_embeddings.py --eval_split dev   # the same run, scored on the development plays
     python examples/sentence_embeddings.py --quick            # a smoke run, seconds
 
 It prints recall@1/10/100 and MRR for both, writes them to `OUTPUT_DIR/retrieval.json`, and draws recall@k
@@ -31,6 +36,8 @@ from roformer_hf import RoFormerConfig, RoFormerModel, train_tokenizer
 
 logger = logging.getLogger(__name__)
 KS = (1, 10, 100)
+# The share of plays held out for development (never trained on, whatever --eval_split).
+DEV_FRACTION = 0.1
 
 
 def ranks(scores: np.ndarray, queries: list[str], candidates: list[str], gold: list[str]) -> np.ndarray:
@@ -74,33 +81,64 @@ def tfidf_scores(train_texts: list[str], queries: list[str], candidates: list[st
 
 
 def build_model(train_texts: list[str], folder: Path, args) -> Path:
-    """A fresh RoFormer and its WordPiece tokenizer (cased: capitals and punctuation tell where a sentence goes on),
-    saved where `SentenceTransformer` loads them with mean pooling."""
-    tokenizer = train_tokenizer(train_texts, vocab_size=args.vocab_size, lowercase=False,
+    """A fresh RoFormer and its WordPiece tokenizer (cased unless `args.lowercase`), saved where
+    `SentenceTransformer` loads them with `args.pooling`."""
+    tokenizer = train_tokenizer(train_texts, vocab_size=args.vocab_size, lowercase=args.lowercase,
                                 model_max_length=args.max_seq_length)
     config = RoFormerConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                             num_attention_heads=args.hidden_size // 32, intermediate_size=4 * args.hidden_size,
                             max_position_embeddings=args.max_seq_length, hidden_dropout_prob=args.dropout,
-                            attention_probs_dropout_prob=0.0, sentence_pooling="mean")
+                            attention_probs_dropout_prob=0.0, sentence_pooling=args.pooling)
     torch.manual_seed(args.seed)
     RoFormerModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
 
+def training_pairs(pairs, by_play: bool):
+    """The `(anchor, positive)` pairs to train on: one dataset, or with `by_play` one per play, so that every batch
+    (sentence-transformers draws each batch from one dataset) holds lines of a single play, whose other lines are
+    harder negatives: the same names, the same matters."""
+    columns = {"source": "anchor", "target": "positive"}
+    if not by_play:
+        return pairs.remove_columns("play").rename_columns(columns)
+    import datasets
+
+    plays = np.array(pairs["play"])
+    return datasets.DatasetDict({
+        play: pairs.select(np.flatnonzero(plays == play)).remove_columns("play").rename_columns(columns)
+        for play in dict.fromkeys(plays)})
+
+
+def contrastive_loss(model, args):
+    """MultipleNegativesRankingLoss at `args.scale`: each line against the batch's next lines, and with `args.loss ==
+    "symmetric"` also each next line against the batch's lines (the two softmaxes averaged). `args.hardness > 0`
+    weights the negatives that already score high more (sentence-transformers' `hardness_mode="in_batch_negatives"`).
+    """
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    options = {"scale": args.scale}
+    if args.loss == "symmetric":
+        options.update(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction")
+    if args.hardness:
+        options.update(hardness_mode="in_batch_negatives", hardness_strength=args.hardness)
+    return MultipleNegativesRankingLoss(model, **options)
+
+
 def train(folder: Path, pairs, args):
     from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
                                        SentenceTransformerTrainingArguments)
-    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
     model = SentenceTransformer(str(folder), device="cpu")
     training_args = SentenceTransformerTrainingArguments(
         output_dir=str(args.output_dir / "checkpoints"), max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
-        warmup_steps=args.max_steps // 10, weight_decay=0.01, use_cpu=True, report_to=[], save_strategy="no", logging_steps=max(1, args.max_steps // 10),
-        seed=args.seed, batch_sampler="no_duplicates", dataloader_drop_last=True, disable_tqdm=True)
-    trainer = SentenceTransformerTrainer(model=model, args=training_args, train_dataset=pairs,
-                                         loss=MultipleNegativesRankingLoss(model))
+        warmup_steps=args.max_steps // 10, weight_decay=0.01, use_cpu=True, report_to=[], save_strategy="no",
+        logging_steps=max(1, args.max_steps // 10), seed=args.seed, batch_sampler="no_duplicates",
+        multi_dataset_batch_sampler="proportional", dataloader_drop_last=True, disable_tqdm=True)
+    trainer = SentenceTransformerTrainer(model=model, args=training_args,
+                                         train_dataset=training_pairs(pairs, args.batches == "play"),
+                                         loss=contrastive_loss(model, args))
     trainer.train()
     return model, trainer.state.log_history
 
@@ -128,14 +166,27 @@ def plot(ranks_by_method: dict[str, np.ndarray], pool: int, path: Path) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", type=Path, default=Path("runs/sentence_embeddings"))
-    parser.add_argument("--max_steps", type=int, default=700)
-    parser.add_argument("--batch_size", type=int, default=128, help="pairs per step; the rest of a batch are negatives")
+    parser.add_argument("--max_steps", type=int, default=350)
+    parser.add_argument("--batch_size", type=int, default=256, help="pairs per step; the rest of a batch are negatives")
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden dropout")
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab_size", type=int, default=6000)
     parser.add_argument("--max_seq_length", type=int, default=48)
+    parser.add_argument("--lowercase", action="store_true", help="a lowercased WordPiece vocabulary")
+    parser.add_argument("--pooling", choices=("mean", "cls"), default="mean")
+    parser.add_argument("--loss", choices=("mnrl", "symmetric"), default="symmetric",
+                        help="mnrl: line -> next line; symmetric: both directions")
+    parser.add_argument("--scale", type=float, default=20.0, help="the loss's scale (1 / temperature)")
+    parser.add_argument("--hardness", type=float, default=0.0,
+                        help="weight the in-batch negatives by how close they already are (0: off)")
+    parser.add_argument("--batches", choices=("mixed", "play"), default="mixed",
+                        help="mixed: pairs of all training plays shuffled together; play: each batch from one play")
+    parser.add_argument("--eval_split", choices=("validation", "dev"), default="validation",
+                        help="dev: score on the development plays (to choose settings), never on the validation ones")
+    parser.add_argument("--split_seed", type=int, default=0,
+                        help="which plays are held out (validation and dev); --seed fixes the model and batches")
     parser.add_argument("--eval_pairs", type=int, default=None, help="evaluate on the first N held-out pairs only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
@@ -151,14 +202,14 @@ def main(argv: list[str] | None = None) -> dict:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     start, start_cpu = time.perf_counter(), time.process_time()
 
-    splits = next_line_splits(seed=args.seed)
-    train_pairs = splits["train"].remove_columns("play").rename_columns({"source": "anchor", "target": "positive"})
-    held_out = splits["validation"]
+    splits = next_line_splits(seed=args.split_seed, dev_fraction=DEV_FRACTION)
+    train_pairs = splits["train"]
+    held_out = splits[args.eval_split]
     if args.eval_pairs is not None:
         held_out = held_out.select(range(min(args.eval_pairs, len(held_out))))
     queries, gold = list(held_out["source"]), list(held_out["target"])
     candidates = list(dict.fromkeys(gold))
-    train_texts = list(dict.fromkeys(list(train_pairs["anchor"]) + list(train_pairs["positive"])))
+    train_texts = list(dict.fromkeys(list(train_pairs["source"]) + list(train_pairs["target"])))
 
     folder = build_model(train_texts, args.output_dir / "model", args)
     model, log_history = train(folder, train_pairs, args)
@@ -168,17 +219,19 @@ def main(argv: list[str] | None = None) -> dict:
     ours = ranks(embeddings[:len(queries)] @ embeddings[len(queries):].T, queries, candidates, gold)
     baseline = ranks(tfidf_scores(train_texts, queries, candidates), queries, candidates, gold)
     results = {
-        "held_out_plays": sorted(set(held_out["play"])), "queries": len(queries), "candidates": len(candidates),
+        "eval_split": args.eval_split, "held_out_plays": sorted(set(held_out["play"])), "queries": len(queries),
+        "candidates": len(candidates),
         "training_pairs": len(train_pairs), "steps": args.max_steps, "batch_size": args.batch_size,
         "roformer_hf": retrieval_metrics(ours), "tfidf": retrieval_metrics(baseline),
         "train_loss": [entry["loss"] for entry in log_history if "loss" in entry],
         "seconds": round(time.perf_counter() - start, 1), "cpu_seconds": round(time.process_time() - start_cpu, 1),
         "threads": torch.get_num_threads(),
+        "settings": {name: value for name, value in vars(args).items() if name != "output_dir"},
         "roformer_hf_version": roformer_hf.__version__,
     }
     (args.output_dir / "retrieval.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot({"roformer_hf, contrastive (MNRL)": ours, "TF-IDF (words and bigrams)": baseline}, len(candidates),
-         args.output_dir / "retrieval.png")
+    label = "roformer_hf, contrastive (MNRL" + (", both directions)" if args.loss == "symmetric" else ")")
+    plot({label: ours, "TF-IDF (words and bigrams)": baseline}, len(candidates), args.output_dir / "retrieval.png")
     print(f"{len(queries):,} queries, {len(candidates):,} candidate lines from {len(results['held_out_plays'])} "
           f"held-out plays; {results['seconds']} s ({results['cpu_seconds']} s of CPU)")
     print(f"{'':>12} " + " ".join(f"{name:>10}" for name in results["tfidf"]))

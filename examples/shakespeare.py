@@ -437,30 +437,62 @@ def mlm_corpus_splits(
 
 
 def next_line_splits(seed: int = 0, genres: Sequence[str] = GENRES, validation_fraction: float = 0.1,
-                     min_words: int = 3):
+                     min_words: int = 3, dev_fraction: float = 0.0):
     """Pairs of consecutive spoken lines of one speech, `source` then `target` (the line that follows it), for
     sequence-to-sequence training: given a line of a play, write the next one. Whole plays are held out for
-    validation.
+    validation, and optionally for development.
+
+    Args:
+        seed: fixes which plays are held out (for validation, and for development).
+        genres: the genres whose plays are read.
+        validation_fraction: the share of plays (at least one) held out for validation.
+        min_words: keep a pair only when both lines have at least this many words.
+        dev_fraction: the share of all plays (at least one when > 0) moved from train to a "dev" split, to choose
+            settings on without looking at the validation plays. The validation plays do not depend on it: they
+            are those of `dev_fraction=0` (the default, which has no "dev" split).
 
     Returns:
-        A `datasets.DatasetDict` with splits train/validation and columns `source`, `target` and `play`.
+        A `datasets.DatasetDict` with splits train/validation (and dev when `dev_fraction > 0`) and columns
+        `source`, `target` and `play`; no play is in two splits.
     """
     import datasets
 
+    if not 0.0 <= dev_fraction < 1.0:
+        raise ValueError(f"dev_fraction={dev_fraction!r}: expected a fraction in [0, 1)")
+    if validation_fraction + dev_fraction >= 1.0:
+        raise ValueError(f"validation_fraction + dev_fraction = {validation_fraction + dev_fraction}: "
+                         "expected < 1 so that train keeps some plays")
     plays = list_plays(genres)
     by_split = split_plays(plays, seed, validation_fraction=validation_fraction, test_fraction=0.0, stratify=False)
+    if dev_fraction > 0:
+        by_split["train"], by_split["dev"] = _hold_out(by_split["train"], dev_fraction * len(plays), f"dev-{seed}")
     splits = {}
-    for split in ("train", "validation"):
-        rows = []
-        for play in by_split[split]:
-            previous_speech, previous_line = None, None
-            for speech, _, line in parse_play(read_play(play)):
-                if speech == previous_speech and min(len(previous_line.split()), len(line.split())) >= min_words:
-                    rows.append((previous_line, line, play.name))
-                previous_speech, previous_line = speech, line
+    for split in ("train", "validation", "dev"):
+        if split not in by_split:
+            continue
+        rows = [row for play in by_split[split] for row in _next_line_pairs(play, min_words)]
         splits[split] = datasets.Dataset.from_dict({name: [row[i] for row in rows]
                                                     for i, name in enumerate(("source", "target", "play"))})
     return datasets.DatasetDict(splits)
+
+
+def _hold_out(plays: list[Play], count: float, seed: str) -> tuple[list[Play], list[Play]]:
+    """`plays` split into (kept, held out), with round(count) plays (at least one, leaving one) held out at random."""
+    shuffled = sorted(plays)
+    random.Random(seed).shuffle(shuffled)
+    n = min(max(1, round(count)), len(plays) - 1)
+    if n < 1:
+        raise ValueError(f"{len(plays)} training play(s): too few to hold some out for development")
+    return sorted(shuffled[n:]), sorted(shuffled[:n])
+
+
+def _next_line_pairs(play: Play, min_words: int) -> Iterator[tuple[str, str, str]]:
+    """`(line, next line, play name)` for the consecutive lines of each speech, both of at least `min_words`."""
+    previous_speech, previous_line = None, None
+    for speech, _, line in parse_play(read_play(play)):
+        if speech == previous_speech and min(len(previous_line.split()), len(line.split())) >= min_words:
+            yield previous_line, line, play.name
+        previous_speech, previous_line = speech, line
 
 
 __all__ = [

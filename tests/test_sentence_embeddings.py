@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from sentence_embeddings import main, ranks, recall_at, retrieval_metrics
+from sentence_embeddings import DEV_FRACTION, main, ranks, recall_at, retrieval_metrics
 from sentence_transformers import SentenceTransformer
+from shakespeare import next_line_splits
 
 
 def test_ranks_count_the_candidates_above_the_gold_line_and_skip_the_query_itself():
@@ -45,3 +46,15 @@ def test_quick_run_trains_saves_and_scores_both_methods(tmp_path):
     assert embeddings.shape == (2, 32) and torch.isfinite(embeddings).all()
     assert [m["type"].rpartition(".")[2] for m in json.loads((tmp_path / "model" / "modules.json").read_text())] == [
         "Transformer", "Pooling"]
+
+
+def test_dev_run_scores_the_development_plays_and_never_the_validation_ones(tmp_path):
+    """Settings are chosen with `--eval_split dev`: the plays scored are held out of training too, and are not the
+    validation plays that the default run reports on."""
+    results = main(["--quick", "--eval_split", "dev", "--loss", "symmetric", "--output_dir", str(tmp_path)])
+    splits = next_line_splits(seed=0, dev_fraction=DEV_FRACTION)
+    assert results["eval_split"] == "dev" and results["queries"] == 200
+    assert set(results["held_out_plays"]) <= set(splits["dev"]["play"])
+    assert not set(splits["dev"]["play"]) & (set(splits["validation"]["play"]) | set(splits["train"]["play"]))
+    assert results["training_pairs"] == len(splits["train"])
+    assert all(0 <= value <= 1 for value in results["roformer_hf"].values())
