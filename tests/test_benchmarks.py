@@ -130,9 +130,10 @@ def test_quantization_benchmark_times_every_path_and_judges_the_targets():
 
 def test_train_step_benchmark_compares_equal_models():
     """`bench_train_step.py --quick`: both libraries' steps on the same weights (loss and gradients checked equal
-    first), every variant timed, and the step's parts profiled."""
+    first), every variant timed (with dropout, so the variant without attention dropout runs too), and the step's
+    parts profiled."""
     result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_train_step.py"), "--quick", "--repeats", "1",
-                             "--warmup", "0"], capture_output=True, text=True, timeout=600)
+                             "--warmup", "0", "--dropout", "0.1"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     loss_diff, grad_diff = map(float, re.search(r"loss diff (\S+), largest gradient diff (\S+)", out).groups())
