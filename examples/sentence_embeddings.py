@@ -81,18 +81,47 @@ def tfidf_scores(train_texts: list[str], queries: list[str], candidates: list[st
 
 
 def build_model(train_texts: list[str], folder: Path, args) -> Path:
-    """A fresh RoFormer and its WordPiece tokenizer (cased unless `args.lowercase`), saved where
-    `SentenceTransformer` loads them with `args.pooling`."""
+    """A RoFormer and its WordPiece tokenizer (cased unless `args.lowercase`), trained on `train_texts`, saved where
+    `SentenceTransformer` loads them with `args.pooling`: fresh, or with `args.mlm_steps` first pretrained with masked
+    LM on those same texts (`pretrain`)."""
     tokenizer = train_tokenizer(train_texts, vocab_size=args.vocab_size, lowercase=args.lowercase,
                                 model_max_length=args.max_seq_length)
     config = RoFormerConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                             num_attention_heads=args.hidden_size // 32, intermediate_size=4 * args.hidden_size,
-                            max_position_embeddings=args.max_seq_length, hidden_dropout_prob=args.dropout,
-                            attention_probs_dropout_prob=0.0, sentence_pooling=args.pooling)
+                            max_position_embeddings=max(args.max_seq_length, args.mlm_seq_length),
+                            hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=0.0,
+                            sentence_pooling=args.pooling)
     torch.manual_seed(args.seed)
-    RoFormerModel(config).save_pretrained(folder)
+    model = RoFormerModel(config) if not args.mlm_steps else pretrain(config, tokenizer, train_texts, folder, args)
+    model.config.hidden_dropout_prob = args.dropout
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def pretrain(config: RoFormerConfig, tokenizer, train_texts: list[str], folder: Path, args) -> RoFormerModel:
+    """The encoder after `args.mlm_steps` steps of masked-LM pretraining (`run_mlm.py`, without dropout, 30% of the
+    tokens masked) on `train_texts` in their order, packed into blocks of `args.mlm_seq_length` tokens: the training
+    plays only, so the held-out plays stay unread."""
+    import run_mlm
+
+    from roformer_hf import RoFormerForMaskedLM
+
+    work = folder.parent / "mlm"
+    start, corpus, trained = work / "start", work / "corpus.txt", work / "trained"
+    mlm_config = RoFormerConfig(**{**config.to_diff_dict(), "hidden_dropout_prob": 0.0, "sparse_prediction": True})
+    RoFormerForMaskedLM(mlm_config).save_pretrained(start)
+    tokenizer.save_pretrained(start)
+    corpus.write_text("\n".join(train_texts) + "\n")
+    run_mlm.main([
+        "--model_name_or_path", str(start), "--train_file", str(corpus), "--output_dir", str(trained),
+        "--line_by_line", "false", "--max_seq_length", str(args.mlm_seq_length), "--mlm_probability", "0.3",
+        "--max_steps", str(args.mlm_steps), "--per_device_train_batch_size", str(args.mlm_batch_size),
+        "--learning_rate", "1e-3", "--warmup_steps", str(max(1, args.mlm_steps // 10)), "--weight_decay", "0.01",
+        "--do_train", "true", "--do_eval", "false", "--save_strategy", "no", "--report_to", "none",
+        "--use_cpu", "true", "--seed", str(args.seed), "--logging_steps", str(max(1, args.mlm_steps // 10)),
+        "--dataloader_num_workers", "0", "--disable_tqdm", "true", "--validation_split_percentage", "1"])
+    return RoFormerModel.from_pretrained(trained, hidden_dropout_prob=args.dropout)
 
 
 def training_pairs(pairs, by_play: bool):
@@ -174,6 +203,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab_size", type=int, default=6000)
     parser.add_argument("--max_seq_length", type=int, default=48)
+    parser.add_argument("--mlm_steps", type=int, default=0,
+                        help="masked-LM pretraining steps on the training plays before the contrastive training")
+    parser.add_argument("--mlm_batch_size", type=int, default=16, help="blocks per masked-LM step")
+    parser.add_argument("--mlm_seq_length", type=int, default=128, help="tokens per masked-LM block")
     parser.add_argument("--lowercase", action="store_true", help="a lowercased WordPiece vocabulary")
     parser.add_argument("--pooling", choices=("mean", "cls"), default="mean")
     parser.add_argument("--loss", choices=("mnrl", "symmetric"), default="symmetric",
@@ -196,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.max_steps, args.batch_size, args.hidden_size, args.layers = 6, 16, 32, 1
         args.vocab_size, args.eval_pairs = 500, args.eval_pairs or 200
+        args.mlm_steps, args.mlm_batch_size, args.mlm_seq_length = min(args.mlm_steps, 3), 4, 32
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
