@@ -14,6 +14,7 @@ from .rotary import ROTARY_LAYOUTS, check_head_dim
 logger = logging.getLogger(__name__)
 
 NORM_POSITIONS = ("post", "pre")
+CLASSIFIER_POOLINGS = ("cls", "mean")
 # `norm_type`: the two spellings RoFormer configs are published with. JunnYu's `roformer` (whose V2 checkpoints carry
 # the field; transformers' RoFormer has none) builds LayerNorm for "layer_norm" and its RMS norm otherwise, and its
 # V2 configs say "rms_norm". Other spellings ("layernorm", "LayerNorm", "rmsnorm") appear in no published RoFormer
@@ -147,6 +148,10 @@ class RoFormerConfig(PreTrainedConfig):
       GPT-NeoX, Llama-HF and ModernBERT.
     - `norm_position`: `"post"` puts the LayerNorm after each residual add (RoFormer/BERT); `"pre"` puts it
       before each sublayer and adds a final LayerNorm.
+    - `classifier_pooling`: what `RoFormerForSequenceClassification` classifies: `"cls"`, the first token's state
+      (BERT, transformers' RoFormer), or `"mean"`, the mean of the real tokens' states (ModernBERT's option of the
+      same name): every token then reaches the classifier directly, which fine-tunes faster when the label lies in
+      the whole text rather than in what [CLS] learned to gather.
     - `unpad_inputs`: run every token-wise layer on the real tokens only when the batch is padded (faster,
       same results); `False` keeps padded tensors and masks the padding in attention.
     - `sparse_prediction`: in training with labels, run the MLM head only on labelled tokens (-100 elsewhere)
@@ -196,6 +201,7 @@ class RoFormerConfig(PreTrainedConfig):
     rotary_value: bool = False
     tie_word_embeddings: bool = True
     classifier_dropout: float | None = None
+    classifier_pooling: Literal["cls", "mean"] = "cls"
     rope_parameters: dict | None = None
     num_key_value_heads: int | None = None
     use_bias: bool = True
@@ -261,6 +267,8 @@ class RoFormerConfig(PreTrainedConfig):
             fail("rotary_layout", f"one of {ROTARY_LAYOUTS}")
         if self.norm_position not in NORM_POSITIONS:
             fail("norm_position", f"one of {NORM_POSITIONS}")
+        if self.classifier_pooling not in CLASSIFIER_POOLINGS:
+            fail("classifier_pooling", f"one of {CLASSIFIER_POOLINGS}")
         chunk = self.chunk_size_feed_forward
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             fail("chunk_size_feed_forward", "a non-negative integer (0: no chunking)")

@@ -794,7 +794,8 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
 
 
 class RoFormerClassificationHead(nn.Module):
-    """Sentence-level head on the first token ([CLS]): dropout, dense, activation, dropout, projection."""
+    """Sentence-level head on one vector per sequence ([CLS], or the mean of its tokens): dropout, dense, activation,
+    dropout, projection."""
 
     def __init__(self, config: RoFormerConfig, dropout: float):
         super().__init__()
@@ -812,7 +813,7 @@ class RoFormerForSequenceClassification(RoFormerHeadModel):
     """RoFormer with a classification/regression head on [CLS] (`text-classification` pipeline).
 
     The head reads each sequence's first real token (transformers' RoFormer reads position 0, which is padding in
-    left-padded rows). The loss follows transformers: `num_labels == 1` regression (MSE); integer labels
+    left-padded rows), or with `config.classifier_pooling="mean"` the mean of its real tokens' states. The loss follows transformers: `num_labels == 1` regression (MSE); integer labels
     single-label cross-entropy; float labels of shape `(B, num_labels)` multi-label BCE (or set
     `config.problem_type`).
 
@@ -838,7 +839,9 @@ class RoFormerForSequenceClassification(RoFormerHeadModel):
 
     def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, **kwargs) -> SequenceClassifierOutput:
         encoding.layout.require_one_sequence_per_row(type(self).__name__)
-        logits = self.classifier(encoding.layout.edge_tokens(encoding.last_hidden_state))
+        layout, states = encoding.layout, encoding.last_hidden_state
+        pooled = layout.mean_tokens(states) if self.config.classifier_pooling == "mean" else layout.edge_tokens(states)
+        logits = self.classifier(pooled)
         loss = None
         if labels is not None:
             check_sequence_labels(labels, self.config, logits.shape[0])

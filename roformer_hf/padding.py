@@ -185,6 +185,15 @@ class BatchLayout:
             return None
         return [(start, first, end - start) for first, (start, end) in zip(firsts, spans)]
 
+    def mean_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The mean of each sequence's real tokens, ``(B, ...)``, from states in this layout; zeros for a sequence
+        without real tokens."""
+        padded = self.to_padded(x)  # zeros at the padding
+        if self.token_mask is None:
+            return padded.mean(dim=1)
+        counts = self.token_mask.sum(dim=-1).clamp(min=1).to(padded.dtype)
+        return padded.sum(dim=1) / counts.view(-1, *[1] * (padded.dim() - 2))
+
     def edge_tokens(self, x: torch.Tensor, last: bool = False) -> torch.Tensor:
         """Each sequence's first real token (its [CLS]), or its last one, ``(B, ...)``, from states in this layout;
         right and left padding alike, zeros for a sequence without real tokens."""

@@ -29,6 +29,7 @@ def test_defaults_match_transformers_roformer():
         (dict(hidden_size=12, num_attention_heads=4), "num_attention_heads"),  # head_dim 3 is odd
         (dict(rotary_layout="rotate"), "rotary_layout"),
         (dict(norm_position="middle"), "norm_position"),
+        (dict(classifier_pooling="max"), "classifier_pooling"),
         (dict(rope_theta=0.0), "rope_theta"),
         (dict(rope_theta=-5.0), "rope_theta"),
         (dict(vocab_size=0), "vocab_size"),
@@ -59,9 +60,11 @@ def test_transformers_roformer_config_json_loads(tmp_path):
 
 
 def test_round_trip_keeps_new_fields(tmp_path):
-    RoFormerConfig(rope_theta=1e6, rotary_layout="half", norm_position="pre").save_pretrained(tmp_path)
+    RoFormerConfig(rope_theta=1e6, rotary_layout="half", norm_position="pre",
+                   classifier_pooling="mean").save_pretrained(tmp_path)
     config = RoFormerConfig.from_pretrained(tmp_path)
-    assert (config.rope_theta, config.rotary_layout, config.norm_position) == (1e6, "half", "pre")
+    assert (config.rope_theta, config.rotary_layout, config.norm_position, config.classifier_pooling) == (
+        1e6, "half", "pre", "mean")
 
 
 def test_numpy_scalars_are_numbers():

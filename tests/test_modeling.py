@@ -422,6 +422,26 @@ def test_batch_without_any_real_token(unpad):
     assert classes.shape == (2, 2) and torch.isfinite(classes).all()
 
 
+@pytest.mark.parametrize("unpad", [True, False])
+@pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])
+def test_mean_classifier_pooling_classifies_the_mean_of_the_real_tokens(unpad, left):
+    """classifier_pooling="mean": the head reads the attention-masked mean of the encoder's states, as ModernBERT's
+    option of the same name computes it, and a row's logits do not depend on its padding."""
+    model = _model(RoFormerForSequenceClassification, classifier_pooling="mean", unpad_inputs=unpad, num_labels=3)
+    ids, mask = padded_batch(LENGTHS, left=left)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+        states = model.roformer(ids, attention_mask=mask).last_hidden_state
+        weights = mask.unsqueeze(-1).float()
+        expected = model.classifier((states * weights).sum(1) / weights.sum(1))
+        alone = torch.cat([model(ids[row:row + 1, mask[row].bool()]).logits for row in range(len(LENGTHS))])
+        first_token = _model(RoFormerForSequenceClassification, unpad_inputs=unpad, num_labels=3)(
+            ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits, expected)
+    torch.testing.assert_close(logits, alone, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(logits, first_token, atol=1e-3)  # same weights, [CLS] pooling: other logits
+
+
 def test_model_runs_far_past_max_position_embeddings():
     model = _model(RoFormerModel, max_position_embeddings=16)
     with torch.no_grad():

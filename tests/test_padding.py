@@ -66,6 +66,19 @@ def test_edge_tokens_are_each_sequences_first_and_last_real_token(unpad):
     assert torch.equal(no_padding.edge_tokens(x), x[:, 0]) and torch.equal(no_padding.edge_tokens(x, True), x[:, -1])
 
 
+@pytest.mark.parametrize("unpad", [True, False])
+def test_mean_tokens_is_the_mean_of_each_sequences_real_tokens(unpad):
+    mask = torch.cat([MASK, torch.tensor([[1, 0, 1, 0], [0, 0, 1, 1]])])  # + holes, + left padding
+    batch = BatchLayout.from_attention_mask(mask, 6, 4, unpad=unpad)
+    x = torch.randn(6, 4, 3)
+    states = batch.gather_tokens(x) if unpad else x
+    expected = [x[row, mask[row].bool()].mean(0) if mask[row].any() else torch.zeros(3) for row in range(6)]
+    torch.testing.assert_close(batch.mean_tokens(states), torch.stack(expected))
+    no_padding = BatchLayout.from_attention_mask(None, 2, 3)
+    x = torch.randn(2, 3, 3)
+    torch.testing.assert_close(no_padding.mean_tokens(x), x.mean(1))
+
+
 def mlm_head(**overrides) -> RoFormerLMPredictions:
     torch.manual_seed(0)
     config = tiny_config(hidden_size=8, num_attention_heads=2, vocab_size=5, **overrides)
