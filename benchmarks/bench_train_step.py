@@ -5,7 +5,7 @@ one run, interleaved.
     python benchmarks/bench_train_step.py --quick     # tiny smoke configuration (seconds)
     python benchmarks/bench_train_step.py --batch 16 --dropout 0.1 --mlm_probability 0.15  # the demo's older recipe
 
-The demo (`examples/demo.py`) pretrains hidden 256, 4 layers, 4 heads, intermediate 1024, vocabulary 8000, on 8
+The demo (`examples/demo.py`) pretrains hidden 256, 3 layers, 4 heads, intermediate 1024, vocabulary 8000, on 8
 blocks of 256 tokens, 30% of them masked, without dropout, with Trainer's AdamW (lr 1e-3, weight decay 0.01). At that width the GEMMs
 are small, so what surrounds them (optimizer, elementwise kernels, the loss, the collator) counts. A step here is
 what Trainer runs: the collator's batch, forward with labels, backward, gradients clipped to norm 1, AdamW step,
@@ -44,7 +44,7 @@ from workload import REPO_ROOT, Size, forward_flops, sparse_head_forward_flops
 sys.path.insert(0, str(REPO_ROOT / "examples"))
 
 SIDES = ("roformer_hf", "transformers")
-DEMO = dict(layers=4, hidden=256, heads=4, intermediate=1024, vocab=8000, batch=8, length=256)
+DEMO = dict(layers=3, hidden=256, heads=4, intermediate=1024, vocab=8000, batch=8, length=256)
 QUICK = dict(layers=2, hidden=64, heads=4, intermediate=256, vocab=1000, batch=4, length=64, repeats=3, warmup=1)
 # Operator-name fragments of the step's parts beyond the model's (profile_cpu.CATEGORIES); the first match wins.
 STEP_CATEGORIES = (

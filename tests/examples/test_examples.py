@@ -393,7 +393,8 @@ def test_demo_time_split_counts_trainer_evaluations(text_files, tmp_path):
 
 def test_demo_command_lines_reach_the_scripts_as_given(tmp_path):
     """The demo's flags (`--mlm_batch_size`, `--mlm_probability`, `--cls_learning_rate`, ...) arrive in the
-    arguments run_mlm.py and run_classification.py train with, and its model is built without dropout."""
+    arguments run_mlm.py and run_classification.py train with, and its model is built without dropout, classifying
+    the mean of the token states."""
     from example_utils import parse_arguments
 
     args = demo.build_parser().parse_args(["--mlm_steps", "7", "--mlm_batch_size", "3", "--mlm_probability", "0.25",
@@ -403,6 +404,7 @@ def test_demo_command_lines_reach_the_scripts_as_given(tmp_path):
     assert (mlm.mlm_probability, training.per_device_train_batch_size, training.max_steps) == (0.25, 3, 7)
     overrides = parse_overrides(model_args.config_overrides)
     assert overrides["hidden_dropout_prob"] == 0 and overrides["attention_probs_dropout_prob"] == 0
+    assert roformer_hf.RoFormerConfig(**overrides).classifier_pooling == "mean"
     _, _, _, training = parse_arguments(run_classification.ClassificationArguments,
                                         demo.fine_tuning_arguments(tmp_path / "cls", tmp_path / "mlm", args))
     assert (training.num_train_epochs, training.learning_rate) == (1.5, 3e-4)
