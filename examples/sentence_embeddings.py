@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 KS = (1, 10, 100)
 # The share of plays held out for development (never trained on, whatever --eval_split).
 DEV_FRACTION = 0.1
+# sentence-transformers' prompt names, with --prompts: a line is encoded as a query, the lines that may follow it as
+# documents (`encode_query`, `encode_document`).
+PROMPTS = {"query": "query: ", "document": "document: "}
 
 
 def ranks(scores: np.ndarray, queries: list[str], candidates: list[str], gold: list[str]) -> np.ndarray:
@@ -159,7 +162,11 @@ def train(folder: Path, pairs, args):
                                        SentenceTransformerTrainingArguments)
 
     model = SentenceTransformer(str(folder), device="cpu")
-    training_args = SentenceTransformerTrainingArguments(
+    prompts = None
+    if args.prompts:
+        model.prompts = dict(PROMPTS)
+        prompts = {"anchor": PROMPTS["query"], "positive": PROMPTS["document"]}
+    training_args = SentenceTransformerTrainingArguments(prompts=prompts,
         output_dir=str(args.output_dir / "checkpoints"), max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
         warmup_steps=args.max_steps // 10, weight_decay=0.01, use_cpu=True, report_to=[], save_strategy="no",
@@ -212,6 +219,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--loss", choices=("mnrl", "symmetric"), default="symmetric",
                         help="mnrl: line -> next line; symmetric: both directions")
     parser.add_argument("--scale", type=float, default=20.0, help="the loss's scale (1 / temperature)")
+    parser.add_argument("--prompts", action="store_true",
+                        help="encode lines and the lines that may follow them with different prompts ('query: ', "
+                             "'document: '): one encoding for both scores the line before a query as high as the "
+                             "line after it")
     parser.add_argument("--hardness", type=float, default=0.0,
                         help="weight the in-batch negatives by how close they already are (0: off)")
     parser.add_argument("--batches", choices=("mixed", "play"), default="mixed",
@@ -249,8 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
     model, log_history = train(folder, train_pairs, args)
     model.save(str(folder))
 
-    embeddings = model.encode(queries + candidates, batch_size=256, normalize_embeddings=True)
-    ours = ranks(embeddings[:len(queries)] @ embeddings[len(queries):].T, queries, candidates, gold)
+    query_embeddings = model.encode_query(queries, batch_size=256, normalize_embeddings=True)
+    candidate_embeddings = model.encode_document(candidates, batch_size=256, normalize_embeddings=True)
+    ours = ranks(query_embeddings @ candidate_embeddings.T, queries, candidates, gold)
     baseline = ranks(tfidf_scores(train_texts, queries, candidates), queries, candidates, gold)
     results = {
         "eval_split": args.eval_split, "held_out_plays": sorted(set(held_out["play"])), "queries": len(queries),
