@@ -33,7 +33,7 @@ from baseline import bag_of_words_baseline
 import roformer_hf
 
 MODEL = ("hidden_size=256,num_hidden_layers=3,num_attention_heads=4,intermediate_size=1024,"
-         "hidden_dropout_prob=0,attention_probs_dropout_prob=0,classifier_pooling=mean")
+         "hidden_dropout_prob=0,attention_probs_dropout_prob=0")
 SEQ_LEN = 256
 FILL_MASK_LINES = ["To be, or not to [MASK], that is the question.", "Now is the [MASK] of our discontent.",
                    "O Romeo, Romeo, wherefore art thou [MASK]?"]
@@ -101,13 +101,14 @@ def pretraining_arguments(output_dir: Path, args: argparse.Namespace) -> list[st
 def fine_tuning_arguments(output_dir: Path, pretrained: Path, args: argparse.Namespace) -> list[str]:
     """run_classification.py's command line for the demo's fine-tuning of the `pretrained` folder.
 
-    The classifier reads the mean of the passage's token states (`classifier_pooling=mean`, in MODEL): a shuffled
+    The classifier reads the mean of the passage's token states (`--classifier_pooling mean`): a shuffled
     line leaves its mark on the tokens around it, and the mean hands every one of them to the classifier from the
     first step. On [CLS] alone the fine-tuning had to teach [CLS] to gather that first, and sometimes never did
     (validation accuracy stuck near 0.6 for two epochs); on the mean it took off within half an epoch every time
     (`benchmarks/RESULTS.md`). Small batches: 8 passages a step learn more from one epoch than 16."""
     return common_args(output_dir, args) + [
         "--model_name_or_path", str(pretrained), "--task", "word_order", "--max_seq_length", str(SEQ_LEN),
+        "--classifier_pooling", args.classifier_pooling,
         "--num_train_epochs", str(args.cls_epochs), "--per_device_train_batch_size", str(args.cls_batch_size),
         "--per_device_eval_batch_size", "64",
         "--learning_rate", str(args.cls_learning_rate), "--warmup_steps", "20", "--weight_decay", "0.01",
@@ -125,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cls_epochs", type=float, default=1)
     parser.add_argument("--cls_learning_rate", type=float, default=3e-4)
     parser.add_argument("--cls_batch_size", type=int, default=8)
+    parser.add_argument("--classifier_pooling", choices=("cls", "mean"), default="mean",
+                        help="what the classifier reads: the mean of the passage's tokens, or [CLS]")
     parser.add_argument("--config_overrides", default=MODEL)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--figures_dir", default=None,

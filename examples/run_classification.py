@@ -49,6 +49,9 @@ class ClassificationArguments:
         "choices": ["word_order", "genre"]})
     passage_words: int = field(default=150, metadata={
         "help": "Built-in data: words per passage (about 1.4 tokens each); genre only: 0 for single speeches."})
+    classifier_pooling: str | None = field(default=None, metadata={
+        "help": "What the classifier reads: cls (the first token) or mean (the mean of the tokens); default: the "
+                "model's config.classifier_pooling (cls for a new model).", "choices": ["cls", "mean"]})
 
 
 def builtin_task(arguments: ClassificationArguments) -> datasets.DatasetDict:
@@ -111,12 +114,13 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]), training_args,
                                         max_length=data.max_seq_length)
     id2label = dict(enumerate(names))
+    head = dict(num_labels=len(names), id2label=id2label, label2id=label2id)
+    if cls_args.classifier_pooling:
+        head["classifier_pooling"] = cls_args.classifier_pooling
     if model_args.model_name_or_path:
-        model = load_pretrained_with_fresh_head(model_args, num_labels=len(names), id2label=id2label,
-                                                label2id=label2id)
+        model = load_pretrained_with_fresh_head(model_args, **head)
     else:
-        config = new_config(model_args, tokenizer, num_labels=len(names), id2label=id2label, label2id=label2id,
-                            max_position_embeddings=data.max_seq_length)
+        config = new_config(model_args, tokenizer, max_position_embeddings=data.max_seq_length, **head)
         model = roformer_hf.RoFormerForSequenceClassification._from_config(
             config, attn_implementation=model_args.attn_implementation)
 

@@ -130,7 +130,7 @@ def test_run_classification_from_pretrained_folder(pretrained, text_files, tmp_p
             tmp_path, model_name_or_path=mlm_dir, train_file=text_files / "train.csv",
             validation_file=text_files / "validation.csv", test_file=text_files / "test.csv",
             text_column_name="sentence", label_column_name="genre", max_seq_length=48, num_train_epochs=2,
-            learning_rate=1e-3))
+            learning_rate=1e-3, classifier_pooling="mean"))
     # One line about the new head instead of transformers' load report (MISSING / UNEXPECTED table).
     assert "the new classifier head starts fresh (classifier.dense, classifier.out_proj)" in caplog.text
     assert "left out the checkpoint's cls weights" in caplog.text
@@ -139,7 +139,7 @@ def test_run_classification_from_pretrained_folder(pretrained, text_files, tmp_p
     assert result["final_split"] == "test"
     assert {"test_accuracy", "test_macro_f1", "test_majority_baseline_accuracy"} <= metrics.keys()
     model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path)
-    assert model.config.id2label == {0: "comedy", 1: "history"}
+    assert model.config.id2label == {0: "comedy", 1: "history"} and model.config.classifier_pooling == "mean"
     # Fine-tuned on up to 48 tokens, longer than the 32 of pretraining: config and tokenizer say 48.
     assert model.config.max_position_embeddings == 48
     assert transformers.AutoTokenizer.from_pretrained(tmp_path).model_max_length == 48
@@ -404,7 +404,8 @@ def test_demo_command_lines_reach_the_scripts_as_given(tmp_path):
     assert (mlm.mlm_probability, training.per_device_train_batch_size, training.max_steps) == (0.25, 3, 7)
     overrides = parse_overrides(model_args.config_overrides)
     assert overrides["hidden_dropout_prob"] == 0 and overrides["attention_probs_dropout_prob"] == 0
-    assert roformer_hf.RoFormerConfig(**overrides).classifier_pooling == "mean"
-    _, _, _, training = parse_arguments(run_classification.ClassificationArguments,
-                                        demo.fine_tuning_arguments(tmp_path / "cls", tmp_path / "mlm", args))
+    _, _, classification, training = parse_arguments(
+        run_classification.ClassificationArguments,
+        demo.fine_tuning_arguments(tmp_path / "cls", tmp_path / "mlm", args))
     assert (training.num_train_epochs, training.learning_rate) == (1.5, 3e-4)
+    assert classification.classifier_pooling == "mean"
