@@ -11,7 +11,7 @@ loads with `SentenceTransformer(folder)`.
 Besides the validation plays that a run reports on, a tenth of the plays is held out for development and never
 trained on: settings are chosen with `--eval_split dev`, which scores those instead.
 
-    python examples/sentence_embeddings.py                    # about 8 CPU-minutes (--threads 1 on a busy machine)
+    python examples/sentence_embeddings.py                    # about 14 CPU-minutes (--threads 1 on a busy machine)
     python examples/sentence_embeddings.py --eval_split dev   # the same run, scored on the development plays
     python examples/sentence_embeddings.py --quick            # a smoke run, seconds
 
@@ -84,7 +84,7 @@ def tfidf_scores(train_texts: list[str], queries: list[str], candidates: list[st
 
 
 def build_model(train_texts: list[str], folder: Path, args) -> Path:
-    """A RoFormer and its WordPiece tokenizer (cased unless `args.lowercase`), trained on `train_texts`, saved where
+    """A RoFormer and its WordPiece tokenizer (lowercased unless `args.lowercase` is off), trained on `train_texts`, saved where
     `SentenceTransformer` loads them with `args.pooling`: fresh, or with `args.mlm_steps` first pretrained with masked
     LM on those same texts (`pretrain`)."""
     tokenizer = train_tokenizer(train_texts, vocab_size=args.vocab_size, lowercase=args.lowercase,
@@ -202,7 +202,7 @@ def plot(ranks_by_method: dict[str, np.ndarray], pool: int, path: Path) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", type=Path, default=Path("runs/sentence_embeddings"))
-    parser.add_argument("--max_steps", type=int, default=350)
+    parser.add_argument("--max_steps", type=int, default=700)
     parser.add_argument("--batch_size", type=int, default=256, help="pairs per step; the rest of a batch are negatives")
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden dropout")
@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="masked-LM pretraining steps on the training plays before the contrastive training")
     parser.add_argument("--mlm_batch_size", type=int, default=16, help="blocks per masked-LM step")
     parser.add_argument("--mlm_seq_length", type=int, default=128, help="tokens per masked-LM block")
-    parser.add_argument("--lowercase", action="store_true", help="a lowercased WordPiece vocabulary")
+    parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True,
+                        help="a lowercased WordPiece vocabulary (--no-lowercase: cased)")
     parser.add_argument("--pooling", choices=("mean", "cls"), default="mean")
     parser.add_argument("--loss", choices=("mnrl", "symmetric"), default="symmetric",
                         help="mnrl: line -> next line; symmetric: both directions")
