@@ -813,9 +813,9 @@ class RoFormerForSequenceClassification(RoFormerHeadModel):
     """RoFormer with a classification/regression head on [CLS] (`text-classification` pipeline).
 
     The head reads each sequence's first real token (transformers' RoFormer reads position 0, which is padding in
-    left-padded rows), or with `config.classifier_pooling="mean"` the mean of its real tokens' states. The loss follows transformers: `num_labels == 1` regression (MSE); integer labels
-    single-label cross-entropy; float labels of shape `(B, num_labels)` multi-label BCE (or set
-    `config.problem_type`).
+    left-padded rows), or with `config.classifier_pooling="mean"` the mean of its real tokens' states. The loss
+    follows transformers: `num_labels == 1` regression (MSE); integer labels single-label cross-entropy; float labels
+    of shape `(B, num_labels)` multi-label BCE (or set `config.problem_type`).
 
     Example, with three classes:
 
