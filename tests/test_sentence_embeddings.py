@@ -58,3 +58,20 @@ def test_dev_run_scores_the_development_plays_and_never_the_validation_ones(tmp_
     assert not set(splits["dev"]["play"]) & (set(splits["validation"]["play"]) | set(splits["train"]["play"]))
     assert results["training_pairs"] == len(splits["train"])
     assert all(0 <= value <= 1 for value in results["roformer_hf"].values())
+
+
+def test_masked_lm_start_reads_the_training_plays_only_and_prompts_reach_the_saved_folder(tmp_path):
+    """--mlm_steps pretrains the encoder on the training plays' lines (never a held-out play's) before the
+    contrastive training; --prompts trains and scores with sentence-transformers' query and document prompts, which
+    the saved folder keeps."""
+    results = main(["--quick", "--mlm_steps", "2", "--prompts", "--output_dir", str(tmp_path)])
+    splits = next_line_splits(seed=0, dev_fraction=DEV_FRACTION)
+    corpus = set((tmp_path / "mlm" / "corpus.txt").read_text().splitlines())
+    assert corpus == set(splits["train"]["source"]) | set(splits["train"]["target"])
+    trainer_state = json.loads((tmp_path / "mlm" / "trained" / "trainer_state.json").read_text())
+    assert trainer_state["global_step"] == 2
+    assert results["settings"]["mlm_steps"] == 2 and results["settings"]["prompts"] is True
+    model = SentenceTransformer(str(tmp_path / "model"), device="cpu")
+    assert model.prompts == {"query": "query: ", "document": "document: "}
+    line = ["Now is the winter of our discontent"]
+    assert not np.allclose(model.encode_query(line), model.encode_document(line))
