@@ -84,16 +84,16 @@ def tfidf_scores(train_texts: list[str], queries: list[str], candidates: list[st
 
 
 def build_model(train_texts: list[str], folder: Path, args) -> Path:
-    """A RoFormer and its WordPiece tokenizer (lowercased unless `args.lowercase` is off), trained on `train_texts`, saved where
-    `SentenceTransformer` loads them with `args.pooling`: fresh, or with `args.mlm_steps` first pretrained with masked
-    LM on those same texts (`pretrain`)."""
+    """A RoFormer and its WordPiece tokenizer (lowercased unless `args.lowercase` is off), trained on `train_texts`,
+    saved where `SentenceTransformer` loads them with `args.pooling`: fresh, or with `args.mlm_steps` first
+    pretrained with masked LM on those same texts (`pretrain`)."""
     tokenizer = train_tokenizer(train_texts, vocab_size=args.vocab_size, lowercase=args.lowercase,
                                 model_max_length=args.max_seq_length)
+    longest = max(args.max_seq_length, args.mlm_seq_length if args.mlm_steps else 0)  # the longest trained on
     config = RoFormerConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                             num_attention_heads=args.hidden_size // 32, intermediate_size=4 * args.hidden_size,
-                            max_position_embeddings=max(args.max_seq_length, args.mlm_seq_length),
-                            hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=0.0,
-                            sentence_pooling=args.pooling)
+                            max_position_embeddings=longest, hidden_dropout_prob=args.dropout,
+                            attention_probs_dropout_prob=0.0, sentence_pooling=args.pooling)
     torch.manual_seed(args.seed)
     model = RoFormerModel(config) if not args.mlm_steps else pretrain(config, tokenizer, train_texts, folder, args)
     model.config.hidden_dropout_prob = args.dropout
