@@ -4,6 +4,7 @@ one run, interleaved.
     python benchmarks/bench_train_step.py             # the demo's shape (a few minutes on 2 cores)
     python benchmarks/bench_train_step.py --quick     # tiny smoke configuration (seconds)
     python benchmarks/bench_train_step.py --batch 16 --dropout 0.1 --mlm_probability 0.15  # the demo's older recipe
+    python benchmarks/bench_train_step.py --compile   # also a torch.compile'd roformer_hf step, and its compile time
 
 The demo (`examples/demo.py`) pretrains hidden 256, 3 layers, 4 heads, intermediate 1024, vocabulary 8000, on 8
 blocks of 256 tokens, 30% of them masked, without dropout, with Trainer's AdamW (lr 1e-3, weight decay 0.01). At that width the GEMMs
@@ -21,7 +22,10 @@ What it does:
 3. Times roformer_hf's step with each AdamW implementation torch has (`for`-loop, `foreach`, `fused`: Trainer's
    default), without attention dropout (hidden dropout kept: SDPA's fused kernel instead of
    `BlockedDropoutAttention`), and the phases of one step (collator, forward, backward, clipping, optimizer).
-4. Profiles one roformer_hf step and one transformers step and groups self CPU time by part (GEMMs, attention,
+4. With `--compile`, times a `torch.compile`d copy of roformer_hf's model (the same weights) in the same rotation,
+   and reports what its first calls cost (compiling, and recompiling for the masked-token count that changes from
+   batch to batch) against the eager step: the number of steps it needs to pay that back.
+5. Profiles one roformer_hf step and one transformers step and groups self CPU time by part (GEMMs, attention,
    elementwise, optimizer, ...).
 """
 
@@ -66,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-profile", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="also time a torch.compile'd roformer_hf step")
     parser.add_argument("--quick", action="store_true", help="tiny smoke configuration (seconds)")
     return parser
 
@@ -196,6 +201,21 @@ def profile_categories(step: Step) -> tuple[float, dict[str, float]]:
     return total / 1e6, shares
 
 
+COMPILED = "roformer_hf, torch.compile"
+COMPILE_CALLS = 3  # the first call compiles; a batch with another masked-token count recompiles once, dynamic
+
+
+def compiled_step(args: argparse.Namespace, folder: str, example: Example, steps: dict) -> float:
+    """Adds a step on a torch.compile'd copy of roformer_hf's model to `steps`; returns its first calls' seconds."""
+    import roformer_hf
+
+    progress("compiling roformer_hf's step (torch.compile)")
+    dropouts = dict(hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout)
+    model = roformer_hf.RoFormerForMaskedLM.from_pretrained(folder, sparse_prediction=True, **dropouts).train()
+    steps[COMPILED] = Step(torch.compile(model), example, args.lr)
+    return sum(steps[COMPILED]() for _ in range(COMPILE_CALLS))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
@@ -233,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                 folder, sparse_prediction=True, hidden_dropout_prob=args.dropout,
                 attention_probs_dropout_prob=0.0).train()
             steps["roformer_hf, attention dropout 0"] = Step(no_attention_dropout, example, args.lr)
+        compile_seconds = compiled_step(args, folder, example, steps) if args.compile else None
         gemm = gemm_sampler(tokens, args.hidden, args.intermediate)
         progress("timing the steps and the GEMM rate, interleaved")
         phases = {name: [] for name in steps}
@@ -258,6 +279,11 @@ def main(argv: list[str] | None = None) -> None:
             rate = step_flops[side] / median(samples) / 1e9
             print(f"| {name} | {spread(samples)} | {reference / median(samples):.2f}x | {rate:.0f} | "
                   f"{rate / gemm_rate:.0%} |")
+        if compile_seconds is not None:
+            saved = median(times["roformer_hf"]) - median(times[COMPILED])
+            payback = f"{compile_seconds / saved:.0f} steps" if saved > 0 else "never (it is not faster)"
+            print(f"\n{COMPILED}: its first {COMPILE_CALLS} calls took {compile_seconds:.1f} s (compiling), "
+                  f"{saved * 1e3:+.1f} ms a step afterwards against eager; it pays that back after {payback}.")
         print(f"\n(roformer_hf's step counts {step_flops['roformer_hf'] / 1e9:.1f} GFLOP, transformers' "
               f"{step_flops['transformers'] / 1e9:.1f}: its MLM decoder runs on every token.)\n")
         print("Phases of the step (median seconds over the timed repeats):\n")
