@@ -11,7 +11,7 @@ loads with `SentenceTransformer(folder)`.
 Besides the validation plays that a run reports on, a tenth of the plays is held out for development and never
 trained on: settings are chosen with `--eval_split dev`, which scores those instead.
 
-    python examples/sentence_embeddings.py                    # about 14 CPU-minutes (--threads 1 on a busy machine)
+    python examples/sentence_embeddings.py                    # about 25 CPU-minutes (--threads 1 on a busy machine)
     python examples/sentence_embeddings.py --eval_split dev   # the same run, scored on the development plays
     python examples/sentence_embeddings.py --quick            # a smoke run, seconds
 
@@ -202,7 +202,7 @@ def plot(ranks_by_method: dict[str, np.ndarray], pool: int, path: Path) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", type=Path, default=Path("runs/sentence_embeddings"))
-    parser.add_argument("--max_steps", type=int, default=700)
+    parser.add_argument("--max_steps", type=int, default=1400)
     parser.add_argument("--batch_size", type=int, default=256, help="pairs per step; the rest of a batch are negatives")
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden dropout")
