@@ -15,7 +15,8 @@ trained on: settings are chosen with `--eval_split dev`, which scores those inst
     python examples/sentence_embeddings.py --eval_split dev   # the same run, scored on the development plays
     python examples/sentence_embeddings.py --quick            # a smoke run, seconds
 
-It prints recall@1/10/100 and MRR for both, writes them to `OUTPUT_DIR/retrieval.json`, and draws recall@k
+It prints recall@1/10/100 and MRR for both, and their differences with the paired standard error over the queries
+(both methods rank the same queries), writes them to `OUTPUT_DIR/retrieval.json`, and draws recall@k
 (`OUTPUT_DIR/retrieval.png`). The query's own text is never a candidate.
 """
 
@@ -58,20 +59,42 @@ def ranks(scores: np.ndarray, queries: list[str], candidates: list[str], gold: l
     return result
 
 
+def hits_at(rank: np.ndarray, k: int) -> np.ndarray:
+    """Per query, the chance that its gold line is among the first `k`, ties broken at random."""
+    above, ties = rank[:, 0], rank[:, 1]
+    return np.clip((k - above) / (ties + 1), 0, 1)
+
+
 def recall_at(rank: np.ndarray, k: int) -> float:
     """The share of queries whose gold line is among the first `k`, ties broken at random (in expectation)."""
-    above, ties = rank[:, 0], rank[:, 1]
-    return float(np.clip((k - above) / (ties + 1), 0, 1).mean())
+    return float(hits_at(rank, k).mean())
 
 
-def retrieval_metrics(rank: np.ndarray) -> dict[str, float]:
-    """recall@k for `KS` and the mean reciprocal rank, ties broken at random (in expectation)."""
+def per_query(rank: np.ndarray) -> dict[str, np.ndarray]:
+    """Each query's share of recall@k for `KS` and its expected reciprocal rank, ties broken at random."""
     from scipy.special import digamma
 
     above, ties = rank[:, 0], rank[:, 1]
     # The mean of 1 / (position + 1) over the positions above .. above + ties: a difference of harmonic numbers.
     reciprocal = (digamma(above + ties + 2) - digamma(above + 1)) / (ties + 1)
-    return {**{f"recall@{k}": recall_at(rank, k) for k in KS}, "mrr": float(reciprocal.mean())}
+    return {**{f"recall@{k}": hits_at(rank, k) for k in KS}, "mrr": reciprocal}
+
+
+def retrieval_metrics(rank: np.ndarray) -> dict[str, float]:
+    """recall@k for `KS` and the mean reciprocal rank, ties broken at random (in expectation)."""
+    return {name: float(values.mean()) for name, values in per_query(rank).items()}
+
+
+def paired_differences(ours: np.ndarray, baseline: np.ndarray) -> dict[str, dict[str, float]]:
+    """Each metric's difference between two methods ranked on the same queries, with its paired standard error (the
+    spread of the per-query differences over the square root of their count): a difference of two or more standard
+    errors is one the queries' sampling alone rarely makes."""
+    result = {}
+    for (name, a), b in zip(per_query(ours).items(), per_query(baseline).values()):
+        difference = a - b
+        result[name] = {"difference": float(difference.mean()),
+                        "standard_error": float(difference.std(ddof=1) / np.sqrt(len(difference)))}
+    return result
 
 
 def tfidf_scores(train_texts: list[str], queries: list[str], candidates: list[str]) -> np.ndarray:
@@ -270,6 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
         "candidates": len(candidates),
         "training_pairs": len(train_pairs), "steps": args.max_steps, "batch_size": args.batch_size,
         "roformer_hf": retrieval_metrics(ours), "tfidf": retrieval_metrics(baseline),
+        "roformer_hf_minus_tfidf": paired_differences(ours, baseline),
         "train_loss": [entry["loss"] for entry in log_history if "loss" in entry],
         "seconds": round(time.perf_counter() - start, 1), "cpu_seconds": round(time.process_time() - start_cpu, 1),
         "threads": torch.get_num_threads(),
@@ -284,6 +308,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'':>12} " + " ".join(f"{name:>10}" for name in results["tfidf"]))
     for method in ("roformer_hf", "tfidf"):
         print(f"{method:>12} " + " ".join(f"{value:>10.4f}" for value in results[method].values()))
+    print(f"{'difference':>12} " + " ".join(f"{d['difference']:>+10.4f}" for d in
+                                            results["roformer_hf_minus_tfidf"].values()))
+    print(f"{'(paired SE)':>12} " + " ".join(f"{d['standard_error']:>10.4f}" for d in
+                                             results["roformer_hf_minus_tfidf"].values()))
     return results
 
 

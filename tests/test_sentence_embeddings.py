@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from sentence_embeddings import DEV_FRACTION, main, ranks, recall_at, retrieval_metrics
+from sentence_embeddings import DEV_FRACTION, main, paired_differences, ranks, recall_at, retrieval_metrics
 from sentence_transformers import SentenceTransformer
 from shakespeare import next_line_splits
 
@@ -30,6 +30,20 @@ def test_ranks_count_the_candidates_above_the_gold_line_and_skip_the_query_itsel
     assert brute["mrr"] == pytest.approx((1 + 1 / 3 + 1 / 151) / 3)
 
 
+def test_paired_differences_are_the_mean_and_standard_error_of_per_query_differences():
+    ours = np.array([[0, 0], [0, 0], [3, 0], [0, 1]])       # hit, hit, 4th, 1st or 2nd
+    baseline = np.array([[1, 0], [0, 0], [0, 0], [0, 3]])   # 2nd, hit, hit, 1st to 4th
+    hits = np.array([1, 1, 0, 1 / 2]) - np.array([0, 1, 1, 1 / 4])
+    reciprocal = np.array([1, 1, 1 / 4, (1 + 1 / 2) / 2]) - np.array([1 / 2, 1, 1, (1 + 1 / 2 + 1 / 3 + 1 / 4) / 4])
+    result = paired_differences(ours, baseline)
+    for name, per_query in (("recall@1", hits), ("mrr", reciprocal)):
+        assert result[name]["difference"] == pytest.approx(per_query.mean())
+        assert result[name]["standard_error"] == pytest.approx(per_query.std(ddof=1) / 2)
+    assert result["recall@1"]["difference"] == pytest.approx(
+        retrieval_metrics(ours)["recall@1"] - retrieval_metrics(baseline)["recall@1"])
+    assert result["recall@10"] == {"difference": 0.0, "standard_error": 0.0}
+
+
 def test_quick_run_trains_saves_and_scores_both_methods(tmp_path):
     results = main(["--quick", "--output_dir", str(tmp_path)])
     saved = json.loads((tmp_path / "retrieval.json").read_text())
@@ -37,6 +51,8 @@ def test_quick_run_trains_saves_and_scores_both_methods(tmp_path):
     for method in ("roformer_hf", "tfidf"):
         assert set(results[method]) == {"recall@1", "recall@10", "recall@100", "mrr"}
         assert all(0 <= value <= 1 for value in results[method].values())
+    for name, paired in results["roformer_hf_minus_tfidf"].items():
+        assert paired["difference"] == pytest.approx(results["roformer_hf"][name] - results["tfidf"][name])
     assert results["queries"] == 200 and 0 < results["candidates"] <= 200
     assert len(results["train_loss"]) >= 1
     assert (tmp_path / "retrieval.png").stat().st_size > 10_000
