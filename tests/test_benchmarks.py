@@ -133,15 +133,34 @@ def test_train_step_benchmark_compares_equal_models():
     first), every variant timed (with dropout, so the variant without attention dropout runs too), and the step's
     parts profiled."""
     result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_train_step.py"), "--quick", "--repeats", "1",
-                             "--warmup", "0", "--dropout", "0.1"], capture_output=True, text=True, timeout=600)
+                             "--warmup", "0", "--dropout", "0.1", "--compile"], capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     loss_diff, grad_diff = map(float, re.search(r"loss diff (\S+), largest gradient diff (\S+)", out).groups())
     assert loss_diff < 1e-4 and grad_diff < 1e-3
     for step in ("roformer_hf", "transformers", "roformer_hf, AdamW for-loop", "roformer_hf, AdamW foreach",
-                 "roformer_hf, attention dropout 0"):
+                 "roformer_hf, attention dropout 0", "roformer_hf, torch.compile"):
         assert re.search(rf"^\| {re.escape(step)} \| \d", out, re.MULTILINE), step
+    assert re.search(r"torch.compile: its first 3 calls took [\d.]+ s .* pays that back after (\d+ steps|never)", out)
     assert "GEMM (linear layers, decoder)" in out and "optimizer (AdamW)" in out
+
+
+def test_demo_runs_reads_the_demos_result_lines():
+    """`demo_runs.py` reads each run's figures from the demo's own result lines (the time line as `demo.time_split`
+    writes it), and names a line a run's output lacks."""
+    from demo import time_split
+    from demo_runs import parse_demo
+
+    output = ("MLM validation perplexity 212 with 30% of the tokens masked (...); 400 pretraining steps\n"
+              "passage as written, or the words within each line shuffled? (test plays: a, b): macro-F1 0.975; 305 "
+              "fine-tuning steps\n"
+              "test accuracy: model 0.97 | bag-of-words baseline 0.51 | majority baseline 0.49\n"
+              "time: " + time_split(240.0, 126.0, 72.0, 36.0) + "\n")
+    assert parse_demo(output) == {"perplexity": "212", "macro_f1": "0.975", "accuracy": "0.97", "bag_of_words": "0.51",
+                                  "parts": "2.1 / 1.2 / 0.6 / 0.1", "minutes": "4.0"}
+    with pytest.raises(ValueError, match="test accuracy: model"):
+        parse_demo(output.replace("test accuracy", "accuracy"))
 
 
 def test_embedding_benchmark_times_every_model_on_every_set():
