@@ -86,15 +86,21 @@ def cpu_bf16_units() -> str:
     return bf16_matrix_units(cpu_info()[1])
 
 
+# Environment variables that hold the math libraries below the CPU's ISA (e.g. AVX2 kernels on an AVX-512 CPU).
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine_lines() -> list[str]:
     import transformers
 
     cpu, flags = cpu_info()
+    limits = [f"{name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name)]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return [
         f"- CPU: {cpu}, {cores} cores available, ISA {torch.backends.cpu.get_cpu_capability()}; bf16 matrix "
-        f"units: {BF16_UNITS_DESCRIBED[bf16_matrix_units(flags)]}; int8 matrix units: {int8_matrix_units(flags)}",
+        f"units: {BF16_UNITS_DESCRIBED[bf16_matrix_units(flags)]}; int8 matrix units: {int8_matrix_units(flags)}"
+        + (f"; kernels held below the CPU's ISA: {' '.join(limits)} (fbgemm is not)" if limits else ""),
         f"- torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
         f"Python {platform.python_version()}",
         f"- load average (1/5/15 min) at the end: {load}",

@@ -97,13 +97,34 @@ def paired_differences(ours: np.ndarray, baseline: np.ndarray) -> dict[str, dict
     return result
 
 
-def tfidf_scores(train_texts: list[str], queries: list[str], candidates: list[str]) -> np.ndarray:
-    """Cosine similarity of TF-IDF vectors (word unigrams and bigrams, sublinear term frequencies), fitted on the
-    training lines."""
+def tfidf_vectorizer(train_texts: list[str]):
+    """TF-IDF of word unigrams and bigrams with sublinear term frequencies, fitted on the training lines."""
     from sklearn.feature_extraction.text import TfidfVectorizer
 
-    vectorizer = TfidfVectorizer(sublinear_tf=True, ngram_range=(1, 2), min_df=2).fit(train_texts)
+    return TfidfVectorizer(sublinear_tf=True, ngram_range=(1, 2), min_df=2).fit(train_texts)
+
+
+def tfidf_scores(train_texts: list[str], queries: list[str], candidates: list[str]) -> np.ndarray:
+    """Cosine similarity of the queries' and candidates' TF-IDF vectors (`tfidf_vectorizer`)."""
+    vectorizer = tfidf_vectorizer(train_texts)
     return (vectorizer.transform(queries) @ vectorizer.transform(candidates).T).toarray()
+
+
+def tfidf_negatives(anchors: list[str], positives: list[str], texts: list[str], chunk: int = 2048) -> list[str]:
+    """For each anchor, the line of `texts` that TF-IDF (fitted on `texts`) ranks first for it, other than the anchor
+    and its positive: the wrong answer a lexical retriever would give, as a hard negative. Ties go to the earlier
+    line of `texts`."""
+    vectorizer = tfidf_vectorizer(texts)
+    index = {text: i for i, text in enumerate(texts)}
+    pool = vectorizer.transform(texts).T.tocsc()
+    negatives = []
+    for start in range(0, len(anchors), chunk):
+        scores = (vectorizer.transform(anchors[start:start + chunk]) @ pool).toarray()
+        rows = np.arange(scores.shape[0])
+        for excluded in (anchors, positives):
+            scores[rows, [index[text] for text in excluded[start:start + chunk]]] = -np.inf
+        negatives += [texts[i] for i in scores.argmax(axis=1)]
+    return negatives
 
 
 def build_model(train_texts: list[str], folder: Path, args) -> Path:
@@ -150,11 +171,14 @@ def pretrain(config: RoFormerConfig, tokenizer, train_texts: list[str], folder: 
     return RoFormerModel.from_pretrained(trained, hidden_dropout_prob=args.dropout)
 
 
-def training_pairs(pairs, by_play: bool):
+def training_pairs(pairs, by_play: bool, negatives: list[str] | None = None):
     """The `(anchor, positive)` pairs to train on: one dataset, or with `by_play` one per play, so that every batch
     (sentence-transformers draws each batch from one dataset) holds lines of a single play, whose other lines are
-    harder negatives: the same names, the same matters."""
+    harder negatives: the same names, the same matters. `negatives` adds a third column, one hard negative per pair,
+    which the loss sets against every anchor of the batch."""
     columns = {"source": "anchor", "target": "positive"}
+    if negatives is not None:
+        pairs = pairs.add_column("negative", negatives)
     if not by_play:
         return pairs.remove_columns("play").rename_columns(columns)
     import datasets
@@ -180,7 +204,7 @@ def contrastive_loss(model, args):
     return MultipleNegativesRankingLoss(model, **options)
 
 
-def train(folder: Path, pairs, args):
+def train(folder: Path, pairs, args, negatives: list[str] | None = None):
     from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
                                        SentenceTransformerTrainingArguments)
 
@@ -196,7 +220,7 @@ def train(folder: Path, pairs, args):
         logging_steps=max(1, args.max_steps // 10), seed=args.seed, batch_sampler="no_duplicates",
         multi_dataset_batch_sampler="proportional", dataloader_drop_last=True, disable_tqdm=True)
     trainer = SentenceTransformerTrainer(model=model, args=training_args,
-                                         train_dataset=training_pairs(pairs, args.batches == "play"),
+                                         train_dataset=training_pairs(pairs, args.batches == "play", negatives),
                                          loss=contrastive_loss(model, args))
     trainer.train()
     return model, trainer.state.log_history
@@ -249,6 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "line after it")
     parser.add_argument("--hardness", type=float, default=0.0,
                         help="weight the in-batch negatives by how close they already are (0: off)")
+    parser.add_argument("--tfidf_negatives", action="store_true",
+                        help="add to each pair, as a hard negative, the training line TF-IDF ranks first for its "
+                             "line (other than the pair's own lines)")
     parser.add_argument("--batches", choices=("mixed", "play"), default="mixed",
                         help="mixed: pairs of all training plays shuffled together; play: each batch from one play")
     parser.add_argument("--eval_split", choices=("validation", "dev"), default="validation",
@@ -281,7 +308,10 @@ def main(argv: list[str] | None = None) -> dict:
     train_texts = list(dict.fromkeys(list(train_pairs["source"]) + list(train_pairs["target"])))
 
     folder = build_model(train_texts, args.output_dir / "model", args)
-    model, log_history = train(folder, train_pairs, args)
+    negatives = None
+    if args.tfidf_negatives:
+        negatives = tfidf_negatives(list(train_pairs["source"]), list(train_pairs["target"]), train_texts)
+    model, log_history = train(folder, train_pairs, args, negatives)
     model.save(str(folder))
 
     query_embeddings = model.encode_query(queries, batch_size=256, normalize_embeddings=True)

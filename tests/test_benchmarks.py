@@ -40,6 +40,14 @@ def test_machine_line_names_the_bf16_units():
     assert "bf16 matrix units: " in machine_lines()[0]
 
 
+def test_machine_line_says_when_kernels_are_held_below_the_isa(monkeypatch):
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    assert "held below" not in machine_lines()[0]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert machine_lines()[0].endswith("kernels held below the CPU's ISA: ONEDNN_MAX_CPU_ISA=AVX2 (fbgemm is not)")
+
+
 def test_onnx_section_knows_what_is_missing():
     script = block_imports("onnxruntime") + (
         f"sys.path.insert(0, {str(BENCHMARKS)!r})\nimport onnx_runtime\nprint(onnx_runtime.missing())")
