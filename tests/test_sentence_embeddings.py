@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from sentence_embeddings import DEV_FRACTION, main, paired_differences, ranks, recall_at, retrieval_metrics
+from sentence_embeddings import (DEV_FRACTION, main, paired_differences, ranks, recall_at, retrieval_metrics,
+                                 tfidf_negatives)
 from sentence_transformers import SentenceTransformer
 from shakespeare import next_line_splits
 
@@ -42,6 +43,15 @@ def test_paired_differences_are_the_mean_and_standard_error_of_per_query_differe
     assert result["recall@1"]["difference"] == pytest.approx(
         retrieval_metrics(ours)["recall@1"] - retrieval_metrics(baseline)["recall@1"])
     assert result["recall@10"] == {"difference": 0.0, "standard_error": 0.0}
+
+
+def test_tfidf_negatives_are_the_closest_line_in_words_other_than_the_pair_itself():
+    texts = ["the cat sat on the mat", "the cat sat on the mat today", "a dog ran", "a dog ran far",
+             "the cat sat", "birds fly", "birds fly south", "the mat"]
+    anchors = ["the cat sat on the mat", "a dog ran", "birds fly"]
+    positives = ["the cat sat on the mat today", "birds fly", "a dog ran"]
+    # The pair's own lines score highest (identical words) but are skipped; the next closest line is the negative.
+    assert tfidf_negatives(anchors, positives, texts, chunk=2) == ["the cat sat", "a dog ran far", "birds fly south"]
 
 
 def test_quick_run_trains_saves_and_scores_both_methods(tmp_path):
