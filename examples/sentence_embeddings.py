@@ -14,6 +14,7 @@ trained on: settings are chosen with `--eval_split dev`, which scores those inst
     python examples/sentence_embeddings.py                    # about 25 CPU-minutes (--threads 1 on a busy machine)
     python examples/sentence_embeddings.py --eval_split dev   # the same run, scored on the development plays
     python examples/sentence_embeddings.py --quick            # a smoke run, seconds
+    python examples/sentence_embeddings.py --pool A/retrieval.json B/retrieval.json  # runs on disjoint plays, pooled
 
 It prints recall@1/10/100 and MRR for both, and their differences with the paired standard error over the queries
 (both methods rank the same queries), writes them to `OUTPUT_DIR/retrieval.json`, and draws recall@k
@@ -95,6 +96,32 @@ def paired_differences(ours: np.ndarray, baseline: np.ndarray) -> dict[str, dict
         result[name] = {"difference": float(difference.mean()),
                         "standard_error": float(difference.std(ddof=1) / np.sqrt(len(difference)))}
     return result
+
+
+def pooled_differences(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """The differences of several runs' `retrieval.json` results on disjoint held-out plays, pooled over all their
+    queries: each run's difference weighted by its query count, the standard errors combined as those of independent
+    samples. Runs that share a held-out play (several seeds of one split, say) do not rank independent queries, and
+    are refused."""
+    if len(runs) < 2:
+        raise ValueError(f"runs: expected at least two results to pool, got {len(runs)}")
+    seen: dict[str, int] = {}
+    for index, run in enumerate(runs):
+        if "roformer_hf_minus_tfidf" not in run:
+            raise ValueError(f"runs[{index}] has no 'roformer_hf_minus_tfidf': expected the retrieval.json of a run")
+        for play in run["held_out_plays"]:
+            if play in seen:
+                raise ValueError(f"runs[{seen[play]}] and runs[{index}] both hold out {play!r}: pooling needs runs on "
+                                 "disjoint held-out plays (another --split_seed), whose queries are independent")
+            seen[play] = index
+    counts = np.array([run["queries"] for run in runs], dtype=float)
+    pooled = {}
+    for name in runs[0]["roformer_hf_minus_tfidf"]:
+        differences = np.array([run["roformer_hf_minus_tfidf"][name]["difference"] for run in runs])
+        errors = np.array([run["roformer_hf_minus_tfidf"][name]["standard_error"] for run in runs])
+        pooled[name] = {"difference": float(counts @ differences / counts.sum()),
+                        "standard_error": float(np.sqrt(counts**2 @ errors**2) / counts.sum())}
+    return pooled
 
 
 def tfidf_vectorizer(train_texts: list[str]):
@@ -286,8 +313,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's choice); 1 is faster on a machine busy with other work")
+    parser.add_argument("--pool", type=Path, nargs="+", metavar="RETRIEVAL_JSON",
+                        help="train nothing: pool the differences of earlier runs on disjoint held-out plays "
+                             "(their retrieval.json files) over all their queries, and print them")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few steps, a small model and pool")
     args = parser.parse_args(argv)
+    if args.pool:
+        runs = [json.loads(path.read_text()) for path in args.pool]
+        pooled = pooled_differences(runs)
+        print(f"{sum(run['queries'] for run in runs):,} queries of {len(runs)} runs on disjoint held-out plays")
+        print(f"{'':>12} " + " ".join(f"{name:>10}" for name in pooled))
+        print_differences(pooled)
+        return {"runs": [str(path) for path in args.pool], "roformer_hf_minus_tfidf": pooled}
     if args.quick:
         args.max_steps, args.batch_size, args.hidden_size, args.layers = 6, 16, 32, 1
         args.vocab_size, args.eval_pairs = 500, args.eval_pairs or 200
@@ -338,11 +375,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'':>12} " + " ".join(f"{name:>10}" for name in results["tfidf"]))
     for method in ("roformer_hf", "tfidf"):
         print(f"{method:>12} " + " ".join(f"{value:>10.4f}" for value in results[method].values()))
-    print(f"{'difference':>12} " + " ".join(f"{d['difference']:>+10.4f}" for d in
-                                            results["roformer_hf_minus_tfidf"].values()))
-    print(f"{'(paired SE)':>12} " + " ".join(f"{d['standard_error']:>10.4f}" for d in
-                                             results["roformer_hf_minus_tfidf"].values()))
+    print_differences(results["roformer_hf_minus_tfidf"])
     return results
+
+
+def print_differences(differences: dict[str, dict[str, float]]):
+    print(f"{'difference':>12} " + " ".join(f"{d['difference']:>+10.4f}" for d in differences.values()))
+    print(f"{'(paired SE)':>12} " + " ".join(f"{d['standard_error']:>10.4f}" for d in differences.values()))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from sentence_embeddings import (DEV_FRACTION, main, paired_differences, ranks, recall_at, retrieval_metrics,
-                                 tfidf_negatives)
+from sentence_embeddings import (DEV_FRACTION, main, paired_differences, per_query, pooled_differences, ranks,
+                                 recall_at, retrieval_metrics, tfidf_negatives)
 from sentence_transformers import SentenceTransformer
 from shakespeare import next_line_splits
 
@@ -43,6 +43,35 @@ def test_paired_differences_are_the_mean_and_standard_error_of_per_query_differe
     assert result["recall@1"]["difference"] == pytest.approx(
         retrieval_metrics(ours)["recall@1"] - retrieval_metrics(baseline)["recall@1"])
     assert result["recall@10"] == {"difference": 0.0, "standard_error": 0.0}
+
+
+def test_pooled_differences_weigh_runs_by_queries_and_refuse_shared_plays(tmp_path):
+    rng = np.random.default_rng(0)
+    runs, per_run = [], []
+    for index, count in enumerate((40, 25, 60)):
+        ours, baseline = rng.integers(0, 12, (count, 2)), rng.integers(0, 12, (count, 2))
+        per_run.append(per_query(ours)["mrr"] - per_query(baseline)["mrr"])  # checked against brute force above
+        runs.append({"held_out_plays": [f"play-{index}-a", f"play-{index}-b"], "queries": count,
+                     "roformer_hf_minus_tfidf": paired_differences(ours, baseline)})
+    pooled = pooled_differences(runs)
+    every = np.concatenate(per_run)
+    assert pooled["mrr"]["difference"] == pytest.approx(every.mean())
+    # independent samples: the variance of the pooled mean is sum(n_i * s_i^2) / N^2
+    within = sum(len(d) * d.var(ddof=1) for d in per_run)
+    assert pooled["mrr"]["standard_error"] == pytest.approx(np.sqrt(within) / len(every))
+
+    paths = []
+    for index, run in enumerate(runs):
+        paths.append(tmp_path / f"run{index}.json")
+        paths[-1].write_text(json.dumps(run))
+    printed = main(["--pool", *map(str, paths)])
+    assert printed["roformer_hf_minus_tfidf"] == pooled
+
+    shared = dict(runs[2], held_out_plays=["play-0-b", "play-2-b"])
+    with pytest.raises(ValueError, match=r"runs\[0\] and runs\[1\] both hold out 'play-0-b'"):
+        pooled_differences([runs[0], shared])
+    with pytest.raises(ValueError, match="at least two"):
+        pooled_differences(runs[:1])
 
 
 def test_tfidf_negatives_are_the_closest_line_in_words_other_than_the_pair_itself():
