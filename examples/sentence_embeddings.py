@@ -231,6 +231,18 @@ def contrastive_loss(model, args):
     return MultipleNegativesRankingLoss(model, **options)
 
 
+def query_map(width: int):
+    """A linear map applied to the query's embedding only (sentence-transformers' `Router`: `encode_query` takes the
+    "query" route, `encode_document` the "document" route, which passes the embedding on unchanged), starting as
+    the identity: the score `cos(W q, d)` need not be symmetric, so the line after a query can score above the line
+    before it, which one shared embedding cannot tell apart."""
+    from sentence_transformers.base.modules import Router
+    from sentence_transformers.sentence_transformer.modules import Dense
+
+    query = Dense(width, width, bias=False, activation_function=None, init_weight=torch.eye(width))
+    return Router.for_query_document(query_modules=[query], document_modules=[])
+
+
 def train(folder: Path, pairs, args, negatives: list[str] | None = None):
     from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
                                        SentenceTransformerTrainingArguments)
@@ -240,7 +252,11 @@ def train(folder: Path, pairs, args, negatives: list[str] | None = None):
     if args.prompts:
         model.prompts = dict(PROMPTS)
         prompts = {"anchor": PROMPTS["query"], "positive": PROMPTS["document"]}
-    training_args = SentenceTransformerTrainingArguments(prompts=prompts,
+    router_mapping = {}
+    if args.query_map:
+        model.append(query_map(model.get_embedding_dimension()))
+        router_mapping = {"anchor": "query", "positive": "document", "negative": "document"}
+    training_args = SentenceTransformerTrainingArguments(prompts=prompts, router_mapping=router_mapping,
         output_dir=str(args.output_dir / "checkpoints"), max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
         warmup_steps=args.max_steps // 10, weight_decay=0.01, use_cpu=True, report_to=[], save_strategy="no",
@@ -298,6 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="encode lines and the lines that may follow them with different prompts ('query: ', "
                              "'document: '): one encoding for both scores the line before a query as high as the "
                              "line after it")
+    parser.add_argument("--query_map", action="store_true",
+                        help="learn a linear map of the query's embedding (a Router), so that the line after a query "
+                             "and the line before it need not score alike")
     parser.add_argument("--hardness", type=float, default=0.0,
                         help="weight the in-batch negatives by how close they already are (0: off)")
     parser.add_argument("--tfidf_negatives", action="store_true",

@@ -11,6 +11,8 @@ from sentence_embeddings import (DEV_FRACTION, main, paired_differences, per_que
 from sentence_transformers import SentenceTransformer
 from shakespeare import next_line_splits
 
+from roformer_hf import RoFormerModel
+
 
 def test_ranks_count_the_candidates_above_the_gold_line_and_skip_the_query_itself():
     candidates = ["a", "b", "c", "b", "q", "d"]
@@ -130,3 +132,22 @@ def test_masked_lm_start_reads_the_training_plays_only_and_prompts_reach_the_sav
     assert model.prompts == {"query": "query: ", "document": "document: "}
     line = ["Now is the winter of our discontent"]
     assert not np.allclose(model.encode_query(line), model.encode_document(line))
+
+
+def test_query_map_scores_a_linear_map_of_the_query_against_the_plain_document_embedding(tmp_path):
+    """--query_map appends a Router whose query route is a learnt linear map (from the identity) and whose document
+    route is empty: the saved folder loads with it, `encode_query` is `encode_document` times that map's transpose,
+    and the encoder underneath still loads alone."""
+    results = main(["--quick", "--query_map", "--output_dir", str(tmp_path)])
+    assert results["settings"]["query_map"] is True
+    folder = tmp_path / "model"
+    assert [m["type"].rpartition(".")[2] for m in json.loads((folder / "modules.json").read_text())] == [
+        "Transformer", "Pooling", "Router"]
+    model = SentenceTransformer(str(folder), device="cpu")
+    weight = model[2].sub_modules["query"][0].linear.weight.detach()
+    assert weight.shape == (32, 32) and not torch.allclose(weight, torch.eye(32))
+    lines = ["Now is the winter of our discontent", "Made glorious summer by this sun of York"]
+    documents = model.encode_document(lines, convert_to_tensor=True)
+    torch.testing.assert_close(model.encode_query(lines, convert_to_tensor=True), documents @ weight.T)
+    torch.testing.assert_close(model.encode(lines, convert_to_tensor=True), documents)
+    assert RoFormerModel.from_pretrained(folder).config.hidden_size == 32
