@@ -4,14 +4,15 @@ plays the model never saw, against a TF-IDF baseline in the same run.
 The task: given a spoken line, find the line that follows it in the same speech among every such line of the
 held-out plays. Training pairs are neighbouring lines of one speech in the other plays (`shakespeare.
 next_line_splits`); the loss is MultipleNegativesRankingLoss in both directions (each line against the batch's next
-lines, each next line against the batch's lines; the other pairs of a batch are the negatives). The model is a small
-RoFormer built from scratch with a WordPiece vocabulary trained on the training plays; the folder it is saved to
-loads with `SentenceTransformer(folder)`.
+lines, each next line against the batch's lines; the other pairs of a batch are the negatives). A line is encoded
+with the prompt "query: " and the lines that may follow it with "document: ", so that the line after it can score
+above the line before it. The model is a small RoFormer built from scratch with a WordPiece vocabulary trained on
+the training plays; the folder it is saved to loads with `SentenceTransformer(folder)`, prompts included.
 
 Besides the validation plays that a run reports on, a tenth of the plays is held out for development and never
 trained on: settings are chosen with `--eval_split dev`, which scores those instead.
 
-    python examples/sentence_embeddings.py                    # about 25 CPU-minutes (--threads 1 on a busy machine)
+    python examples/sentence_embeddings.py                    # about 32 CPU-minutes (--threads 1 on a busy machine)
     python examples/sentence_embeddings.py --eval_split dev   # the same run, scored on the development plays
     python examples/sentence_embeddings.py --quick            # a smoke run, seconds
     python examples/sentence_embeddings.py --pool A/retrieval.json B/retrieval.json  # runs on disjoint plays, pooled
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 KS = (1, 10, 100)
 # The share of plays held out for development (never trained on, whatever --eval_split).
 DEV_FRACTION = 0.1
-# sentence-transformers' prompt names, with --prompts: a line is encoded as a query, the lines that may follow it as
+# sentence-transformers' prompt names (unless --no-prompts): a line is encoded as a query, the lines that may follow it as
 # documents (`encode_query`, `encode_document`).
 PROMPTS = {"query": "query: ", "document": "document: "}
 
@@ -310,10 +311,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--loss", choices=("mnrl", "symmetric"), default="symmetric",
                         help="mnrl: line -> next line; symmetric: both directions")
     parser.add_argument("--scale", type=float, default=20.0, help="the loss's scale (1 / temperature)")
-    parser.add_argument("--prompts", action="store_true",
+    parser.add_argument("--prompts", action=argparse.BooleanOptionalAction, default=True,
                         help="encode lines and the lines that may follow them with different prompts ('query: ', "
-                             "'document: '): one encoding for both scores the line before a query as high as the "
-                             "line after it")
+                             "'document: '), so that the line after a query can score above the line before it, "
+                             "which one encoding for both scores alike (--no-prompts: one encoding)")
     parser.add_argument("--query_map", action="store_true",
                         help="learn a linear map of the query's embedding (a Router), so that the line after a query "
                              "and the line before it need not score alike")

@@ -119,9 +119,9 @@ def test_dev_run_scores_the_development_plays_and_never_the_validation_ones(tmp_
 
 def test_masked_lm_start_reads_the_training_plays_only_and_prompts_reach_the_saved_folder(tmp_path):
     """--mlm_steps pretrains the encoder on the training plays' lines (never a held-out play's) before the
-    contrastive training; --prompts trains and scores with sentence-transformers' query and document prompts, which
-    the saved folder keeps."""
-    results = main(["--quick", "--mlm_steps", "2", "--prompts", "--output_dir", str(tmp_path)])
+    contrastive training; by default the run trains and scores with sentence-transformers' query and document
+    prompts, which the saved folder keeps."""
+    results = main(["--quick", "--mlm_steps", "2", "--output_dir", str(tmp_path)])
     splits = next_line_splits(seed=0, dev_fraction=DEV_FRACTION)
     corpus = set((tmp_path / "mlm" / "corpus.txt").read_text().splitlines())
     assert corpus == set(splits["train"]["source"]) | set(splits["train"]["target"])
@@ -138,12 +138,13 @@ def test_query_map_scores_a_linear_map_of_the_query_against_the_plain_document_e
     """--query_map appends a Router whose query route is a learnt linear map (from the identity) and whose document
     route is empty: the saved folder loads with it, `encode_query` is `encode_document` times that map's transpose,
     and the encoder underneath still loads alone."""
-    results = main(["--quick", "--query_map", "--output_dir", str(tmp_path)])
-    assert results["settings"]["query_map"] is True
+    results = main(["--quick", "--query_map", "--no-prompts", "--output_dir", str(tmp_path)])
+    assert results["settings"]["query_map"] is True and results["settings"]["prompts"] is False
     folder = tmp_path / "model"
     assert [m["type"].rpartition(".")[2] for m in json.loads((folder / "modules.json").read_text())] == [
         "Transformer", "Pooling", "Router"]
     model = SentenceTransformer(str(folder), device="cpu")
+    assert not any(model.prompts.values())  # the Router names both tasks, with empty prompts
     weight = model[2].sub_modules["query"][0].linear.weight.detach()
     assert weight.shape == (32, 32) and not torch.allclose(weight, torch.eye(32))
     lines = ["Now is the winter of our discontent", "Made glorious summer by this sun of York"]
