@@ -12,7 +12,7 @@ the training plays; the folder it is saved to loads with `SentenceTransformer(fo
 Besides the validation plays that a run reports on, a tenth of the plays is held out for development and never
 trained on: settings are chosen with `--eval_split dev`, which scores those instead.
 
-    python examples/sentence_embeddings.py                    # about 32 CPU-minutes (--threads 1 on a busy machine)
+    python examples/sentence_embeddings.py                    # about 35 CPU-minutes (--threads 1 on a busy machine)
     python examples/sentence_embeddings.py --eval_split dev   # the same run, scored on the development plays
     python examples/sentence_embeddings.py --quick            # a smoke run, seconds
     python examples/sentence_embeddings.py --pool A/retrieval.json B/retrieval.json  # runs on disjoint plays, pooled
@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 KS = (1, 10, 100)
 # The share of plays held out for development (never trained on, whatever --eval_split).
 DEV_FRACTION = 0.1
-# sentence-transformers' prompt names (unless --no-prompts): a line is encoded as a query, the lines that may follow it as
-# documents (`encode_query`, `encode_document`).
+# sentence-transformers' prompt names (unless --no-prompts): a line is encoded as a query, the lines that may follow
+# it as documents (`encode_query`, `encode_document`).
 PROMPTS = {"query": "query: ", "document": "document: "}
 
 
