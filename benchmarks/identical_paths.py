@@ -159,6 +159,14 @@ def cases():
         {**padded, **crossing, "labels": padded["input_ids"]}, None, True
     yield "cross-attention, generate, greedy", "RoFormerForCausalLM", cross, {**_inputs("no padding"), **crossing}, \
         {"max_new_tokens": 5, "pad_token_id": 0, "do_sample": False}, False
+    every_encoder_token = {"encoder_hidden_states": encoder_states}
+    yield "cross-attention without an encoder mask, training", "RoFormerForCausalLM", cross, \
+        {**padded, **every_encoder_token, "labels": padded["input_ids"]}, None, True
+    yield "cross-attention without an encoder mask, eager with weights", "RoFormerForCausalLM", \
+        {**cross, "attn_implementation": "eager"}, {**padded, **every_encoder_token, "output_attentions": True}, None, \
+        False
+    yield "causal LM, positions given, with a cache", "RoFormerForCausalLM", decoder, \
+        {**_inputs("no padding"), "position_ids": torch.arange(12)[None], "use_cache": True}, None, False
 
 
 def compare(old, new) -> list[tuple[str, list[str]]]:

@@ -8,8 +8,9 @@ and, as ``module.num_key_value_groups = nh / nkv``, how many query heads share e
 attention; transformers' kernels read it too). Packed tokens use flash-attn's varlen convention: ``B = 1``,
 ``L = N`` real tokens, sequence boundaries in ``cu_seq_lens_q``/``cu_seq_lens_k``.
 
-`attend` takes the same arguments, with an `masks.AttentionMask` as the mask (built once per forward, in the form
-the kernel takes) and the tokens in the layout's shape ``(*T, n, d)``:
+Which of them a forward calls is decided once, before its first layer (`choose_kernel`, then
+`masks.create_attention_mask`, which records the choice in the mask). `attend` takes the same arguments, with that
+`masks.AttentionMask` as the mask and the tokens in the layout's shape ``(*T, n, d)``:
 
 - the ``"varlen"`` form (the layout says everything: real tokens side by side, or packed rows), with flash-attn: its
   varlen kernel reads the tokens directly; with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its
@@ -21,6 +22,8 @@ the kernel takes) and the tokens in the layout's shape ``(*T, n, d)``:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -28,10 +31,44 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from .blocked_dropout import DROPOUT_BLOCK_ROWS, BlockedDropoutAttention
-from .masks import AttentionMask, causal_mask, is_flash_attention_requested
+from .masks import AttentionMask, causal_mask
+
+try:
+    from transformers.utils.generic import is_flash_attention_requested
+except ImportError:  # transformers releases before it: the same test
+
+    def is_flash_attention_requested(requested_attention_implementation: str | None = None) -> bool:
+        return "flash" in (requested_attention_implementation or "")
 
 SDPA_VARLEN = "roformer_sdpa_varlen"
 SDPA_DROPOUT = "roformer_sdpa_dropout"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The attention functions of one forward, by name in transformers' `ALL_ATTENTION_FUNCTIONS`.
+
+    Attributes:
+        padded: the function on the padded layout ``(B, nh, L, d)``, with the mask's tensor.
+        varlen: the function on the real tokens, sequence by sequence (flash-attn's varlen kernel, `SDPA_VARLEN` on
+            CPU); ``None`` where the implementation has none.
+        takes_key_padding: the padded function takes the keys' padding ``(B, Lk)`` (flash-attn), not a dense mask.
+    """
+
+    padded: str
+    varlen: str | None = None
+    takes_key_padding: bool = False
+
+
+def choose_kernel(implementation: str, device: torch.device | str | None = None, dropout: bool = False) -> Kernel:
+    """The attention functions for ``config._attn_implementation`` (``"eager"`` when weights are returned) on
+    `device`; `dropout`: attention dropout is on (training with ``attention_probs_dropout_prob > 0``), which SDPA's
+    fused CPU kernel cannot apply (`SDPA_DROPOUT` applies it in blocks)."""
+    if is_flash_attention_requested(requested_attention_implementation=implementation):
+        return Kernel(implementation, implementation, takes_key_padding=True)
+    if implementation == "sdpa" and torch.device(device or "cpu").type == "cpu":
+        return Kernel(SDPA_DROPOUT if dropout else "sdpa", SDPA_VARLEN)
+    return Kernel(implementation)
 
 
 def eager_attention_forward(
@@ -77,6 +114,7 @@ def sdpa_varlen_attention_forward(
     *,
     cu_seq_lens_q: torch.Tensor,  # (S + 1,) offsets of the sequences among the N query tokens
     cu_seq_lens_k: torch.Tensor | None = None,  # (S + 1,) among the key tokens; default: those of the queries
+    seq_lengths: tuple[int, ...] | None = None,  # the S lengths on the host, when queries and keys share them
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA on packed tokens, one sequence at a time: no work and no mask for padding. Sequence ``s``
@@ -84,10 +122,14 @@ def sdpa_varlen_attention_forward(
     varlen kernel), causally when ``module.is_causal``, which needs as many keys as queries in every sequence.
 
     Meant for the CPU, where a loop over sequences costs nothing next to the attention itself; `split` (not
-    indexing) lets the backward pass join the gradients with one `cat`.
+    indexing) lets the backward pass join the gradients with one `cat`. The model passes `seq_lengths`, read once
+    per forward; without them the offsets are read here.
     """
-    query_lengths = cu_seq_lens_q.diff().tolist()
-    key_lengths = query_lengths if cu_seq_lens_k is None else cu_seq_lens_k.diff().tolist()
+    if seq_lengths is not None:
+        query_lengths = key_lengths = list(seq_lengths)
+    else:
+        query_lengths = cu_seq_lens_q.diff().tolist()
+        key_lengths = query_lengths if cu_seq_lens_k is None else cu_seq_lens_k.diff().tolist()
     if len(key_lengths) != len(query_lengths):
         raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k delimit {len(query_lengths)} and {len(key_lengths)} "
                          "sequences; expected the same number")
@@ -158,32 +200,29 @@ AttentionInterface.register(SDPA_DROPOUT, blocked_dropout_attention_forward)
 
 
 def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: AttentionMask,
-                  scaling: float, dropout: float = 0.0, *, implementation: str, **kwargs) -> tuple[Tensor, None]:
-    """Attention on the layout's tokens ``(*T, nh, d)`` through a varlen kernel (flash-attn's, or `SDPA_VARLEN`),
-    sequence by sequence as ``attention_mask.layout.cu_seqlens`` delimits them; causal when ``module.is_causal``."""
+                  scaling: float, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """Attention on the layout's tokens ``(*T, nh, d)`` through the mask's varlen kernel (flash-attn's, or
+    `SDPA_VARLEN`), sequence by sequence as ``attention_mask.layout`` delimits them; causal when ``module.is_causal``."""
     layout = attention_mask.layout
     if not layout.max_seqlen:  # not a single real token: nothing to attend, no kernel to call
         return torch.zeros_like(query), None
-    attention = ALL_ATTENTION_FUNCTIONS[implementation]
     tokens = query.shape[:-2]
     query, key, value = (t.flatten(0, -3).transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # (1, nh, N, d)
-    output, _ = attention(
+    output, _ = ALL_ATTENTION_FUNCTIONS[attention_mask.kernel](
         module, query, key, value, None, dropout=dropout, scaling=scaling,
         cu_seq_lens_q=layout.cu_seqlens, cu_seq_lens_k=layout.cu_seqlens,
-        max_length_q=layout.max_seqlen, max_length_k=layout.max_seqlen,
+        max_length_q=layout.max_seqlen, max_length_k=layout.max_seqlen, seq_lengths=layout.seq_lengths,
     )
     return output.squeeze(0).unflatten(0, tokens), None
 
 
 def attend_padded(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: AttentionMask,
-                  scaling: float, dropout: float = 0.0, *, implementation: str,
-                  **kwargs) -> tuple[Tensor, Tensor | None]:
-    """Attention on the padded layout ``(B, nh, L, d)`` with the mask's tensor. Takes the queries in the layout's token
-    shape ``(*T, nh, d)`` and the keys and values in it too, or ``(B, Lk, nkv, d)`` (a cache, cross-attention);
-    returns the context in the queries' shape, and the weights when the kernel gives them (eager)."""
-    if implementation == "sdpa" and dropout and module.training and query.device.type == "cpu":
-        implementation = SDPA_DROPOUT
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+                  scaling: float, dropout: float = 0.0, **kwargs) -> tuple[Tensor, Tensor | None]:
+    """Attention on the padded layout ``(B, nh, L, d)`` with the mask's tensor, through the mask's kernel. Takes the
+    queries in the layout's token shape ``(*T, nh, d)`` and the keys and values in it too, or ``(B, Lk, nkv, d)`` (a
+    cache, cross-attention); returns the context in the queries' shape, and the weights when the kernel gives them
+    (eager)."""
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attention_mask.kernel, eager_attention_forward)
     layout = attention_mask.layout
     query = layout.scatter_tokens(query).transpose(1, 2)  # (B, nh, L, d)
     key, value = ((layout.scatter_tokens(t) if attention_mask.keys_are_queries else t).transpose(1, 2)
@@ -194,23 +233,18 @@ def attend_padded(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
 
 def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: AttentionMask,
            scaling: float, dropout: float = 0.0, **kwargs) -> tuple[Tensor, Tensor | None]:
-    """Attention in the way that suits the mask and the kernel ``module.config._attn_implementation`` (``"eager"``
-    with ``output_attentions=True``).
+    """Attention through the function the forward chose (``attention_mask.kernel``), in the mask's form.
 
     Args:
         module: the attention module (train or eval decides dropout; ``is_causal`` causality).
         query: ``(*T, nh, d)`` with ``T = (N,)`` in varlen mode, else ``(B, L)``.
         key, value: the same shape with ``nkv`` heads, or ``(B, Lk, nkv, d)`` when they are not the queries' tokens
             (a cache, cross-attention: ``attention_mask.keys_are_queries`` is then False).
-        attention_mask: which keys each query may see, rendered for this kernel (`masks.create_attention_mask`).
+        attention_mask: which keys each query may see, rendered for its kernel (`masks.create_attention_mask`).
 
     Returns:
         The context ``(*T, nh, d)``, and the weights ``(B, nh, L, Lk)`` from the eager kernel (else ``None``).
     """
-    implementation = "eager" if kwargs.get("output_attentions") else module.config._attn_implementation
     if attention_mask.form == "varlen":
-        if not is_flash_attention_requested(requested_attention_implementation=implementation):
-            implementation = SDPA_VARLEN
-        return attend_varlen(module, query, key, value, attention_mask, scaling, dropout,
-                             implementation=implementation)
-    return attend_padded(module, query, key, value, attention_mask, scaling, dropout, implementation=implementation)
+        return attend_varlen(module, query, key, value, attention_mask, scaling, dropout)
+    return attend_padded(module, query, key, value, attention_mask, scaling, dropout)

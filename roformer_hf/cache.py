@@ -1,6 +1,7 @@
-"""The key/value cache of a decoder: made here (`create_cache`, for a forward with `use_cache` and for `generate()`),
-checked here (`check_cache`), and read by each attention module through `update_layer` (its layer's keys and values,
-cross-attention's computed once per generation).
+"""The key/value cache of a decoder: made here (`create_cache`, for a forward with `use_cache`; `generation_cache`,
+for `generate()`), checked and read once per forward here (`check_cache`, which returns the `CacheState` the forward
+needs), and updated by each attention module through `update_layer` (its layer's keys and values, cross-attention's
+computed once per generation).
 
 The cache the model makes is a `GrowingCache`: transformers' `DynamicCache` with room to spare in each layer's buffers,
 whose cost per generated token does not grow with the prefix.
@@ -13,6 +14,8 @@ only the new tokens. It is a `DynamicCache` (everything that takes one takes it)
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
@@ -81,10 +84,34 @@ def create_cache(cross_attention: bool = False) -> Cache:
     return EncoderDecoderCache(GrowingCache(), DynamicCache()) if cross_attention else GrowingCache()
 
 
+class CacheState(NamedTuple):
+    """What a forward needs to know of its cache, read once (`check_cache`)."""
+
+    past_length: int = 0  # tokens per row of the self-attention keys from earlier forwards
+    cross_attention_filled: bool = False  # cross-attention's keys were projected by an earlier step of a generation
+
+
+def generation_cache(model_kwargs: dict, given: bool, cache_implementation: str | None,
+                     cross_attention: bool) -> None:
+    """`generate()`'s cache (``model_kwargs["past_key_values"]``, as transformers prepared it): its default
+    `DynamicCache` becomes `create_cache`'s, whose appends do not copy the whole cache at every step. A cache the
+    caller gave, or another implementation asked for, is left as it is."""
+    cache = model_kwargs.get("past_key_values")
+    if given or cache_implementation not in (None, "dynamic"):
+        return
+    if type(cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache) is DynamicCache:
+        model_kwargs["past_key_values"] = create_cache(cross_attention)
+
+
+def past_length(past_key_values: Cache | None) -> int:
+    """How many tokens per row the cache holds (0 without one)."""
+    return 0 if past_key_values is None else past_key_values.get_seq_length()
+
+
 def check_cache(config, past_key_values: Cache | None, use_cache: bool | None, batch_size: int | None = None,
-                dtype: torch.dtype | None = None) -> int:
-    """Checks a cache and returns how many tokens per row it holds (0 without one): computed once per forward, for
-    every check and mask that needs it.
+                dtype: torch.dtype | None = None) -> CacheState:
+    """Checks a cache and returns its `CacheState` (the empty state without one): read once per forward, for every
+    check, mask and layer that needs it.
 
     A cache is taken only by a decoder, only of a kind the model can extend (one that grows), and only if it holds
     what this model would have put there: one layer per layer of the model, keys and values ``(B, nkv, length, d)``
@@ -94,7 +121,7 @@ def check_cache(config, past_key_values: Cache | None, use_cache: bool | None, b
         raise ValueError("past_key_values / use_cache=True need a decoder (RoFormerConfig.is_decoder=True): an encoder "
                          "reads the whole sequence at once and keeps no cache")
     if past_key_values is None:
-        return 0
+        return CacheState()
     if not isinstance(past_key_values, Cache):
         raise ValueError(f"past_key_values is a {type(past_key_values).__name__}; expected a transformers Cache "
                          "(DynamicCache, or EncoderDecoderCache with cross-attention), as the model returns it")
@@ -102,14 +129,17 @@ def check_cache(config, past_key_values: Cache | None, use_cache: bool | None, b
         raise ValueError(f"past_key_values ({type(past_key_values).__name__}) has a fixed length (what "
                          "generate(cache_implementation='static') builds); roformer_hf attends over the cache's filled "
                          "length only and takes caches that grow: DynamicCache, or none (generate's default)")
-    past_length = past_key_values.get_seq_length()
-    for cross_attention in (False, True):
-        cache = layer_cache(past_key_values, cross_attention)
-        filled = cache is not None and (cache.get_seq_length() if cross_attention else past_length)
+    state = CacheState(past_key_values.get_seq_length(), _cross_attention_filled(past_key_values))
+    for cross_attention, filled in ((False, state.past_length > 0), (True, state.cross_attention_filled)):
         if filled and batch_size is not None:
-            _check_layers(config, cache, "cross-attention" if cross_attention else "self-attention", batch_size,
-                          dtype)
-    return past_length
+            _check_layers(config, layer_cache(past_key_values, cross_attention),
+                          "cross-attention" if cross_attention else "self-attention", batch_size, dtype)
+    return state
+
+
+def _cross_attention_filled(past_key_values: Cache) -> bool:
+    cache = layer_cache(past_key_values, cross_attention=True)
+    return cache is not None and cache.get_seq_length() > 0
 
 
 def _check_layers(config, cache: Cache, part: str, batch_size: int, dtype: torch.dtype | None) -> None:
@@ -140,13 +170,10 @@ def layer_cache(past_key_values: Cache | None, cross_attention: bool) -> Cache |
     return None if cross_attention else past_key_values
 
 
-def cached_cross_attention(past_key_values: Cache | None, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Cross-attention's keys and values ``(B, Lk, nkv, d)`` of layer `layer_idx`, when an earlier step of this
-    generation projected the encoder's states already; else ``None``."""
-    cache = layer_cache(past_key_values, cross_attention=True)
-    if cache is None or not past_key_values.is_updated.get(layer_idx):
-        return None
-    layer = cache.layers[layer_idx]
+def cached_cross_attention(past_key_values: Cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-attention's keys and values ``(B, Lk, nkv, d)`` of layer `layer_idx`, projected from the encoder's states
+    by an earlier step of this generation (``CacheState.cross_attention_filled``)."""
+    layer = layer_cache(past_key_values, cross_attention=True).layers[layer_idx]
     return layer.keys.transpose(1, 2), layer.values.transpose(1, 2)
 
 

@@ -25,7 +25,7 @@ Kernels given no mask are causal when their module is (transformers' convention)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 from torch import Tensor
@@ -39,12 +39,8 @@ from transformers.masking_utils import (
 
 from .padding import BatchLayout
 
-try:
-    from transformers.utils.generic import is_flash_attention_requested
-except ImportError:  # transformers releases before it: the same test
-
-    def is_flash_attention_requested(requested_attention_implementation: str | None = None) -> bool:
-        return "flash" in (requested_attention_implementation or "")
+if TYPE_CHECKING:
+    from .attention import Kernel
 
 MaskFunction = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 MaskForm = Literal["varlen", "flash", "dense"]
@@ -114,6 +110,8 @@ class AttentionMask:
             they are ``(B, Lk, nkv, d)`` (a cache, cross-attention).
         dense: ``(B, 1, Lq or 1, Lk)`` bool for the ``"dense"`` form; ``None``: every key is visible.
         key_padding: ``(B, Lk)`` bool, True at real keys, for the ``"flash"`` form; ``None``: every key is real.
+        kernel: the name of the attention function that takes this form, in transformers' `ALL_ATTENTION_FUNCTIONS`
+            (``"eager"`` is its fallback), chosen once per forward (`attention.choose_kernel`).
     """
 
     layout: BatchLayout
@@ -121,6 +119,7 @@ class AttentionMask:
     keys_are_queries: bool = True
     dense: Tensor | None = None
     key_padding: Tensor | None = None
+    kernel: str = "sdpa"
 
     @property
     def tensor(self) -> Tensor | None:
@@ -128,28 +127,31 @@ class AttentionMask:
         return self.key_padding if self.form == "flash" else self.dense
 
 
-def create_attention_mask(layout: BatchLayout, implementation: str, device: torch.device | None = None, *,
+def create_attention_mask(layout: BatchLayout, kernel: Kernel, device: torch.device | None = None, *,
                           causal: bool = False, past_length: int = 0, key_padding: Tensor | None = None,
-                          prefix: Tensor | None = None) -> AttentionMask:
-    """The mask of one forward, in the form the kernel `implementation` takes.
+                          prefix: Tensor | None = None, keys_are_queries: bool | None = None) -> AttentionMask:
+    """The mask of one forward, in the form the attention functions of `kernel` take.
 
     Args:
         layout: where the queries sit (and the keys, for self-attention without a cache).
-        implementation: the attention kernel (``config._attn_implementation``; ``"eager"`` when weights are returned).
+        kernel: the attention functions of the forward (`attention.choose_kernel`): a varlen one, when it has one,
+            takes the ``"varlen"`` form; flash-attn's padded one the keys' padding; the others a dense mask.
         device: where the tokens are.
         causal: each query sees the keys up to its own position (a decoder's self-attention).
         past_length: keys from a cache before the queries' own; query ``i`` sits at key index ``past_length + i``.
         key_padding: ``(B, Lk)``, True at real keys, when the keys are not the queries' tokens (a cache: ``Lk = past +
-            L``, the whole attention mask as generation passes it; cross-attention: the encoder's tokens).
+            L``, the whole attention mask as generation passes it; cross-attention: the encoder's tokens); ``None``:
+            every key is real.
         prefix: ``(B, L)`` bool, True at the queries of a bidirectional prefix (segment 0 of a prefix-LM).
+        keys_are_queries: whether the keys are the queries' own tokens (default: when no `key_padding` is given and
+            there is no cache); cross-attention without an encoder mask passes False.
     """
-    flash = is_flash_attention_requested(requested_attention_implementation=implementation)
-    keys_are_queries = key_padding is None
-    layout_only = keys_are_queries and not past_length and prefix is None
-    if layout_only and layout.cu_seqlens is not None and (flash or (implementation == "sdpa"
-                                                                     and torch.device(device or "cpu").type == "cpu")):
-        return AttentionMask(layout, "varlen")
-    if flash:
+    if keys_are_queries is None:
+        keys_are_queries = key_padding is None and not past_length
+    layout_only = keys_are_queries and prefix is None
+    if layout_only and layout.cu_seqlens is not None and kernel.varlen is not None:
+        return AttentionMask(layout, "varlen", kernel=kernel.varlen)
+    if kernel.takes_key_padding:
         if prefix is not None:
             raise ValueError("flash-attn cannot apply a bidirectional prefix (prefix_lm): use "
                              "attn_implementation='sdpa' or 'eager'")
@@ -157,9 +159,12 @@ def create_attention_mask(layout: BatchLayout, implementation: str, device: torc
             raise ValueError("flash-attn on the padded layout cannot keep packed sequences apart; let the model skip "
                              "padding (config.unpad_inputs=True) and do not trace it")
         return AttentionMask(layout, "flash", keys_are_queries,
-                             key_padding=layout.token_mask if keys_are_queries else key_padding)
+                             key_padding=layout.token_mask if keys_are_queries else key_padding, kernel=kernel.padded)
+    if not keys_are_queries and key_padding is None and not past_length:  # cross-attention to every encoder token
+        return AttentionMask(layout, "dense", False, kernel=kernel.padded)
     return AttentionMask(layout, "dense", keys_are_queries, dense=dense_mask(layout, device, causal, past_length,
-                                                                             key_padding, prefix))
+                                                                             key_padding, prefix),
+                         kernel=kernel.padded)
 
 
 def dense_mask(layout: BatchLayout, device: torch.device | None, causal: bool, past_length: int,

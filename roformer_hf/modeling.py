@@ -15,12 +15,11 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers import initialization as init
 from transformers.processing_utils import Unpack
 from transformers.activations import ACT2FN
@@ -41,24 +40,24 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attention import attend
-from .cache import cached_cross_attention, check_cache, create_cache, update_layer
+from .cache import CacheState, cached_cross_attention, generation_cache, past_length, update_layer
 from .configuration import ROPE_TYPES, RoFormerConfig
 from .fused import fused_linear
 from .loading import CheckpointPolicy
-from .masks import AttentionMask, create_attention_mask
+from .masks import AttentionMask
 from .padding import BatchLayout, logits_in_padded_layout
+from .plan import ForwardPlan
 from .rotary import inverse_frequencies, rotary_phases, rotate
 from .validation import (
     check_choice_labels,
-    check_cross_attention_inputs,
-    check_encoder_inputs,
-    check_packed_offsets,
-    check_prefix_segments,
     check_sequence_labels,
     check_span_positions,
     check_token_labels,
     sequence_problem_type,
 )
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
 
 logger = logging.getLogger(__name__)
 
@@ -183,13 +182,13 @@ class RoFormerSelfAttention(nn.Module):
         attention_mask: AttentionMask,
         position_embeddings: Rotation | None = None,
         past_key_values: Cache | None = None,
+        cache_state: CacheState = CacheState(),
         encoder_hidden_states: torch.Tensor | None = None,  # (B, Lk, H), cross-attention
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         query = fused_linear(self.query, hidden_states).unflatten(-1, (self.num_heads, self.head_dim))  # (*T, nh, d)
-        cached = cached_cross_attention(past_key_values, self.layer_idx) if self.is_cross_attention else None
-        if cached is not None:  # the encoder's keys, projected once per generation
-            key, value = cached  # (B, Lk, nkv, d)
+        if self.is_cross_attention and cache_state.cross_attention_filled:  # the encoder's, projected once
+            key, value = cached_cross_attention(past_key_values, self.layer_idx)  # (B, Lk, nkv, d)
         else:
             source = encoder_hidden_states if self.is_cross_attention else hidden_states
             key, value = (fused_linear(proj, source).unflatten(-1, (self.num_key_value_heads, self.head_dim))
@@ -424,11 +423,12 @@ class RoFormerModel(RoFormerPreTrainedModel):
 
         `position_ids` `(B, L)`, default `arange(L)` (after a cache: from its length; a decoder given an attention
         mask counts its real tokens, as generation does, so that left padding takes no position): the positions the
-        rotation reads. An encoder counts left padding, as transformers' RoFormer does. Without an attention mask, a
-        position that does not follow its predecessor by exactly 1 starts a new sequence (transformers'
-        `find_packed_sequence_indices` rule), so positions that skip (e.g. `2 * arange(L)`) make every token attend
-        alone. Pass `attention_mask` (ones where there is no padding) and they are read as
+        rotation reads. An encoder counts left padding, as transformers' RoFormer does. Without an attention mask and
+        without earlier keys in a cache, a position that does not follow its predecessor by exactly 1 starts a new
+        sequence (transformers' `find_packed_sequence_indices` rule), so positions that skip (e.g. `2 * arange(L)`)
+        make every token attend alone. Pass `attention_mask` (ones where there is no padding) and they are read as
         positions only; to stretch positions for long inputs, use `config.rope_parameters` (e.g. `"linear"`) instead.
+        Positions the model derives itself never start a sequence. `plan.ForwardPlan` is where each input is read.
 
         Decoders (`config.is_decoder`) attend causally, or, with `config.prefix_lm`, bidirectionally within the
         prefix (`token_type_ids` 0) and causally after it. With a cache (`past_key_values`, created when `use_cache`,
@@ -436,70 +436,30 @@ class RoFormerModel(RoFormerPreTrainedModel):
         `attention_mask` then covers them too, `(B, past + L)`, and positions continue from the real tokens before
         (from the cache's length without an attention mask) unless `position_ids` say otherwise.
         """
-        if use_cache is None:
-            use_cache = self.config.is_decoder and self.config.use_cache and not self.training
-        source = input_ids if input_ids is not None else inputs_embeds
-        cache_dtype = None if source is None or torch.is_autocast_enabled(source.device.type) else self.dtype
-        past_length = check_cache(self.config, past_key_values, use_cache, None if source is None else source.shape[0],
-                                  cache_dtype)
-        if source is not None:
-            check_cross_attention_inputs(self.config, encoder_hidden_states, encoder_attention_mask, source.shape[0])
-        check_encoder_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                             past_length)
-        batch_size, seq_len = source.shape[:2]
-        device = source.device
-        if use_cache and past_key_values is None:
-            past_key_values = create_cache(self.config.add_cross_attention)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
-        if position_ids is None and self.config.is_decoder and attention_mask is not None:
-            # A decoder's positions count real tokens only, as generation derives them: a left-padded row reads as
-            # the row alone (rotated values and the rope types that adapt to the length would see the padding).
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
-        elif position_ids is None and (past_length or kwargs.get("cache_position") is not None):
-            position_ids = kwargs.get("cache_position", torch.arange(past_length, past_length + seq_len, device=device))
-        if position_ids is not None:
-            position_ids = position_ids.expand(batch_size, seq_len)
-        output_hidden_states = kwargs.get("output_hidden_states", self.config.output_hidden_states)
-        output_attentions = bool(kwargs.get("output_attentions", self.config.output_attentions))
-        offsets = check_packed_offsets(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-        check_prefix_segments(self.config, token_type_ids, attention_mask)
-        prefix = token_type_ids == 0 if self.config.prefix_lm else None
-        keys_beyond_queries = past_key_values is not None or encoder_hidden_states is not None
-        query_mask = attention_mask[:, -seq_len:] if attention_mask is not None else None
-        layout = BatchLayout.from_inputs(
-            batch_size, seq_len, query_mask, position_ids, offsets,
-            unpad=self.config.unpad_inputs and not output_hidden_states and not keys_beyond_queries and prefix is None)
-        implementation = "eager" if output_attentions else self.config._attn_implementation
-        mask = create_attention_mask(layout, implementation, device, causal=self.config.is_decoder,
-                                     past_length=past_length,
-                                     key_padding=attention_mask if past_key_values is not None else None,
-                                     prefix=prefix)
+        plan = ForwardPlan.build(
+            self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, past_key_values,
+            encoder_hidden_states, encoder_attention_mask, use_cache, training=self.training, dtype=self.dtype,
+            output_attentions=bool(kwargs.get("output_attentions", self.config.output_attentions)),
+            output_hidden_states=kwargs.get("output_hidden_states", self.config.output_hidden_states),
+            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"), cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+            cache_position=kwargs.get("cache_position"))
+        layout = plan.layout
 
         # Token-wise from here on: gather the real tokens first so nothing is computed for padding.
         hidden_states = self.embeddings(
             layout.gather_tokens(input_ids) if input_ids is not None else None,
-            layout.gather_tokens(token_type_ids),
+            layout.gather_tokens(plan.token_type_ids),
             layout.gather_tokens(inputs_embeds) if inputs_embeds is not None else None,
         )
         if hasattr(self, "embeddings_project"):
             hidden_states = self.embeddings_project(hidden_states)
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-        layer_inputs = {"position_embeddings": self.rotary_emb.rotation(position_ids, layout),
-                        "past_key_values": past_key_values, "output_attentions": output_attentions}
-        if encoder_hidden_states is not None:
-            encoder_padding = (torch.ones(encoder_hidden_states.shape[:2], dtype=torch.bool, device=device)
-                               if encoder_attention_mask is None else encoder_attention_mask.bool())
-            layer_inputs.update(encoder_hidden_states=encoder_hidden_states,
-                                encoder_attention_mask=create_attention_mask(layout, implementation, device,
-                                                                             key_padding=encoder_padding))
-        hidden_states = self.encoder(hidden_states, mask, **layer_inputs)
-        pooler_output = None
-        if hasattr(self, "pooler"):
-            pooler_output = self.pooler(layout.edge_tokens(hidden_states))
+        hidden_states = self.encoder(
+            hidden_states, plan.attention_mask, position_embeddings=self.rotary_emb.rotation(plan.position_ids, layout),
+            past_key_values=plan.past_key_values, cache_state=plan.cache_state,
+            encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=plan.encoder_attention_mask)
+        pooler_output = self.pooler(layout.edge_tokens(hidden_states)) if hasattr(self, "pooler") else None
         return RoFormerEncoding(last_hidden_state=hidden_states, layout=layout, pooler_output=pooler_output,
-                                past_key_values=past_key_values if use_cache else None)
+                                past_key_values=plan.past_key_values if plan.use_cache else None)
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
@@ -771,15 +731,10 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
                                       pooler_output=encoding.pooler_output)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
-        """transformers' cache for `generate()`, except that its default `DynamicCache` becomes the model's own
-        (`cache.create_cache`), whose appends do not copy the whole cache at every step."""
+        """transformers' cache for `generate()`, with the model's own in place of its default (`cache.generation_cache`)."""
         given = model_kwargs.get("past_key_values") is not None
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
-        if not given and generation_config.cache_implementation in (None, "dynamic"):
-            cross_attention = isinstance(cache, EncoderDecoderCache)
-            if type(cache.self_attention_cache if cross_attention else cache) is DynamicCache:
-                model_kwargs["past_key_values"] = create_cache(cross_attention)
+        generation_cache(model_kwargs, given, generation_config.cache_implementation, self.config.add_cross_attention)
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None,
                                       inputs_embeds: torch.Tensor | None = None, **kwargs):
@@ -788,7 +743,7 @@ class RoFormerForCausalLM(RoFormerLanguageModel, GenerationMixin):
         prompt) are segment 1, as JunnYu's RoFormer-Sim generates."""
         inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values,
                                                        inputs_embeds=inputs_embeds, **kwargs)
-        if self.config.prefix_lm and past_key_values is not None and past_key_values.get_seq_length() > 0:
+        if self.config.prefix_lm and past_length(past_key_values) > 0:
             inputs["token_type_ids"] = torch.ones_like(inputs["input_ids"])
         return inputs
 

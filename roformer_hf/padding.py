@@ -11,11 +11,11 @@ stays inside each sequence.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Literal
 
 import torch
-from transformers.masking_utils import find_packed_sequence_indices
 from transformers.utils.import_utils import is_torchdynamo_exporting
 
 LayoutMode = Literal["dense", "padded", "varlen", "packed"]
@@ -46,6 +46,10 @@ class BatchLayout:
         indices, padding_indices: flat positions (in ``B * L``) of the real tokens and of the padding (varlen mode).
         cu_seqlens: int32 offsets of the sequences among the layout's tokens (varlen and packed modes).
         max_seqlen: the longest sequence, on the host (varlen and packed modes).
+        seq_lengths: every sequence's length, on the host (varlen and packed modes): what the varlen kernels split
+            the tokens by, read once per forward.
+        row_edges: each row's first and last real column, on the host (varlen mode; ``(-1, -1)`` for a row without
+            real tokens).
     """
 
     mode: LayoutMode
@@ -57,34 +61,46 @@ class BatchLayout:
     padding_indices: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    seq_lengths: tuple[int, ...] = ()
+    row_edges: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_inputs(cls, batch_size: int, seq_len: int, attention_mask: torch.Tensor | None = None,
                     position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                    unpad: bool = True) -> BatchLayout:
+                    unpad: bool = True, host: list[int] | None = None) -> BatchLayout:
         """The layout of a batch: packed rows when `cu_seqlens` is given or, without an attention mask, when
         `position_ids` restart inside a row (a new sequence wherever a position does not follow its predecessor by
-        exactly 1, as transformers detects packed rows); else one sequence per row, padded by `attention_mask`."""
+        exactly 1, as transformers detects packed rows); else one sequence per row, padded by `attention_mask`.
+
+        `host`: the values of `layout_reads` (same arguments), when the caller read them already with its own (one
+        device-to-host copy per forward); ``None``: read here. Packed rows found from `position_ids` need a second
+        read, for their offsets.
+        """
+        if host is None:
+            reads = layout_reads(attention_mask, position_ids, cu_seqlens, unpad)
+            host = None if reads is None else reads.tolist()
         if cu_seqlens is not None:
             if attention_mask is not None:
                 raise ValueError("Pass attention_mask or cu_seq_lens_q/cu_seq_lens_k, not both: packed sequences "
                                  "(cu_seq_lens) have no padding to mask")
-            return cls._packed(batch_size, seq_len, cu_seqlens)
+            return cls._packed(batch_size, seq_len, cu_seqlens, host)
         if attention_mask is None and position_ids is not None:
-            segment_ids = find_packed_sequence_indices(position_ids)  # None: one sequence per row
-            if segment_ids is not None:
-                if graph_must_fit_any_mask():
-                    return cls("padded", batch_size, seq_len, segment_ids=segment_ids)
+            if graph_must_fit_any_mask():
+                return cls("padded", batch_size, seq_len, segment_ids=segment_ids_of(position_ids))
+            if sum(host):  # some row's positions restart: packed rows
+                segment_ids = segment_ids_of(position_ids)
                 starts = torch.ones_like(segment_ids, dtype=torch.bool)
                 starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-                flat_starts = starts.flatten().nonzero().squeeze(-1)
+                flat_starts = torch.nonzero_static(starts.flatten(), size=batch_size + sum(host)).squeeze(-1)
                 total = torch.tensor([batch_size * seq_len], device=flat_starts.device)
                 return cls._packed(batch_size, seq_len, torch.cat([flat_starts, total]))
-        return cls.from_attention_mask(attention_mask, batch_size, seq_len, unpad)
+        return cls.from_attention_mask(attention_mask, batch_size, seq_len, unpad, host)
 
     @classmethod
-    def _packed(cls, batch_size: int, seq_len: int, cu_seqlens: torch.Tensor) -> BatchLayout:
-        offsets = cu_seqlens.tolist()  # the one host sync: checks, and the longest sequence
+    def _packed(cls, batch_size: int, seq_len: int, cu_seqlens: torch.Tensor,
+                offsets: list[int] | None = None) -> BatchLayout:
+        if offsets is None:
+            offsets = cu_seqlens.tolist()  # checks, and the sequences' lengths
         total = batch_size * seq_len
         if cu_seqlens.dim() != 1 or len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
             raise ValueError(f"cu_seq_lens_q = {offsets}: expected sequence offsets from 0 to the number of tokens, "
@@ -101,32 +117,36 @@ class BatchLayout:
         flat_ids[cu_seqlens[1:-1].long()] = 1
         segment_ids = flat_ids.view(batch_size, seq_len).cumsum(-1)
         return cls("packed", batch_size, seq_len, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
-                   max_seqlen=max(lengths))
+                   max_seqlen=max(lengths), seq_lengths=tuple(lengths))
 
     @classmethod
-    def from_attention_mask(
-        cls, attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, unpad: bool = True
-    ) -> BatchLayout:
+    def from_attention_mask(cls, attention_mask: torch.Tensor | None, batch_size: int, seq_len: int,
+                            unpad: bool = True, host: list[int] | None = None) -> BatchLayout:
         """The layout of a ``(B, L)`` mask (1 = real token, 0 = padding); ``None`` means no padding.
 
         Padding is skipped (varlen mode) when there is some and `unpad`. ``unpad=False`` and graphs recorded for
         every mask (`graph_must_fit_any_mask`) keep the padded layout without reading the mask's values, so that
-        nothing depends on them (`torch.compile(fullgraph=True)` works there).
+        nothing depends on them (`torch.compile(fullgraph=True)` works there). `host`: `mask_facts` of the mask, read
+        by the caller; ``None``: read here.
         """
         if attention_mask is None:
             return cls("dense", batch_size, seq_len)
         mask = attention_mask.bool()
         if not unpad or graph_must_fit_any_mask():  # no look at the mask's values: torch.compile(fullgraph=True)
             return cls._padded(mask)
-        lengths = mask.sum(dim=-1)
-        host_lengths = lengths.tolist()  # the one host sync: picks the mode and gives the longest sequence
-        if sum(host_lengths) == batch_size * seq_len:
+        if host is None:
+            host = mask_facts(mask).tolist()  # picks the mode, gives the lengths and where each row's tokens are
+        lengths, firsts, lasts = host[:batch_size], host[batch_size:2 * batch_size], host[2 * batch_size:]
+        real = sum(lengths)
+        if real == batch_size * seq_len:
             return cls("dense", batch_size, seq_len)
-        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        flat = mask.flatten()
+        offsets = [0, *itertools.accumulate(lengths)]
         return cls("varlen", batch_size, seq_len, token_mask=mask,
-                   indices=mask.flatten().nonzero().squeeze(-1),
-                   padding_indices=(~mask).flatten().nonzero().squeeze(-1),
-                   cu_seqlens=cu_seqlens, max_seqlen=max(host_lengths))
+                   indices=torch.nonzero_static(flat, size=real).squeeze(-1),
+                   padding_indices=torch.nonzero_static(~flat, size=flat.numel() - real).squeeze(-1),
+                   cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device=mask.device),
+                   max_seqlen=max(lengths), seq_lengths=tuple(lengths), row_edges=tuple(zip(firsts, lasts)))
 
     @classmethod
     def _padded(cls, mask: torch.Tensor) -> BatchLayout:
@@ -172,18 +192,18 @@ class BatchLayout:
 
     def blocks(self) -> list[tuple[int, int, int]] | None:
         """Varlen mode, every sequence's real tokens contiguous (right or left padding): each sequence as one run of
-        rows, ``(packed start, flat padded start, length)``. ``None`` for other modes and masks with holes. One
-        device-to-host copy."""
+        rows, ``(packed start, flat padded start, length)``. ``None`` for other modes and masks with holes. Read from
+        the host-side lengths and edges: no device-to-host copy."""
         if self.mode != "varlen":
             return None
-        offsets = self.cu_seqlens.tolist()
-        spans = [(start, end) for start, end in zip(offsets[:-1], offsets[1:]) if end > start]
-        starts = [start for start, _ in spans]
-        firsts_lasts = self.indices[starts + [end - 1 for _, end in spans]].tolist()
-        firsts, lasts = firsts_lasts[:len(starts)], firsts_lasts[len(starts):]
-        if any(last - first != end - start - 1 for first, last, (start, end) in zip(firsts, lasts, spans)):
-            return None
-        return [(start, first, end - start) for first, (start, end) in zip(firsts, spans)]
+        spans, start = [], 0
+        for row, (length, (first, last)) in enumerate(zip(self.seq_lengths, self.row_edges)):
+            if length:
+                if last - first != length - 1:
+                    return None
+                spans.append((start, row * self.seq_len + first, length))
+            start += length
+        return spans
 
     def mean_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The mean of each sequence's real tokens, ``(B, ...)``, from states in this layout; zeros for a sequence
@@ -205,6 +225,37 @@ class BatchLayout:
         tokens = padded[torch.arange(self.batch_size, device=padded.device), position]
         has_tokens = self.token_mask.any(dim=-1).view(-1, *[1] * (tokens.dim() - 1))
         return torch.where(has_tokens, tokens, 0)
+
+
+def mask_facts(mask: torch.Tensor) -> torch.Tensor:
+    """What the layout of a ``(B, L)`` bool mask needs on the host, as one ``(3 * B,)`` int64 tensor on its device:
+    each row's count of real tokens, then its first real column, then its last (``L`` and ``-1`` for a row without
+    real tokens)."""
+    columns = torch.arange(mask.shape[-1], device=mask.device)
+    firsts = torch.where(mask, columns, mask.shape[-1]).amin(-1)
+    lasts = torch.where(mask, columns, -1).amax(-1)
+    return torch.cat([mask.sum(-1), firsts, lasts])
+
+
+def segment_ids_of(position_ids: torch.Tensor) -> torch.Tensor:
+    """``(B, L)``: which sequence of its row each token belongs to, a new one wherever a position does not follow its
+    predecessor by exactly 1 (transformers' `find_packed_sequence_indices`, without its check for no restart)."""
+    restarts = torch.diff(position_ids, dim=-1) != 1
+    return torch.nn.functional.pad(restarts, (1, 0)).cumsum(-1)
+
+
+def layout_reads(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                 cu_seqlens: torch.Tensor | None, unpad: bool = True) -> torch.Tensor | None:
+    """The device values `BatchLayout.from_inputs` needs on the host, as a 1-D int64 tensor (``None``: none), so that
+    a caller reads them with its own in one copy: the packed offsets; or, for positions without a mask, how often
+    each row's positions restart; or the mask's `mask_facts` when padding is skipped."""
+    if graph_must_fit_any_mask():
+        return None
+    if cu_seqlens is not None:
+        return cu_seqlens.long()
+    if attention_mask is None:
+        return None if position_ids is None else (torch.diff(position_ids, dim=-1) != 1).sum(-1)
+    return mask_facts(attention_mask.bool()) if unpad else None
 
 
 def logits_in_padded_layout(head: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor,

@@ -1,11 +1,15 @@
 """Input checks run once at the top of a forward, so bad input fails with a message instead of an IndexError
 deep inside an embedding or a silent NaN.
 
-Shape checks are free. Value checks (ids inside the vocabulary, ...) need one host sync for the whole batch;
-they are skipped while tracing or compiling, where data-dependent Python branches are not allowed.
+Shape checks are free. Value checks (ids inside the vocabulary, ...) need the values on the host: a `ValueCheck`
+holds the extremes on the device, and the forward reads them with everything else it needs from the device in one
+copy (`plan.ForwardPlan`) before `check_values` judges them. They are skipped while tracing or compiling, where
+data-dependent Python branches are not allowed.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from transformers.utils.import_utils import is_tracing
@@ -21,16 +25,43 @@ def _check_integer(name: str, tensor: torch.Tensor | None) -> None:
         raise ValueError(f"{name} has dtype {tensor.dtype}; expected an integer tensor (torch.long)")
 
 
-def check_range(name: str, tensor: torch.Tensor, high: int, allowed: int | None = None) -> None:
-    """Raises unless every value is in [0, high) (or equals `allowed`, e.g. the -100 of ignored labels)."""
-    if is_tracing() or tensor.numel() == 0:
-        return
+class ValueCheck(NamedTuple):
+    """A range check waiting for its values: ``extremes`` ``(2,)`` int64 on the device, the smallest and largest value
+    (those equal to `allowed` counted as 0); values must lie in ``[0, high)`` (``high=None``: no upper bound)."""
+
+    name: str
+    extremes: torch.Tensor
+    high: int | None
+    allowed: int | None = None
+
+
+def value_check(name: str, tensor: torch.Tensor | None, high: int | None,
+                allowed: int | None = None) -> ValueCheck | None:
+    """The check that every value of `tensor` is in ``[0, high)`` (or equals `allowed`, e.g. the -100 of ignored
+    labels); ``None`` when there is nothing to check, or while tracing."""
+    if tensor is None or tensor.numel() == 0 or is_tracing():
+        return None
     values = tensor if allowed is None else tensor.masked_fill(tensor == allowed, 0)  # 0 is always in range
-    low_value, high_value = torch.stack(torch.aminmax(values)).tolist()  # the one host sync
-    if low_value < 0 or high_value >= high:
-        extra = f" or {allowed}" if allowed is not None else ""
-        raise ValueError(f"{name} contains {low_value if low_value < 0 else high_value}; expected values in "
-                         f"[0, {high}){extra}")
+    return ValueCheck(name, torch.stack(torch.aminmax(values)).long(), high, allowed)
+
+
+def check_values(checks: list[ValueCheck], extremes: list[int]) -> None:
+    """Judges `checks` on their extremes read to the host (two numbers per check, in order)."""
+    for check, low_value, high_value in zip(checks, extremes[0::2], extremes[1::2]):
+        if check.high is None:
+            if low_value < 0:
+                raise ValueError(f"{check.name} contains {low_value}; expected positions >= 0")
+        elif low_value < 0 or high_value >= check.high:
+            extra = f" or {check.allowed}" if check.allowed is not None else ""
+            raise ValueError(f"{check.name} contains {low_value if low_value < 0 else high_value}; expected values in "
+                             f"[0, {check.high}){extra}")
+
+
+def check_range(name: str, tensor: torch.Tensor, high: int, allowed: int | None = None) -> None:
+    """Raises unless every value is in [0, high) (or equals `allowed`, e.g. the -100 of ignored labels): one host
+    sync."""
+    if (check := value_check(name, tensor, high, allowed)) is not None:
+        check_values([check], check.extremes.tolist())
 
 
 def check_token_labels(labels: torch.Tensor, shape: tuple[int, ...], high: int, name: str = "labels") -> None:
@@ -94,7 +125,7 @@ def check_span_positions(name: str, positions: torch.Tensor, attention_mask: tor
         on_token = attention_mask.bool()[torch.arange(batch_size, device=attention_mask.device),
                                          positions.clamp(0, seq_len - 1)]
         bad = bad.to(attention_mask.device) | ((positions < seq_len) & ~on_token)
-    if bad.any():  # the one host sync
+    if bad.any():  # a host sync, with labels only
         row = bad.nonzero()[0, 0].item()
         value = positions[row].item()
         expected = "positions >= 0" if value < 0 else "a real token, or a position >= seq_len to ignore the example"
@@ -103,9 +134,10 @@ def check_span_positions(name: str, positions: torch.Tensor, attention_mask: tor
 
 
 def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                         past_length: int = 0) -> None:
-    """Validates the inputs of `RoFormerModel.encode` against `config`; after a cache of `past_length` tokens,
-    `attention_mask` covers the cached tokens too."""
+                         past_length: int = 0) -> list[ValueCheck]:
+    """Validates the shapes and dtypes of the inputs of `RoFormerModel.encode` against `config` (after a cache of
+    `past_length` tokens, `attention_mask` covers the cached tokens too) and returns the checks of their values (ids
+    in the vocabulary, positions >= 0), for `check_values` once they are on the host."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of input_ids or inputs_embeds (got "
                          f"{'both' if input_ids is not None else 'neither'})")
@@ -129,17 +161,16 @@ def check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, posi
                          f"(1, {shape[1]}) or ({shape[1]},)")
     for name, tensor in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
         _check_integer(name, tensor)
-    if input_ids is not None:
-        check_range("input_ids", input_ids, config.vocab_size)
-    if token_type_ids is not None:
-        check_range("token_type_ids", token_type_ids, config.type_vocab_size)
-    if position_ids is not None and not is_tracing() and position_ids.numel() and position_ids.min() < 0:
-        raise ValueError(f"position_ids contains {position_ids.min().item()}; expected positions >= 0")
+    checks = (value_check("input_ids", input_ids, config.vocab_size),
+              value_check("token_type_ids", token_type_ids, config.type_vocab_size),
+              value_check("position_ids", position_ids, None))
+    return [check for check in checks if check is not None]
 
 
 def check_packed_offsets(cu_seq_lens_q: torch.Tensor | None, cu_seq_lens_k: torch.Tensor | None) -> torch.Tensor | None:
-    """The sequence offsets of packed rows (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`): the two
-    arguments must agree, since a token attends to its own sequence."""
+    """The sequence offsets of packed rows (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`): 1-D integer
+    tensors; the two must agree (`check_same_offsets`, once on the host), since a token attends to its own
+    sequence."""
     offsets = cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k
     if offsets is None:
         return None
@@ -147,11 +178,14 @@ def check_packed_offsets(cu_seq_lens_q: torch.Tensor | None, cu_seq_lens_k: torc
         if tensor is not None and (tensor.dim() != 1 or tensor.is_floating_point()):
             raise ValueError(f"{name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; expected a 1-D integer "
                              "tensor of sequence offsets")
-    if cu_seq_lens_q is not None and cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_q.cpu(),
-                                                                                    cu_seq_lens_k.cpu()):
-        raise ValueError(f"cu_seq_lens_q = {cu_seq_lens_q.tolist()} and cu_seq_lens_k = {cu_seq_lens_k.tolist()} "
-                         "differ; expected the same sequence offsets (self-attention)")
     return offsets
+
+
+def check_same_offsets(query_offsets: list[int], key_offsets: list[int]) -> None:
+    """`cu_seq_lens_q` and `cu_seq_lens_k`, read to the host, are the same offsets (self-attention)."""
+    if query_offsets != key_offsets:
+        raise ValueError(f"cu_seq_lens_q = {query_offsets} and cu_seq_lens_k = {key_offsets} differ; expected the "
+                         "same sequence offsets (self-attention)")
 
 
 def check_cross_attention_inputs(config, encoder_hidden_states: torch.Tensor | None,
@@ -166,16 +200,24 @@ def check_cross_attention_inputs(config, encoder_hidden_states: torch.Tensor | N
         _check_shape("encoder_attention_mask", encoder_attention_mask, expected[:2])
 
 
-def check_prefix_segments(config, token_type_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+def prefix_segment_check(config, token_type_ids: torch.Tensor,
+                         attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """The segments of a prefix-LM (`config.prefix_lm`): each row's real tokens go 0 then 1 (prompt, then what follows
     it). A 0 after a 1 has no place in the mask (segment 0 would see a later token while segment 1 before it could
-    not), so it is refused."""
-    if config.prefix_lm and not is_tracing():
-        real = torch.ones_like(token_type_ids, dtype=torch.bool) if attention_mask is None else \
-            attention_mask[:, -token_type_ids.shape[1]:].bool()
-        seen = token_type_ids.masked_fill(~real, 0).cummax(dim=-1).values  # the largest segment so far in each row
-        if (real & (token_type_ids < seen)).any():  # the one host sync
-            row = (real & (token_type_ids < seen)).any(dim=-1).nonzero()[0, 0].item()
-            raise ValueError(f"token_type_ids[{row}] = {token_type_ids[row].tolist()} goes back from segment 1 to 0; "
-                             "expected each row's real tokens to be segment 0 (the prefix, read bidirectionally) then "
-                             "segment 1 (causal) with config.prefix_lm=True")
+    not). Returns ``(B,)`` int64 on the device, 1 for a row that goes back, for `check_prefix_segments` once on the
+    host; ``None`` when there is nothing to check (no prefix-LM, or tracing)."""
+    if not config.prefix_lm or is_tracing():
+        return None
+    real = torch.ones_like(token_type_ids, dtype=torch.bool) if attention_mask is None else \
+        attention_mask[:, -token_type_ids.shape[1]:].bool()
+    seen = token_type_ids.masked_fill(~real, 0).cummax(dim=-1).values  # the largest segment so far in each row
+    return (real & (token_type_ids < seen)).any(dim=-1).long()
+
+
+def check_prefix_segments(token_type_ids: torch.Tensor, goes_back: list[int]) -> None:
+    """Refuses the first row that `prefix_segment_check` found going back from segment 1 to 0."""
+    if any(goes_back):
+        row = goes_back.index(1)
+        raise ValueError(f"token_type_ids[{row}] = {token_type_ids[row].tolist()} goes back from segment 1 to 0; "
+                         "expected each row's real tokens to be segment 0 (the prefix, read bidirectionally) then "
+                         "segment 1 (causal) with config.prefix_lm=True")

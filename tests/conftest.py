@@ -9,7 +9,7 @@ from helpers import EXAMPLES, STAND_IN, stand_in_calls, varlen_stand_in
 from hub_server import HubServer
 from transformers import AttentionInterface
 
-from roformer_hf import attention, masks
+from roformer_hf import attention
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -31,8 +31,7 @@ def hub_server(local_hub):
 def stand_in_flash(monkeypatch):
     """The flash-attn code path with `helpers.varlen_stand_in` as its kernel; returns the list of its calls."""
     AttentionInterface.register(STAND_IN, varlen_stand_in)
-    for module in (attention, masks):  # masks renders the mask for flash-attn, attention picks its kernel
-        monkeypatch.setattr(module, "is_flash_attention_requested",
-                            lambda requested_attention_implementation: requested_attention_implementation == STAND_IN)
+    monkeypatch.setattr(attention, "is_flash_attention_requested",  # where the forward chooses its kernel, once
+                        lambda requested_attention_implementation: requested_attention_implementation == STAND_IN)
     stand_in_calls.clear()
     return stand_in_calls

@@ -5,6 +5,7 @@ import torch
 
 from helpers import tiny_config
 
+from roformer_hf.attention import choose_kernel
 from roformer_hf.masks import create_attention_mask
 from roformer_hf.modeling import RoFormerLMPredictions
 from roformer_hf.padding import BatchLayout, logits_in_padded_layout
@@ -36,7 +37,7 @@ def test_no_padding_keeps_tensors_as_they_are():
     for mask in (None, torch.ones(2, 3, dtype=torch.long)):
         batch = BatchLayout.from_attention_mask(mask, 2, 3)
         x = torch.randn(2, 3, 5)
-        assert batch.mode == "dense" and create_attention_mask(batch, "sdpa").dense is None
+        assert batch.mode == "dense" and create_attention_mask(batch, choose_kernel("sdpa")).dense is None
         assert batch.gather_tokens(x) is x and batch.scatter_tokens(x) is x
 
 

@@ -1,0 +1,165 @@
+"""What a forward decides before its first layer, decided once: `ForwardPlan`.
+
+`RoFormerModel.encode` builds one plan from the inputs, the config and the cache, then runs embeddings, rotation and
+layers as transformers' Llama does; the layers only read what the plan decided. Each input is resolved in one place:
+
+- ``attention_mask`` ``(B, Lk)``: its last ``L`` columns give the queries' layout (`padding.BatchLayout`: dense,
+  padded, real tokens only, packed rows); with a cache, all of it is the keys' padding. A decoder without
+  ``position_ids`` counts its real tokens into positions.
+- ``position_ids`` ``(B, L)``: given, or counted from the attention mask (a decoder: left padding takes no position),
+  or continuing a cache (``cache_position``, else from the cache's length), or ``arange(L)``. Positions the caller
+  gave, without an attention mask and without earlier keys, may restart inside a row: packed rows. Positions the
+  plan made never mean packing.
+- ``past_key_values``: checked and read once (`cache.check_cache`: the past length, whether cross-attention's keys
+  are filled); made (`cache.create_cache`) when ``use_cache`` asks for one.
+
+The kernel is chosen once (`attention.choose_kernel`) and the masks rendered once in the form it takes
+(`masks.create_attention_mask`). Everything the plan must know of the inputs' values (ids in range, the mask's
+lengths, packed offsets, a prefix-LM's segments) comes to the host in one copy: one host sync per forward. Packed
+rows found from ``position_ids`` take a second (their offsets), the ``"longrope"`` rope type one inside transformers'
+frequencies, and labels one in the heads' checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache
+
+from .attention import choose_kernel
+from .cache import CacheState, check_cache, create_cache
+from .masks import AttentionMask, create_attention_mask
+from .padding import BatchLayout, layout_reads
+from .validation import (
+    check_cross_attention_inputs,
+    check_encoder_inputs,
+    check_packed_offsets,
+    check_prefix_segments,
+    check_same_offsets,
+    check_values,
+    prefix_segment_check,
+)
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """The decisions of one forward, for every layer.
+
+    Attributes:
+        layout: where the queries sit in the ``(B, L)`` batch, with their lengths on the host.
+        position_ids: ``(B, L)``, the positions the rotation reads.
+        token_type_ids: ``(B, L)``.
+        attention_mask: self-attention's mask, in the form of the kernel it names.
+        encoder_attention_mask: cross-attention's (decoders with `config.add_cross_attention`, given encoder states).
+        past_key_values: the cache this forward extends (given, or made for ``use_cache``); ``None``: none.
+        use_cache: whether the forward returns the cache.
+        cache_state: what the cache held before this forward.
+    """
+
+    layout: BatchLayout
+    position_ids: Tensor
+    token_type_ids: Tensor
+    attention_mask: AttentionMask
+    encoder_attention_mask: AttentionMask | None = None
+    past_key_values: Cache | None = None
+    use_cache: bool = False
+    cache_state: CacheState = CacheState()
+
+    @classmethod
+    def build(cls, config, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+              token_type_ids: Tensor | None = None, position_ids: Tensor | None = None,
+              inputs_embeds: Tensor | None = None, past_key_values: Cache | None = None,
+              encoder_hidden_states: Tensor | None = None, encoder_attention_mask: Tensor | None = None,
+              use_cache: bool | None = None, *, training: bool = False, dtype: torch.dtype | None = None,
+              output_attentions: bool = False, output_hidden_states: bool = False,
+              cu_seq_lens_q: Tensor | None = None, cu_seq_lens_k: Tensor | None = None,
+              cache_position: Tensor | None = None) -> ForwardPlan:
+        """The plan of `RoFormerModel.encode` on these inputs (its docstring says how each is read); `training`: the
+        model's mode, `dtype`: its parameters' (what a cache must hold, unless autocast is on)."""
+        if use_cache is None:
+            use_cache = config.is_decoder and config.use_cache and not training
+        source = input_ids if input_ids is not None else inputs_embeds
+        cache_dtype = None if source is None or torch.is_autocast_enabled(source.device.type) else dtype
+        cache_state = check_cache(config, past_key_values, use_cache, None if source is None else source.shape[0],
+                                  cache_dtype)
+        past_length = cache_state.past_length
+        if source is not None:
+            check_cross_attention_inputs(config, encoder_hidden_states, encoder_attention_mask, source.shape[0])
+        value_checks = check_encoder_inputs(config, input_ids, attention_mask, token_type_ids, position_ids,
+                                            inputs_embeds, past_length)
+        offsets = check_packed_offsets(cu_seq_lens_q, cu_seq_lens_k)
+        batch_size, seq_len = source.shape[:2]
+        device = source.device
+        if use_cache and past_key_values is None:
+            past_key_values = create_cache(config.add_cross_attention)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+        given_positions = position_ids is not None
+        position_ids = resolve_positions(config, position_ids, attention_mask, batch_size, seq_len, past_length,
+                                         cache_position, device)
+        packing_positions = position_ids if given_positions and not past_length else None  # only the caller's pack
+
+        prefix = token_type_ids == 0 if config.prefix_lm else None
+        keys_beyond_queries = past_key_values is not None or encoder_hidden_states is not None
+        query_mask = attention_mask[:, -seq_len:] if attention_mask is not None else None
+        unpad = config.unpad_inputs and not output_hidden_states and not keys_beyond_queries and prefix is None
+
+        # Everything the plan needs of the inputs' values, to the host in one copy.
+        both_offsets = cu_seq_lens_q is not None and cu_seq_lens_k is not None  # to compare on the host
+        reads = [check.extremes for check in value_checks]
+        reads.append(prefix_segment_check(config, token_type_ids, attention_mask))
+        reads.append(layout := layout_reads(query_mask, packing_positions, offsets, unpad))
+        reads.append(cu_seq_lens_k.long() if both_offsets and layout is not None else None)
+        extremes, goes_back, layout_host, key_offsets = read_on_host(reads, len(value_checks))
+        check_values(value_checks, extremes)
+        if goes_back is not None:
+            check_prefix_segments(token_type_ids, goes_back)
+        if key_offsets is not None:
+            check_same_offsets(layout_host, key_offsets)
+
+        layout = BatchLayout.from_inputs(batch_size, seq_len, query_mask, packing_positions, offsets, unpad,
+                                         host=layout_host)
+        kernel = choose_kernel("eager" if output_attentions else config._attn_implementation, device,
+                               dropout=training and config.attention_probs_dropout_prob > 0)
+        self_mask = create_attention_mask(layout, kernel, device, causal=config.is_decoder, past_length=past_length,
+                                          key_padding=attention_mask if past_key_values is not None else None,
+                                          prefix=prefix)
+        cross_mask = None
+        if encoder_hidden_states is not None:
+            encoder_padding = None if encoder_attention_mask is None else encoder_attention_mask.bool()
+            cross_mask = create_attention_mask(layout, kernel, device, key_padding=encoder_padding,
+                                               keys_are_queries=False)
+        return cls(layout, position_ids, token_type_ids, self_mask, cross_mask, past_key_values, use_cache,
+                   cache_state)
+
+
+def resolve_positions(config, position_ids: Tensor | None, attention_mask: Tensor | None, batch_size: int,
+                      seq_len: int, past_length: int, cache_position: Tensor | None,
+                      device: torch.device) -> Tensor:
+    """The ``(B, L)`` positions of the forward's tokens (see the module's docstring)."""
+    if position_ids is None and config.is_decoder and attention_mask is not None:
+        # A decoder's positions count real tokens only, as generation derives them: a left-padded row reads as the
+        # row alone (rotated values and the rope types that adapt to the length would see the padding).
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
+    elif position_ids is None and (past_length or cache_position is not None):
+        position_ids = cache_position if cache_position is not None else \
+            torch.arange(past_length, past_length + seq_len, device=device)
+    elif position_ids is None:
+        position_ids = torch.arange(seq_len, device=device)
+    return position_ids.expand(batch_size, seq_len)
+
+
+def read_on_host(reads: list[Tensor | None], value_checks: int) -> tuple[list[int], ...]:
+    """The device tensors of `reads` on the host, in one copy: the first `value_checks` as one flat list of extremes,
+    then each other one as its own list (``None`` where its tensor is)."""
+    present = [t.reshape(-1).long() for t in reads if t is not None]
+    flat = torch.cat([t.to(present[0].device) for t in present]).tolist() if present else []
+    values, start = [], 0
+    for tensor in reads:
+        size = 0 if tensor is None else tensor.numel()
+        values.append(None if tensor is None else flat[start:start + size])
+        start += size
+    extremes = [value for part in values[:value_checks] for value in part]
+    return extremes, *values[value_checks:]
