@@ -1,14 +1,16 @@
 """RoFormer (rotary position embeddings) as a first-class Hugging Face transformers model.
 
 Importing the package registers `model_type="roformer_hf"` with AutoConfig, AutoTokenizer and every Auto model
-class it implements (`modeling.HEADS`); transformers' own `model_type="roformer"` is left untouched. It also gives
-the models their model cards (`hub.py`) and sentence-transformers' module files (`sentence.py`), which the modeling
-code, copied into every saved folder, does not import.
+class it implements (`modeling.HEADS`); transformers' own `model_type="roformer"` is left untouched. It also imports
+the tools that every model's saving, loading and pushing use, which register their hooks with `loading.py` at their
+import: model cards and uploads (`hub.py`), sentence-transformers' module files (`sentence.py`). The modeling code,
+copied into every saved folder, imports none of them.
 """
 
 import transformers
 
-from . import hub, modeling, sentence
+from . import hub, sentence  # noqa: F401  (tools: they register their hooks at import)
+from . import modeling
 from .configuration import RoFormerConfig
 from .modeling import *  # noqa: F403  (the classes of modeling.HEADS, see modeling.__all__)
 from .summary import summary
@@ -16,8 +18,6 @@ from .tokenization import RoFormerHFTokenizer, train_tokenizer
 
 __version__ = "0.3.0.dev0"
 
-modeling.RoFormerPreTrainedModel.hub = hub
-modeling.RoFormerPreTrainedModel.sentence = sentence
 transformers.AutoConfig.register(RoFormerConfig.model_type, RoFormerConfig, exist_ok=True)
 for _head in modeling.HEADS:
     getattr(transformers, _head.auto_class).register(RoFormerConfig, _head.model_class, exist_ok=True)

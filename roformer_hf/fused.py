@@ -9,14 +9,15 @@ CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (
 It has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it only in eager
 forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
 would: a plain `nn.Linear` (not an adapter such as LoRA's, not a quantized weight) without hooks, fp32 or bf16
-without autocast, on CPU. A layer class that applies the activation or the addition itself declares it: a class
-attribute ``fuses_post_ops = True`` and a method ``fused(x, activation, algorithm, residual)`` taking oneDNN's names
-(`quantization.Int8Linear` does; this module does not import it, so saved folders carry no quantization code).
-Everywhere else `fused_linear` calls the module and applies the activation and the addition as usual; of any other
-layer it reads nothing but its type.
+without autocast, on CPU. A layer class that applies the activation or the addition itself declares it
+(`FusesPostOps`: `quantization.Int8Linear` does; this module does not import it, so saved folders carry no
+quantization code). Everywhere else `fused_linear` calls the module and applies the activation and the addition as
+usual; of any other layer it reads nothing but its type.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +29,45 @@ _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends
 # oneDNN has bf16 GEMMs only on CPUs with AVX-512 (or AMX); elsewhere it cannot build the primitive at all.
 _BF16_GEMMS = _KERNEL is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _BF16_GEMMS else (torch.float32,)
+
+
+@runtime_checkable
+class FusesPostOps(Protocol):
+    """A dense layer (``in_features -> out_features``) that applies the activation or the residual add after its
+    product itself: `fused_linear` hands them to its `fused`, with oneDNN's names, instead of applying them to its
+    output. Its class declares it with ``fuses_post_ops = True``.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from torch import nn
+    >>> from roformer_hf.fused import FusesPostOps, fused_linear
+    >>> class Relu(nn.Linear):  # applies ReLU itself
+    ...     fuses_post_ops = True
+    ...     def fused(self, x, activation="none", algorithm="", residual=None):
+    ...         assert activation in ("none", "relu") and residual is None
+    ...         return self(x).relu() if activation == "relu" else self(x)
+    >>> layer, x = Relu(4, 3), torch.randn(2, 4)
+    >>> isinstance(layer, FusesPostOps), torch.equal(fused_linear(layer, x, nn.ReLU()), layer.fused(x, "relu"))
+    (True, True)
+    ```
+    """
+
+    fuses_post_ops: ClassVar[bool]
+    out_features: int
+
+    def fused(self, x: Tensor, activation: str = "none", algorithm: str = "",
+              residual: Tensor | None = None) -> Tensor:
+        """``residual + activation(self(x))``: `activation` ``"none"``, ``"relu"`` or ``"gelu"`` (with `algorithm`
+        ``"none"``, the erf form); `residual` ``(*, out_features)``, only without an activation."""
+        ...
+
+
+def _fuses_post_ops(layer: nn.Module) -> TypeGuard[FusesPostOps]:
+    """Whether `layer`'s class declares `FusesPostOps`. It reads the class's flag, not `isinstance`: it runs for
+    every dense layer of every forward, where a protocol check costs 50 times as much."""
+    return bool(getattr(type(layer), "fuses_post_ops", False))
 
 
 def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = None,
@@ -44,7 +84,7 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
     fused = _fused_activation(activation)
     if fused is not None and (residual is None or fused[0] == "none"):
         name, algorithm = fused
-        if getattr(type(layer), "fuses_post_ops", False) and not _hooked(layer) and (
+        if _fuses_post_ops(layer) and not _hooked(layer) and (
                 residual is None or _fits(residual, x, layer.out_features)):
             return layer.fused(x, name, algorithm, residual)
         if _kernel_applies(layer, x, residual):

@@ -3,9 +3,10 @@
 `save_pretrained` writes a model card (README.md) next to the weights unless the folder already has one, and
 `push_to_hub` uploads it unless the Hub repository already has one: a card someone wrote is never replaced.
 
-It only reads the model it is given (its class's `heads` table names the Auto class and Hub task). The package
-(`roformer_hf/__init__.py`) hands it to the models' `save_pretrained` and `push_to_hub`: the modeling code does not
-import it, so saved folders, which carry the modeling code, do not carry it.
+It only reads the model it is given (its class's `heads` table names the Auto class and Hub task). It registers
+`write_model_card` as a save hook and `push_to_hub_with_card` as the push hook at its import (`loading.register_hook`;
+the package imports it): the modeling code does not import it, so saved folders, which carry the modeling code, do
+not carry it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCardData
+
+from .loading import register_hook
 
 logger = logging.getLogger(__name__)
 
@@ -187,5 +190,8 @@ def push_to_hub_with_card(
             commit_description=commit_description, revision=revision, create_pr=create_pr,
         )
 
+
+register_hook("save", write_model_card)
+register_hook("push", push_to_hub_with_card)
 
 __all__ = ["auto_class_name", "model_card_text", "push_to_hub_with_card", "write_model_card"]

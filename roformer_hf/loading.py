@@ -11,23 +11,107 @@
 - Weights that disagree with the config (`check_checkpoint_weights`: RoFormer's norm weights and biases under a
   RoFormer-V2 config, or their absence under a RoFormer config) raise, naming the mismatch.
 - A saved folder loads with every Auto class through `trust_remote_code=True` (`auto_map` in config.json).
-- With the package imported, `save_pretrained` writes a model card unless the folder has one, and `push_to_hub`
-  uploads it (`hub.py`); it also writes sentence-transformers' module files, whose agreement with the config
-  `from_pretrained` checks (`sentence.py`). This module imports neither: transformers copies into a saved folder the
-  files that the modeling file imports relatively, and a model folder carries the model's code, not upload code. A
-  model loaded as remote code (without the package) saves and pushes as any transformers model does.
+- Tools plug into saving, loading and pushing by registering hooks (`register_hook`, `HOOK_POINTS`) at their import;
+  this module names none of them. Transformers copies into a saved folder the files that the modeling file imports
+  relatively, so a tool imports this module, never the reverse: a model loaded as remote code (without the package)
+  has no hooks, and saves and pushes as any transformers model does.
+- A layer that a checkpoint cannot hold declares why (`RefusesSaving`); `save_pretrained` and `push_to_hub` of a
+  model holding one raise, quoting it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 from safetensors import SafetensorError
 from torch import nn
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, has_file
 
 logger = logging.getLogger(__name__)
+
+# Where a tool plugs in: the point's name, and how its hooks are called.
+HOOK_POINTS = {
+    "save": "hook(model, save_directory), after transformers' save_pretrained wrote the folder; every hook, in the "
+            "order registered",
+    "load": "hook(model, folder), after from_pretrained loaded a local folder (the subfolder, if given) and checked "
+            "the weights; every hook, in the order registered",
+    "push": "hook(model, repo_id, **kwargs) -> CommitInfo, in place of transformers' push_to_hub (it uploads); at most "
+            "one",
+}
+_HOOKS: dict[str, list[Callable]] = {point: [] for point in HOOK_POINTS}
+
+
+def register_hook(point: str, hook: Callable) -> None:
+    """Calls `hook` at `point` of every RoFormer model's saving, loading or pushing (`HOOK_POINTS` says how). A tool
+    registers its hooks at its import; registering a hook twice registers it once.
+
+    Example:
+
+    ```python
+    >>> import tempfile
+    >>> from roformer_hf import RoFormerConfig, RoFormerModel
+    >>> from roformer_hf.loading import register_hook, unregister_hook
+    >>> saved = []
+    >>> def note(model, save_directory):
+    ...     saved.append(type(model).__name__)
+    >>> model = RoFormerModel(RoFormerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+    ...                                      num_attention_heads=2, intermediate_size=64))
+    >>> register_hook("save", note)
+    >>> model.save_pretrained(tempfile.mkdtemp())
+    >>> unregister_hook("save", note)
+    >>> saved
+    ['RoFormerModel']
+    ```
+    """
+    hooks = _hooks(point)
+    if hook in hooks:
+        return
+    if point == "push" and hooks:
+        raise ValueError(f"register_hook(point='push', hook={_name(hook)}): {_name(hooks[0])} already replaces "
+                         "transformers' push_to_hub, and one upload is all a push makes: unregister it first")
+    hooks.append(hook)
+
+
+def unregister_hook(point: str, hook: Callable) -> None:
+    """Stops calling `hook` at `point`; raises if it was not registered there."""
+    hooks = _hooks(point)
+    if hook not in hooks:
+        raise ValueError(f"unregister_hook(point={point!r}, hook={_name(hook)}): not registered at {point!r}")
+    hooks.remove(hook)
+
+
+def _hooks(point: str) -> list[Callable]:
+    if point not in _HOOKS:
+        raise ValueError(f"point={point!r}: expected one of {tuple(HOOK_POINTS)}")
+    return _HOOKS[point]
+
+
+def _name(hook: Callable) -> str:
+    return f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"
+
+
+@runtime_checkable
+class RefusesSaving(Protocol):
+    """A layer that no checkpoint can hold in a form `from_pretrained` reads back (a quantized layer whose buffers it
+    would not find, say): `save_pretrained` and `push_to_hub` of a model holding one raise, quoting `save_refusal`,
+    which says why and what to do instead.
+
+    Example:
+
+    ```python
+    >>> from torch import nn
+    >>> from roformer_hf.loading import RefusesSaving
+    >>> class Frozen(nn.Linear):
+    ...     save_refusal = "its weights live elsewhere: save the model it was made from"
+    >>> isinstance(Frozen(2, 2), RefusesSaving), isinstance(nn.Linear(2, 2), RefusesSaving)
+    (True, False)
+    ```
+    """
+
+    save_refusal: str
 
 
 class CheckpointPolicy:
@@ -36,8 +120,6 @@ class CheckpointPolicy:
     auto_map: dict[str, str] = {}
     # Modules that a checkpoint may lack as a whole: new by definition when warm-starting from an encoder's checkpoint.
     warm_start_modules: tuple[str, ...] = ("crossattention",)
-    hub = None  # the model-card and upload module (`roformer_hf.hub`), set when the package is imported
-    sentence = None  # sentence-transformers' module files (`roformer_hf.sentence`), set when the package is imported
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_missing_encoder_weights: bool = False,
@@ -78,8 +160,9 @@ class CheckpointPolicy:
                 "randomly on purpose (through EncoderDecoderModel.from_encoder_decoder_pretrained: "
                 "decoder_allow_missing_encoder_weights=True for its decoder, "
                 "encoder_allow_missing_encoder_weights=True for its encoder)")
-        if cls.sentence is not None and pretrained_model_name_or_path is not None and os.path.isdir(name):
-            cls.sentence.check_sentence_modules(os.path.join(name, kwargs.get("subfolder") or ""), model.config)
+        if pretrained_model_name_or_path is not None and os.path.isdir(name):
+            for hook in _HOOKS["load"]:
+                hook(model, os.path.join(name, kwargs.get("subfolder") or ""))
         return (model, info) if want_info else model
 
     def warm_started_weights(self, missing_keys: list[str]) -> set[str]:
@@ -89,9 +172,9 @@ class CheckpointPolicy:
         return own if own and own <= set(missing_keys) else set()
 
     def refuse_unsaveable_layers(self, action: str) -> None:
-        """Raises for a model holding a layer that declares a `save_refusal` (`quantization.Int8Linear`)."""
+        """Raises for a model holding a layer that declares a `save_refusal` (`RefusesSaving`)."""
         for module_name, module in self.named_modules():
-            if refusal := getattr(module, "save_refusal", None):
+            if isinstance(module, RefusesSaving) and (refusal := module.save_refusal):
                 raise ValueError(f"{type(self).__name__}.{action}: {module_name} is a {type(module).__name__}; "
                                  f"{refusal}")
 
@@ -133,25 +216,22 @@ class CheckpointPolicy:
         return self.base_model is self or name.startswith(f"{self.base_model_prefix}.")
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' `save_pretrained`; config.json maps every Auto class to this package's classes, and a model
-        card is written unless the folder has a README.md (`hub.write_model_card`), and sentence-transformers' module
-        files unless it has a modules.json (`sentence.write_sentence_modules`). Refused for a model holding layers that
-        declare a `save_refusal` (int8 layers, `quantization.Int8Linear`): it would not load back."""
+        """transformers' `save_pretrained`, then the registered save hooks; config.json maps every Auto class to this
+        package's classes. Refused for a model holding layers that declare a `save_refusal` (`RefusesSaving`): it
+        would not load back."""
         self.refuse_unsaveable_layers(f"save_pretrained({os.fspath(save_directory)!r})")
         self.config.auto_map = dict(self.auto_map)
         super().save_pretrained(save_directory, *args, **kwargs)
-        if self.hub is not None:
-            self.hub.write_model_card(self, save_directory)
-        if self.sentence is not None:
-            self.sentence.write_sentence_modules(self, save_directory)
+        for hook in _HOOKS["save"]:
+            hook(self, save_directory)
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """transformers' `push_to_hub`, uploading this model's card unless the repository has one (see
-        `hub.push_to_hub_with_card`); refused, before anything is uploaded, where `save_pretrained` is."""
+        """The registered push hook, else transformers' `push_to_hub`; refused, before anything is uploaded, where
+        `save_pretrained` is."""
         self.refuse_unsaveable_layers(f"push_to_hub({repo_id!r})")
-        if self.hub is None:
+        if not _HOOKS["push"]:
             return super().push_to_hub(repo_id, **kwargs)
-        return self.hub.push_to_hub_with_card(self, repo_id, **kwargs)
+        return _HOOKS["push"][0](self, repo_id, **kwargs)
 
 
 def _pickled_weights_only(name: str, kwargs: dict) -> str | None:

@@ -91,9 +91,9 @@ class Int8Linear(nn.Module):
             module's docstring); default: on CPUs without VNNI.
     """
 
-    fuses_post_ops = True  # `fused_linear` hands it the activation or residual add to apply (`fused`)
+    fuses_post_ops = True  # `fused.FusesPostOps`: `fused_linear` hands it the activation or residual add (`fused`)
 
-    # What `save_pretrained` of a model holding one says (loading.CheckpointPolicy): its buffers would be written, but
+    # `loading.RefusesSaving`: what `save_pretrained` of a model holding one says. Its buffers would be written, but
     # `from_pretrained` builds `nn.Linear`s and would find no weights for them.
     save_refusal = ("its int8 layers (Int8Linear, from roformer_hf.quantization.quantize_int8) cannot be saved in a "
                     "form that from_pretrained reads back. Save the model before quantizing it and call quantize_int8 "

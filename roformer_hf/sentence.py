@@ -19,8 +19,9 @@ A folder that already has a `modules.json` keeps it, as a model card someone wro
 the config (`check_sentence_modules`): a `pooler_output` the model has no pooler for, a pooling width other than
 `hidden_size`, or a pooling other than `config.sentence_pooling` raise, on saving and on loading.
 
-The package hands this module to the models (`roformer_hf/__init__.py`), as it does `hub.py`: the modeling code does
-not import it, and sentence-transformers is needed only to read the folders, not to write them.
+It registers `write_sentence_modules` as a save hook and the check as a load hook at its import
+(`loading.register_hook`; the package imports it), as `hub.py` does: the modeling code does not import it, and
+sentence-transformers is needed only to read the folders, not to write them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import logging
 import os
 import shutil
 from pathlib import Path
+
+from .loading import register_hook
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +224,11 @@ def check_sentence_modules(folder: str | os.PathLike, config, pooling: str | Non
                          "the modules with roformer_hf.sentence.write_sentence_modules(model, folder, overwrite=True)")
 
 
+def _check_loaded_folder(model, folder: str | os.PathLike) -> None:
+    """`check_sentence_modules` of the folder `model` was loaded from, as a load hook."""
+    check_sentence_modules(folder, model.config)
+
+
 def _kind(module: dict) -> str:
     return str(module.get("type", "")).rpartition(".")[2]
 
@@ -233,6 +241,9 @@ def _read_json(path: Path):
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON ({error})") from error
 
+
+register_hook("save", write_sentence_modules)
+register_hook("load", _check_loaded_folder)
 
 __all__ = ["POOLINGS", "check_sentence_modules", "folder_pooling", "is_roformer_sim", "sentence_module_files",
            "sentence_normalize", "sentence_pooling", "write_sentence_modules"]

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", ROOT / "examples" / "README.md",
          ROOT / "benchmarks" / "RESULTS.md",
          *sorted((ROOT / "docs").glob("*.md"))]
-PUBLIC = [roformer_hf.RoFormerConfig, *(head.model_class for head in roformer_hf.modeling.HEADS)]
+PUBLIC = [roformer_hf.RoFormerConfig, *(head.model_class for head in roformer_hf.modeling.HEADS),
+          roformer_hf.loading.register_hook, roformer_hf.loading.RefusesSaving, roformer_hf.fused.FusesPostOps]
 
 
 @pytest.mark.parametrize("cls", PUBLIC, ids=lambda cls: cls.__name__)

@@ -1,7 +1,8 @@
 """Loading and saving (roformer_hf/loading.py): truncated or incomplete checkpoints fail loudly; weights load only
-through safetensors."""
+through safetensors; tools plug in by registering hooks."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -11,7 +12,8 @@ from helpers import padded_batch, tiny_config
 
 import roformer_hf
 
-from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification
+from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification, hub
+from roformer_hf.loading import register_hook, unregister_hook
 
 
 @pytest.fixture
@@ -127,3 +129,76 @@ def test_a_head_missing_from_the_checkpoint_starts_fresh(tmp_path, head, caplog)
     assert torch.isfinite(logits).all()
 
 
+
+
+# --- tools: hooks registered from outside loading.py -----------------------------------------------------------------
+
+
+@pytest.fixture
+def hooked():
+    """Registers hooks as a new tool would at its import, and unregisters them after the test."""
+    registered = []
+
+    def register(point: str, hook) -> None:
+        register_hook(point, hook)
+        registered.append((point, hook))
+
+    yield register
+    for point, hook in registered:
+        unregister_hook(point, hook)
+
+
+def test_a_save_hook_runs_after_the_folder_is_written_until_unregistered(tmp_path):
+    seen = []
+
+    def record(model, save_directory):
+        seen.append((type(model), {path.name for path in Path(save_directory).iterdir()}))
+
+    model = RoFormerForMaskedLM(tiny_config())
+    register_hook("save", record)
+    register_hook("save", record)  # a second registration changes nothing
+    try:
+        model.save_pretrained(tmp_path / "with")
+    finally:
+        unregister_hook("save", record)
+    model.save_pretrained(tmp_path / "without")
+    assert len(seen) == 1 and seen[0][0] is RoFormerForMaskedLM
+    # after transformers' files and the package's own hooks (the card, sentence-transformers' modules)
+    assert {"config.json", "model.safetensors", "modeling.py", "README.md", "modules.json"} <= seen[0][1]
+    with pytest.raises(ValueError, match=r"unregister_hook\(point='save', hook=.*record\): not registered"):
+        unregister_hook("save", record)
+
+
+def test_a_load_hook_sees_the_model_and_its_local_folder(saved, hooked):
+    model, root = saved
+    seen = []
+    hooked("load", lambda loaded, folder: seen.append((type(loaded), Path(folder))))
+    model.save_pretrained(root / "nested" / "sub")
+    RoFormerForMaskedLM.from_pretrained(root / "ok")
+    RoFormerForMaskedLM.from_pretrained(root / "nested", subfolder="sub")
+    RoFormerForMaskedLM.from_pretrained(None, config=model.config, state_dict=model.state_dict())  # no folder
+    assert seen == [(RoFormerForMaskedLM, root / "ok"), (RoFormerForMaskedLM, root / "nested" / "sub")]
+
+
+def test_a_push_hook_replaces_the_upload_and_there_is_one_at_most():
+    pushed = []
+
+    def upload(model, repo_id, **kwargs):
+        pushed.append((type(model), repo_id, kwargs))
+        return "commit"
+
+    with pytest.raises(ValueError, match=r"hub\.push_to_hub_with_card already replaces transformers' push_to_hub"):
+        register_hook("push", upload)
+    unregister_hook("push", hub.push_to_hub_with_card)
+    try:
+        register_hook("push", upload)
+        assert RoFormerForMaskedLM(tiny_config()).push_to_hub("user/model", private=True) == "commit"
+    finally:
+        unregister_hook("push", upload)
+        register_hook("push", hub.push_to_hub_with_card)
+    assert pushed == [(RoFormerForMaskedLM, "user/model", {"private": True})]
+
+
+def test_an_unknown_hook_point_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"point='saved': expected one of \('save', 'load', 'push'\)"):
+        register_hook("saved", print)

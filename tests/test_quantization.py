@@ -14,7 +14,8 @@ from helpers import padded_batch, tiny_config
 from torch import nn
 from transformers.activations import ACT2FN
 
-from roformer_hf.fused import fused_linear
+from roformer_hf.fused import FusesPostOps, fused_linear
+from roformer_hf.loading import RefusesSaving
 from roformer_hf.modeling import HEADS, RoFormerForCausalLM, RoFormerForMaskedLM
 from roformer_hf import quantization
 from roformer_hf.quantization import Int8Linear, int8_kernel_available, quantize_activations, quantize_int8
@@ -302,6 +303,22 @@ def test_int8_linear_applies_the_activation_or_residual_as_fused_linear_asks(cas
         plain = layer(x)
     expected = plain + residual if case == "residual" else activation(plain)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_int8_kernel
+def test_int8_linear_declares_the_protocols_the_model_reads(monkeypatch):
+    """`fused_linear` hands it the activation (`FusesPostOps`); `save_pretrained` refuses it (`RefusesSaving`)."""
+    layer, calls, fused = Int8Linear(nn.Linear(8, 4)), [], Int8Linear.fused
+    assert isinstance(layer, FusesPostOps) and isinstance(layer, RefusesSaving)
+
+    def spy(self, x, *post_ops):
+        calls.append(post_ops)
+        return fused(self, x, *post_ops)
+
+    monkeypatch.setattr(Int8Linear, "fused", spy)
+    with torch.inference_mode():
+        fused_linear(layer, torch.randn(3, 8), ACT2FN["gelu"])
+    assert calls == [("gelu", "none", None)]
 
 
 @needs_int8_kernel

@@ -66,6 +66,8 @@ def test_remote_code_loading_without_the_package(tmp_path, cls, auto):
         expected = model(ids, attention_mask=mask)[0]
     torch.testing.assert_close(torch.tensor(remote["output"]), expected, atol=1e-6, rtol=0)
     assert {path.name for path in (tmp_path / "again").glob("*.py")} == code
+    # The copied loading.py has no hooks registered: no model card, no sentence-transformers modules.
+    assert not (tmp_path / "again" / "README.md").exists() and not (tmp_path / "again" / "modules.json").exists()
 
 
 def test_block_really_hides_the_package():
