@@ -29,6 +29,7 @@ import torch
 from shakespeare import mlm_corpus_splits
 
 import roformer_hf
+from roformer_hf.configuration import ROPE_TYPES as ROPE_TABLE
 
 logger = logging.getLogger("length_extrapolation")
 
@@ -36,25 +37,20 @@ logger = logging.getLogger("length_extrapolation")
 MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, sparse_prediction=True)
 MULTIPLES = (1, 2, 4, 8)
-ROPE_TYPES = ("none", "linear", "dynamic", "yarn", "longrope", "llama3")
+# Every rope type of roformer_hf, by the name its row has in the table and plot: "none" is the trained rotation.
+ROPE_TYPES = {"none" if rope_type == "default" else rope_type: rope_type for rope_type in ROPE_TABLE}
 DYNAMIC_FACTOR = 2.0
 
 
 def rope_parameters(rope_type: str, factor: float, head_dim: int, train_length: int) -> dict:
-    """The `rope_parameters` of `rope_type` for inputs `factor` times the training length."""
-    if rope_type == "none":
-        return {"rope_type": "default"}
-    if rope_type == "dynamic":
-        return {"rope_type": "dynamic", "factor": DYNAMIC_FACTOR}
-    scaled = {"rope_type": rope_type, "factor": factor}
-    if rope_type != "linear":
-        scaled["original_max_position_embeddings"] = train_length
-    if rope_type == "longrope":
-        half = head_dim // 2
-        scaled.update(short_factor=[1.0] * half, long_factor=[factor ** (i / (half - 1)) for i in range(half)])
-    elif rope_type == "llama3":
-        scaled.update(low_freq_factor=1.0, high_freq_factor=4.0)
-    return scaled
+    """The `rope_parameters` of `rope_type` for inputs `factor` times the training length: a value for each key of
+    its row of `ROPE_TYPES` that this example sets (the others keep transformers' defaults)."""
+    half = head_dim // 2
+    values = {"factor": DYNAMIC_FACTOR if rope_type == "dynamic" else factor,
+              "original_max_position_embeddings": train_length,
+              "short_factor": [1.0] * half, "long_factor": [factor ** (i / max(half - 1, 1)) for i in range(half)],
+              "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    return {"rope_type": rope_type, **{key: values[key] for key in ROPE_TABLE[rope_type].reads if key in values}}
 
 
 def token_stream(texts, tokenizer) -> torch.Tensor:
@@ -105,8 +101,8 @@ def evaluate(trained, stream: torch.Tensor, tokenizer, args) -> dict[str, dict[i
     usable = min(len(stream), args.eval_tokens) // longest * longest
     inputs, labels = mask_tokens(stream[:usable], tokenizer, torch.Generator().manual_seed(args.seed + 1))
     losses: dict[str, dict[int, float]] = {}
-    for rope_type in ROPE_TYPES:
-        losses[rope_type] = {}
+    for name, rope_type in ROPE_TYPES.items():
+        losses[name] = {}
         for multiple in MULTIPLES:
             length = args.train_length * multiple
             config = roformer_hf.RoFormerConfig(**{
@@ -122,8 +118,8 @@ def evaluate(trained, stream: torch.Tensor, tokenizer, args) -> dict[str, dict[i
                 total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch_labels.flatten(),
                                                            reduction="sum").item()
                 count += int((batch_labels != -100).sum())
-            losses[rope_type][length] = total / count
-            logger.info("%-8s length %4d: loss %.3f", rope_type, length, losses[rope_type][length])
+            losses[name][length] = total / count
+            logger.info("%-8s length %4d: loss %.3f", name, length, losses[name][length])
     return losses
 
 

@@ -2,49 +2,67 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import numbers
-from typing import Literal, NamedTuple
+from collections.abc import Callable
+from typing import Literal, NamedTuple, get_args, get_origin
 
+import torch
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .rotary import ROTARY_LAYOUTS, check_head_dim
+from .rotary import RotaryLayout, check_head_dim, inverse_frequencies
 
 logger = logging.getLogger(__name__)
 
-NORM_POSITIONS = ("post", "pre")
-CLASSIFIER_POOLINGS = ("cls", "mean")
-# `norm_type`: the two spellings RoFormer configs are published with. JunnYu's `roformer` (whose V2 checkpoints carry
-# the field; transformers' RoFormer has none) builds LayerNorm for "layer_norm" and its RMS norm otherwise, and its
-# V2 configs say "rms_norm". Other spellings ("layernorm", "LayerNorm", "rmsnorm") appear in no published RoFormer
-# config, so they are refused rather than guessed: a typo must not silently build the other model.
-LAYER_NORM = "layer_norm"  # LayerNorm (RoFormer)
-RMS_NORM = "rms_norm"  # RoFormer-V2's parameter-free RMS norm
-NORM_TYPES = (LAYER_NORM, RMS_NORM)
+# `norm_type`: the two spellings RoFormer configs are published with: LayerNorm (RoFormer), or RoFormer-V2's
+# parameter-free RMS norm. JunnYu's `roformer` (whose V2 checkpoints carry the field; transformers' RoFormer has none)
+# builds LayerNorm for "layer_norm" and its RMS norm otherwise, and its V2 configs say "rms_norm". Other spellings
+# ("layernorm", "LayerNorm", "rmsnorm") appear in no published RoFormer config, so they are refused rather than
+# guessed: a typo must not silently build the other model.
+NormType = Literal["layer_norm", "rms_norm"]
+
+
+def _roformer_frequencies(config: RoFormerConfig, device: torch.device | None = None,
+                          seq_len: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """The "default" rope type: RoFormer's own frequencies (`inverse_frequencies`, in float64), attention factor 1.
+    The interface of transformers' `ROPE_INIT_FUNCTIONS`."""
+    return inverse_frequencies(config.head_dim, config.rope_theta, device), 1.0
 
 
 class RopeType(NamedTuple):
-    """A row of `ROPE_TYPES`: what a rope type of `rope_parameters` reads and how its frequencies behave."""
+    """A row of `ROPE_TYPES`: how a rope type of `rope_parameters` makes its frequencies and what it reads."""
 
-    reads: tuple[str, ...]  # keys it reads besides `rope_type`, `rope_theta` and `partial_rotary_factor`
+    # (config, device, longest sequence or None) -> the frequencies theta (d/2,) and the attention factor
+    init: Callable[..., tuple[torch.Tensor, float]]
+    reads: tuple[str, ...] = ()  # keys it reads besides `rope_type`, `rope_theta` and `partial_rotary_factor`
     requires: tuple[str, ...] = ()  # those it cannot do without
     adapts_to_length: bool = False  # its frequencies follow the batch's longest sequence
 
 
-# The one table of rope types. Frequencies come from transformers' `ROPE_INIT_FUNCTIONS` (RoFormer's own for
-# "default"); each key they read is checked by `ROPE_KEY_CHECKS`.
+# The one table of rope types: RoFormer's own frequencies for "default", transformers' `ROPE_INIT_FUNCTIONS` for the
+# others; each key they read is checked by `ROPE_KEY_CHECKS`.
 ROPE_TYPES = {
-    "default": RopeType(()),
-    "linear": RopeType(("factor",), requires=("factor",)),
-    "dynamic": RopeType(("factor",), requires=("factor",), adapts_to_length=True),
-    "yarn": RopeType(("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-                      "mscale", "mscale_all_dim", "truncate"), requires=("factor",)),
-    "longrope": RopeType(("short_factor", "long_factor", "original_max_position_embeddings", "factor",
-                          "attention_factor"), requires=("short_factor", "long_factor"), adapts_to_length=True),
-    "llama3": RopeType(("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "default": RopeType(_roformer_frequencies),
+    "linear": RopeType(ROPE_INIT_FUNCTIONS["linear"], reads=("factor",), requires=("factor",)),
+    "dynamic": RopeType(ROPE_INIT_FUNCTIONS["dynamic"], reads=("factor",), requires=("factor",),
+                        adapts_to_length=True),
+    "yarn": RopeType(ROPE_INIT_FUNCTIONS["yarn"],
+                     reads=("factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+                            "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+                     requires=("factor",)),
+    "longrope": RopeType(ROPE_INIT_FUNCTIONS["longrope"],
+                         reads=("short_factor", "long_factor", "original_max_position_embeddings", "factor",
+                                "attention_factor"),
+                         requires=("short_factor", "long_factor"), adapts_to_length=True),
+    "llama3": RopeType(ROPE_INIT_FUNCTIONS["llama3"],
+                       reads=("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
                        requires=("factor", "low_freq_factor", "high_freq_factor")),
 }
+
+
 def _positive(value, *context) -> bool:  # numpy scalars too; `context`: the rope parameters and head_dim / 2
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
 
@@ -130,7 +148,8 @@ class RoFormerConfig(PreTrainedConfig):
       embedding projection and the task heads always have them, as in RoFormer-V2.
     - `norm_type`: `"layer_norm"` (RoFormer), or `"rms_norm"` for RoFormer-V2's parameter-free RMS norm `x /
       sqrt(mean(x^2) + layer_norm_eps)` (no gain, bias or centring) in the same places. With it, the MLM
-      head is the tied decoder alone (no transform, norm or bias), so `embedding_size` must equal `hidden_size`.
+      head is the tied decoder alone (no transform, norm or bias), so `embedding_size` must equal `hidden_size`
+      (`check_mlm_head`, which the MLM head calls; the encoder alone takes any `embedding_size`).
       RoFormer-V2 is `use_bias=False, norm_type="rms_norm", hidden_act="relu"`, as its config.json says.
     - `is_decoder`: causal self-attention with a cache of keys and values (`RoFormerForCausalLM`, `generate()`), as
       in transformers; `use_cache` (default True) lets decoders return the cache outside training.
@@ -205,14 +224,14 @@ class RoFormerConfig(PreTrainedConfig):
     rope_parameters: dict | None = None
     num_key_value_heads: int | None = None
     use_bias: bool = True
-    norm_type: str = LAYER_NORM
+    norm_type: NormType = "layer_norm"
     pooler_activation: str = "tanh"
     is_decoder: bool = False
     add_cross_attention: bool = False
     use_cache: bool = True
     prefix_lm: bool = False
     add_pooling_layer: bool = False
-    rotary_layout: Literal["interleaved", "half"] = "interleaved"
+    rotary_layout: RotaryLayout = "interleaved"
     norm_position: Literal["post", "pre"] = "post"
     unpad_inputs: bool = True
     sparse_prediction: bool = False
@@ -256,19 +275,14 @@ class RoFormerConfig(PreTrainedConfig):
         for name in ("add_cross_attention", "prefix_lm"):
             if getattr(self, name) and not self.is_decoder:
                 fail(name, "False unless is_decoder=True (it describes a decoder's attention)")
-        if not isinstance(self.norm_type, str) or self.norm_type not in NORM_TYPES:
-            fail("norm_type", f"one of {NORM_TYPES} (LayerNorm, or RoFormer-V2's parameter-free RMS norm)")
+        for name, annotation in inspect.get_annotations(RoFormerConfig, eval_str=True).items():
+            if get_origin(annotation) is Literal and getattr(self, name) not in get_args(annotation):
+                fail(name, f"one of {get_args(annotation)}")  # the field's one list of values: its `Literal` type
         if self.pad_token_id is not None and not (isinstance(self.pad_token_id, int)
                                                   and 0 <= self.pad_token_id < self.vocab_size):
             fail("pad_token_id", f"None or an id in [0, vocab_size={self.vocab_size})")
         if self.num_labels < 1:
             fail("num_labels", "at least 1")
-        if self.rotary_layout not in ROTARY_LAYOUTS:
-            fail("rotary_layout", f"one of {ROTARY_LAYOUTS}")
-        if self.norm_position not in NORM_POSITIONS:
-            fail("norm_position", f"one of {NORM_POSITIONS}")
-        if self.classifier_pooling not in CLASSIFIER_POOLINGS:
-            fail("classifier_pooling", f"one of {CLASSIFIER_POOLINGS}")
         chunk = self.chunk_size_feed_forward
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             fail("chunk_size_feed_forward", "a non-negative integer (0: no chunking)")
@@ -345,7 +359,16 @@ class RoFormerConfig(PreTrainedConfig):
     @property
     def uses_layer_norm(self) -> bool:
         """LayerNorm (RoFormer), or RoFormer-V2's parameter-free RMS norm (`norm_type="rms_norm"`)."""
-        return self.norm_type == LAYER_NORM
+        return self.norm_type == "layer_norm"
+
+    def check_mlm_head(self) -> None:
+        """RoFormer-V2's MLM head (a `norm_type` other than LayerNorm) is the tied decoder alone, with no transform:
+        the hidden states must have the embeddings' size. The MLM head asks; the encoder and the other heads take
+        any `embedding_size`."""
+        if not self.uses_layer_norm and self.embedding_size != self.hidden_size:
+            raise ValueError(f"RoFormerConfig.embedding_size={self.embedding_size}: expected hidden_size="
+                             f"{self.hidden_size} with norm_type={self.norm_type!r}: RoFormer-V2's MLM head has no "
+                             "transform to map hidden states to the embeddings' size")
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):

@@ -33,7 +33,6 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import ModelOutput, TransformersKwargs
 from transformers.utils.generic import can_return_tuple
@@ -47,7 +46,7 @@ from .loading import CheckpointPolicy
 from .masks import AttentionMask
 from .padding import BatchLayout, logits_in_padded_layout
 from .plan import ForwardPlan
-from .rotary import inverse_frequencies, rotary_phases, rotate
+from .rotary import rotary_phases, rotate
 from .validation import (
     check_choice_labels,
     check_sequence_labels,
@@ -122,10 +121,8 @@ class RoFormerRotaryEmbedding(nn.Module):
                     longest: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
         """The rotation speeds theta ``(d/2,)`` and the attention factor; `longest`: a 0-d tensor, for the rope types
         that adapt to the length (``None``: the training length)."""
-        rope_type = self.config.rope_parameters["rope_type"]
-        if rope_type == "default":
-            return inverse_frequencies(self.config.head_dim, self.config.rope_theta, device), 1.0
-        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](self.config, device, seq_len=longest)
+        init = ROPE_TYPES[self.config.rope_parameters["rope_type"]].init
+        inv_freq, attention_factor = init(self.config, device, longest)
         return inv_freq, float(attention_factor)
 
     @property
@@ -539,12 +536,9 @@ class RoFormerLMPredictions(nn.Module):
 
     def __init__(self, config: RoFormerConfig):
         super().__init__()
+        config.check_mlm_head()
         if config.uses_layer_norm:
             self.transform = RoFormerPredictionTransform(config)
-        elif config.embedding_size != config.hidden_size:
-            raise ValueError(f"RoFormerConfig.embedding_size={config.embedding_size}: expected hidden_size="
-                             f"{config.hidden_size} with norm_type={config.norm_type!r}: RoFormer-V2's MLM head has no "
-                             "transform to map hidden states to the embeddings' size")
         self.decoder = nn.Linear(config.embedding_size, config.vocab_size, bias=config.uses_layer_norm)
         if config.uses_layer_norm:
             self.bias = nn.Parameter(torch.zeros(config.vocab_size))

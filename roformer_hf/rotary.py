@@ -14,10 +14,13 @@ The two give the same attention scores once each head's query/key projection row
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 from transformers.utils.import_utils import is_tracing
 
-ROTARY_LAYOUTS = ("interleaved", "half")
+RotaryLayout = Literal["interleaved", "half"]  # the type of `RoFormerConfig.rotary_layout`
+ROTARY_LAYOUTS = get_args(RotaryLayout)
 
 
 def check_head_dim(head_dim: int) -> None:

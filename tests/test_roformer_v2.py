@@ -148,8 +148,9 @@ def test_v2_mlm_head_needs_hidden_states_of_the_embeddings_size():
     config = RoFormerConfig(vocab_size=50, hidden_size=16, embedding_size=8, num_hidden_layers=1,
                             num_attention_heads=2, intermediate_size=24, norm_type="rms_norm")
     roformer_hf.RoFormerForSequenceClassification(config)  # only the MLM head lacks a projection
-    with pytest.raises(ValueError, match="embedding_size=8"):
-        roformer_hf.RoFormerForMaskedLM(config)
+    for build in (config.check_mlm_head, lambda: roformer_hf.RoFormerForMaskedLM(config)):
+        with pytest.raises(ValueError, match="embedding_size=8: expected hidden_size=16 with norm_type='rms_norm'"):
+            build()
 
 
 def _without_fields(source: Path, destination: Path, *fields: str) -> Path:
