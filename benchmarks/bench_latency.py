@@ -1,0 +1,236 @@
+"""Latency on CPU: milliseconds per call of roformer_hf, transformers' RoFormer and OpenVINO on the same weights.
+
+    python benchmarks/bench_latency.py              # 4 layers of base width, every core (a few minutes on 2 cores)
+    python benchmarks/bench_latency.py --quick      # tiny smoke configuration (seconds)
+
+What it does:
+1. Builds transformers' `RoFormerModel` (dropout 0, eager attention, its only kernel), saves it, and loads the folder in
+   roformer_hf (`RoFormerModel`, SDPA): the same weights. Converts transformers' model to OpenVINO with
+   `openvino.convert_model` (traced on the one-sentence input; both input dimensions stay dynamic, so one compiled
+   model serves every workload) and compiles it for the CPU plugin with the latency hint, `--threads` inference
+   threads and fp32 inference precision (the plugin would pick bf16 on CPUs with bf16 matrix units).
+2. The workloads (`--workloads`): one sentence of `--length` tokens (batch 1); 32 short sentences (8-32 tokens,
+   sorted longest first and right-padded, as sentence-transformers batches them); the padded batch of `--lengths`
+   (the CPU targets' 8 x 512..128). On each, checks roformer_hf's and OpenVINO's last hidden state against
+   transformers' at the real tokens (max abs difference at most `--tolerance`), then times one forward of each
+   (`torch.inference_mode`, fp32), interleaved, rotating which goes first, `--repeats` times after `--warmup`
+   rounds; reports the median and the 90th percentile, and each median over OpenVINO's.
+3. `decode`: one decoding step of roformer_hf's `RoFormerForCausalLM` (batch 1, one token, on the cache it makes)
+   after a prompt of P tokens, for each P of `--prefixes`, interleaved the same way; each step adds a token to the
+   cache. roformer_hf only (the first step's logits are checked against transformers' first), to follow the step's
+   cost from commit to commit.
+
+The model's size comes from `workload.add_size_arguments`; `--threads` defaults to every core this process may run on,
+for torch and OpenVINO alike. OpenVINO is the `bench` extra (`pip install -e '.[bench]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+from statistics import median
+
+import torch
+
+from bench_embeddings import SETS, batches, sentences
+from common import available_cores, machine_lines, progress, time_interleaved, time_once, verdict
+from workload import add_size_arguments, padded_batch, parse_args, size_of, transformers_config
+
+import roformer_hf  # after workload, which puts this checkout first on sys.path
+
+WORKLOADS = ("sentence", "short", "padded", "decode")
+MODELS = ("roformer_hf", "transformers", "OpenVINO")
+SENTENCE_TARGET = 1.0  # roformer_hf's batch-1 latency over OpenVINO's, at most
+
+
+def load_pair(head: str, config, folder: str) -> dict[str, torch.nn.Module]:
+    """transformers' `head` with random weights, saved to `folder`, and roformer_hf's `head` loaded from it."""
+    import transformers
+
+    torch.manual_seed(0)
+    reference = getattr(transformers, head)(config).eval()
+    reference.save_pretrained(folder)
+    ours, info = getattr(roformer_hf, head).from_pretrained(folder, output_loading_info=True)
+    if info["missing_keys"] or info["mismatched_keys"]:
+        raise RuntimeError(f"roformer_hf did not load every weight of the checkpoint: {info}")
+    return {"roformer_hf": ours.eval(), "transformers": reference}
+
+
+class OpenVinoModel:
+    """transformers' RoFormerModel converted by `openvino.convert_model` and compiled for the CPU plugin: dynamic
+    batch and length, `PERFORMANCE_HINT` LATENCY, `threads` inference threads, fp32 inference precision."""
+
+    def __init__(self, model: torch.nn.Module, example: tuple[torch.Tensor, torch.Tensor], threads: int):
+        import openvino
+
+        input_ids, attention_mask = example
+        self.config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads,
+                       "INFERENCE_PRECISION_HINT": "f32"}
+        start = time.perf_counter()
+        graph = openvino.convert_model(model, example_input={"input_ids": input_ids, "attention_mask": attention_mask})
+        converted = time.perf_counter()
+        self.request = openvino.compile_model(graph, "CPU", config=self.config).create_infer_request()
+        self.convert_seconds, self.compile_seconds = converted - start, time.perf_counter() - converted
+        self.version = openvino.__version__
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        outputs = self.request.infer({"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy()})
+        return torch.from_numpy(outputs[0])  # last_hidden_state, (B, L, H)
+
+
+def last_hidden_state(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, OpenVinoModel):
+        return model(input_ids, attention_mask)
+    return model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def encoder_inputs(workload: str, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask)`, each `(B, L)`, of an encoder workload."""
+    if workload == "sentence":
+        return batches(sentences(args.length, args.length, 1, args.vocab, args.seed), 1)[0]
+    if workload == "short":
+        return batches(sentences(*SETS["short"], 32, args.vocab, args.seed), 32)[0]
+    return padded_batch(args.lengths, args.vocab, args.seed)[:2]
+
+
+def encoder_latency(models: dict, inputs, args) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each model's seconds per forward on `inputs`, and the max abs difference of its last hidden state from
+    transformers' at the real tokens (checked at most `args.tolerance` before timing)."""
+    input_ids, attention_mask = inputs
+    real = attention_mask.bool()
+    with torch.inference_mode():
+        reference = last_hidden_state(models["transformers"], *inputs)[real]
+        diffs = {name: (last_hidden_state(model, *inputs)[real] - reference).abs().max().item()
+                 for name, model in models.items()}
+        if any(diff > args.tolerance for diff in diffs.values()):
+            raise RuntimeError(f"last hidden states differ from transformers' by more than {args.tolerance}: {diffs}")
+        runners = {name: (lambda model=model: time_once(lambda: last_hidden_state(model, *inputs)))
+                   for name, model in models.items()}
+        return time_interleaved(runners, args.warmup, args.repeats), diffs
+
+
+def decode_latency(folder: str, args) -> tuple[dict[int, list[float]], float]:
+    """roformer_hf's seconds per one-token step (batch 1) on a cache filled with each prompt of `args.prefixes`, and
+    the largest difference of the first step's logits from transformers' (checked at most `args.tolerance`).
+
+    Each prompt is run once; every warm-up round and repeat then appends one token to its cache, so the cache of a
+    prompt of P tokens holds P+1 to P+warmup+repeats tokens while it is timed (a prompt run again for every step
+    would cost more than all the steps at P=512)."""
+    steps = args.warmup + args.repeats
+    config = transformers_config(size_of(args), max(args.prefixes) + steps + 1)
+    config.is_decoder = True
+    models = load_pair("RoFormerForCausalLM", config, folder)
+    generator = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(5, args.vocab, (1, max(args.prefixes) + steps + 1), generator=generator)
+    caches, diff = {}, 0.0
+
+    def step(model, cache) -> torch.Tensor:
+        position = cache.get_seq_length()
+        return model(ids[:, position:position + 1], past_key_values=cache, use_cache=True).logits
+
+    with torch.inference_mode():
+        for prefix in args.prefixes:
+            logits = {}
+            for name, model in models.items():
+                caches[name, prefix] = model(ids[:, :prefix], use_cache=True).past_key_values
+                logits[name] = step(model, caches[name, prefix])
+            diff = max(diff, (logits["roformer_hf"] - logits["transformers"]).abs().max().item())
+        if diff > args.tolerance:
+            raise RuntimeError(f"roformer_hf's decoding step differs from transformers' by {diff} > {args.tolerance}")
+        ours = models["roformer_hf"]
+        runners = {prefix: (lambda cache=caches["roformer_hf", prefix]: time_once(lambda: step(ours, cache)))
+                   for prefix in args.prefixes}
+        return time_interleaved(runners, args.warmup, args.repeats), diff
+
+
+def p90(samples: list[float]) -> float:
+    """The 90th percentile, nearest rank."""
+    return sorted(samples)[math.ceil(0.9 * len(samples)) - 1]
+
+
+def milliseconds(samples: list[float]) -> str:
+    return f"{1e3 * median(samples):.2f} ({1e3 * p90(samples):.2f})"
+
+
+def report(args, size, threads: int, openvino_model: OpenVinoModel | None, rows: dict, decode) -> None:
+    print("\n## Latency on CPU (ms per call: median (p90) of the interleaved repeats)\n")
+    print(*machine_lines(), sep="\n")
+    print(f"- model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}, "
+          f"vocab {size.vocab}; fp32, dropout 0 (eval); {threads} threads; repeats {args.repeats}, warm-up rounds "
+          f"{args.warmup}")
+    if openvino_model is not None:
+        print(f"- openvino {openvino_model.version}, CPU plugin {openvino_model.config}; transformers' RoFormerModel "
+              f"through openvino.convert_model ({openvino_model.convert_seconds:.1f} s; dynamic batch and length), "
+              f"compile_model {openvino_model.compile_seconds:.1f} s")
+    if rows:
+        print("\n| workload | tokens (real / padded) | " + " | ".join(MODELS) + " | roformer_hf / OpenVINO | "
+              "transformers / OpenVINO | max abs diff to transformers: roformer_hf; OpenVINO |")
+        print("|---|---|" + "---|" * (len(MODELS) + 3))
+    for label, (inputs, times, diffs) in rows.items():
+        attention_mask = inputs[1]
+        ratio = {name: median(times[name]) / median(times["OpenVINO"]) for name in MODELS[:2]}
+        met = f" ({verdict(ratio['roformer_hf'] <= SENTENCE_TARGET)})" if label.startswith("1 sentence") else ""
+        print(f"| {label} | {int(attention_mask.sum())} / {attention_mask.numel()} | "
+              + " | ".join(milliseconds(times[name]) for name in MODELS)
+              + f" | {ratio['roformer_hf']:.2f}x{met} | {ratio['transformers']:.2f}x | "
+              f"{diffs['roformer_hf']:.1e}; {diffs['OpenVINO']:.1e} |")
+    if rows:
+        print(f"\nTarget: one sentence (batch 1) at or below OpenVINO's latency (roformer_hf / OpenVINO "
+              f"≤ {SENTENCE_TARGET:.2f}x).")
+    if decode is not None:
+        times, diff = decode
+        print(f"\nroformer_hf's RoFormerForCausalLM, one decoding step (batch 1, one token) after a prompt of P "
+              f"tokens, ms per step: median (p90); each step adds a token, so the cache holds P+1 to "
+              f"P+{args.warmup + args.repeats} tokens; the first step's logits within {diff:.1e} of transformers'\n")
+        print("| P | roformer_hf |\n|---|---|")
+        for prefix, samples in times.items():
+            print(f"| {prefix} | {milliseconds(samples)} |")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_arguments(parser)
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--length", type=int, default=16, help="tokens of the one sentence, [CLS] and [SEP] included")
+    parser.add_argument("--prefixes", type=int, nargs="+", default=[16, 128, 512],
+                        help="prompt lengths before the decoding step")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="max abs difference allowed")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(build_parser(), argv, prefixes=[16, 32], warmup=1)
+    threads = args.threads or available_cores()
+    torch.set_num_threads(threads)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    size = size_of(args)
+    encoder_workloads = [name for name in WORKLOADS[:3] if name in args.workloads]
+    labels = {"sentence": f"1 sentence of {args.length} tokens", "short": "32 short sentences (8-32 tokens, sorted)",
+              "padded": f"{len(args.lengths)} x {max(args.lengths)}..{min(args.lengths)} padded"}
+    rows, openvino_model, decode = {}, None, None
+    with tempfile.TemporaryDirectory(prefix="roformer_bench_") as folder:
+        if encoder_workloads:
+            progress("building the models, converting transformers' RoFormerModel to OpenVINO")
+            models = load_pair("RoFormerModel", transformers_config(size, max(args.length, *args.lengths)), folder)
+            openvino_model = OpenVinoModel(models["transformers"], encoder_inputs("sentence", args), threads)
+            models["OpenVINO"] = openvino_model
+            for workload in encoder_workloads:
+                progress(f"checking and timing: {labels[workload]}")
+                inputs = encoder_inputs(workload, args)
+                rows[labels[workload]] = (inputs, *encoder_latency(models, inputs, args))
+        if "decode" in args.workloads:
+            progress(f"timing roformer_hf's decoding step after {args.prefixes} tokens")
+            decode = decode_latency(os.path.join(folder, "causal_lm"), args)
+    report(args, size, threads, openvino_model, rows, decode)
+
+
+if __name__ == "__main__":
+    main()
