@@ -107,6 +107,20 @@ def test_dynamic_scaling_equals_none_up_to_the_training_length_and_differs_beyon
         assert (logits(dynamic, ids) - logits(plain, ids)).abs().max() > 1e-2, length
 
 
+def test_dynamic_scaling_with_a_cache_keeps_each_steps_frequencies_in_its_keys():
+    """As in transformers: a sequence fed in two pieces through a cache equals one forward up to the training length;
+    beyond it the first piece's keys keep the frequencies of their (shorter) forward, and the two differ."""
+    torch.manual_seed(0)
+    decoder = roformer_hf.RoFormerForCausalLM(config(ROPE_CASES["dynamic"], is_decoder=True)).eval()
+    for length, same in ((16, True), (40, False)):  # max_position_embeddings = 16
+        ids = ids_of_length(length)
+        whole = logits(decoder, ids)
+        with torch.no_grad():
+            cache = decoder(ids[:, :8], use_cache=True).past_key_values
+            pieces = decoder(ids[:, 8:], past_key_values=cache).logits
+        assert torch.allclose(pieces, whole[:, 8:], atol=1e-5, rtol=0) == same, length
+
+
 @pytest.mark.parametrize("unpad", [True, False])
 def test_dynamic_scaling_follows_the_longest_real_sequence_of_the_batch(unpad):
     """Padding does not count: a sequence gives the same logits alone and padded in a batch whose sequences are all
