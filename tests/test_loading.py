@@ -10,7 +10,6 @@ import transformers
 from helpers import padded_batch, tiny_config
 
 import roformer_hf
-
 from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification
 
 
