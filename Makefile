@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install lint test demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ $(STAMP): $(PY) setup.cfg pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+# transformers' ruff rules (pyproject.toml); `make test` stops on a finding before the tests run.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: $(STAMP) lint
 	$(PY) -m pytest
 
 demo: $(STAMP)

@@ -28,11 +28,19 @@ from pathlib import Path
 from statistics import median
 
 import torch
-
 from common import machine_lines
 from identical_paths import compare
-from workload import (DTYPES, REPO_ROOT, add_size_arguments, infer, padded_batch, parse_args, size_of, train_step,
-                      transformers_config)
+from workload import (
+    DTYPES,
+    REPO_ROOT,
+    add_size_arguments,
+    infer,
+    padded_batch,
+    parse_args,
+    size_of,
+    train_step,
+    transformers_config,
+)
 
 
 def import_old_version(revision: str, folder: Path):

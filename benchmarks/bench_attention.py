@@ -21,7 +21,6 @@ from statistics import median
 
 import torch
 import torch.nn.functional as F
-
 from common import machine_lines, spread, time_interleaved, time_once
 from workload import DTYPES, TARGET_LENGTHS, parse_args
 

@@ -43,12 +43,24 @@ import threading
 import time
 from statistics import median
 
-import torch
-
 import onnx_runtime
+import torch
 from common import cpu_bf16_units, machine_lines, progress, spread, time_interleaved, time_once, verdict
-from workload import (DTYPES, add_size_arguments, allocator_line, forward_flops, infer, keep_freed_memory, load_model,
-                      padded_batch, parse_args, size_of, sparse_head_forward_flops, train_step, transformers_config)
+from workload import (
+    DTYPES,
+    allocator_line,
+    forward_flops,
+    infer,
+    keep_freed_memory,
+    load_model,
+    padded_batch,
+    parse_args,
+    size_of,
+    sparse_head_forward_flops,
+    timing_parser,
+    train_step,
+    transformers_config,
+)
 
 from roformer_hf import fused  # after workload, which puts this checkout first on sys.path
 
@@ -174,7 +186,7 @@ def timed_step(model, step, batch) -> float:
 
 def _proc_status(key: str) -> int | None:
     try:
-        with open("/proc/self/status") as status:
+        with open("/proc/self/status", encoding="utf-8") as status:
             for line in status:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
@@ -196,7 +208,7 @@ class PeakRSS:
         gc.collect()
         self.baseline = _proc_status("VmRSS")
         try:
-            with open("/proc/self/clear_refs", "w") as clear_refs:
+            with open("/proc/self/clear_refs", "w", encoding="utf-8") as clear_refs:
                 clear_refs.write("5")
             self.method = "VmHWM"
         except OSError:
@@ -407,11 +419,7 @@ def onnx_report(args, onnx: dict | str, times: dict, judge: Judge) -> None:
 # ---------------------------------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_size_arguments(parser)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per model and mode")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per model and mode first")
+    parser = timing_parser(__doc__.split("\n\n")[0], repeats=5, warmup=1, timed="runs per model and mode")
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES),
                         help="weights and activations of both models (the GEMM reference too)")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="roformer_hf's attention")
@@ -510,7 +518,7 @@ def main() -> None:
                 model.train(mode == "train")
             if args.compile:  # the first call of each step compiles it
                 compile_seconds[mode] = timed_step(models["roformer_hf"], step, batch)
-            runners = {side: (lambda side=side: timed_step(models[side], step, batch)) for side in SIDES}
+            runners = {side: (lambda model=models[side]: timed_step(model, step, batch)) for side in SIDES}
             if mode == "infer":
                 runners.update({name: (lambda session=session: session.timed(batch))
                                 for name, session in sessions.items()})
@@ -524,7 +532,7 @@ def main() -> None:
         # training through autograd's (MKL's).
         reference_gemm = {"infer": (kernels[-1], rates["FFN up again, sampled between the model runs", kernels[-1]]),
                           "train": (kernels[0], rates["FFN up again, sampled between the model runs", kernels[0]])}
-        del models, sessions
+        del models, sessions, runners  # runners hold the models too
         gc.collect()
 
         memory = {}

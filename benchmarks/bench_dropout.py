@@ -30,8 +30,7 @@ import time
 from statistics import median
 
 import torch
-
-from workload import add_size_arguments, parse_args, size_of
+from workload import parse_args, size_of, timing_parser
 
 # name -> (hidden dropout, attention dropout, attention dropout in blocks)
 SETTINGS = {"dropout 0": (0.0, 0.0, True), "hidden dropout 0.1, attention dropout 0": (0.1, 0.0, True),
@@ -101,11 +100,8 @@ def attention_only(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_size_arguments(parser)
+    parser = timing_parser(__doc__, repeats=2, warmup=1)
     parser.add_argument("--length", type=int, default=4096, help="tokens in the one sequence")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--attention-only", action="store_true", help="time one layer's attention kernels alone")
     parser.add_argument("--setting", choices=SETTINGS, help=argparse.SUPPRESS)
     args = parse_args(parser, argv, length=512, repeats=1)

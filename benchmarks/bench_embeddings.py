@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_lines, progress, spread, time_interleaved, verdict  # noqa: E402
-from workload import add_size_arguments, parse_args, size_of, transformers_config  # noqa: E402
+from workload import parse_args, size_of, timing_parser, transformers_config  # noqa: E402
 
 SETS = {"short": (8, 32), "~128": (120, 136), "mixed": (8, 256)}
 COSINE_TARGET, INT8_TARGET, INT8_COSINE_TARGET = 0.99999, 1.5, 0.999
@@ -127,12 +127,9 @@ def where_time_goes(model, batch, rows: int = 10) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_size_arguments(parser)
+    parser = timing_parser(__doc__.split("\n\n")[0], repeats=5, warmup=1)
     parser.add_argument("--count", type=int, default=256, help="sentences per set (batch 32)")
     parser.add_argument("--single", type=int, default=32, help="sentences timed one at a time per set")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
     return parser
 
 

@@ -28,15 +28,17 @@ from statistics import median
 
 import torch
 import transformers
+from common import machine_lines, progress
 
 import roformer_hf
-from common import machine_lines, progress
 from roformer_hf.quantization import int8_kernel_available, quantize_int8
 
 INT8 = "roformer_hf int8"
 
-BASE = dict(vocab_size=12000, hidden_size=768, num_hidden_layers=4, num_attention_heads=12, intermediate_size=3072)
-QUICK = dict(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+BASE = {"vocab_size": 12000, "hidden_size": 768, "num_hidden_layers": 4, "num_attention_heads": 12,
+        "intermediate_size": 3072}
+QUICK = {"vocab_size": 500, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "intermediate_size": 128}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

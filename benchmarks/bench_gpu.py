@@ -35,10 +35,20 @@ from dataclasses import dataclass, field
 from statistics import median
 
 import torch
-
 from common import machine_lines, progress, spread, time_interleaved, time_once, verdict
-from workload import (Size, add_size_arguments, forward_flops, infer, load_model, padded_batch, parse_args, size_of,
-                      sparse_head_forward_flops, train_step, transformers_config)
+from workload import (
+    Size,
+    forward_flops,
+    infer,
+    load_model,
+    padded_batch,
+    parse_args,
+    size_of,
+    sparse_head_forward_flops,
+    timing_parser,
+    train_step,
+    transformers_config,
+)
 
 TARGETS = {"infer speed-up": 3.0, "train speed-up": 3.0, "train MFU": 0.45}
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, matched against the device name; the first match wins.
@@ -307,16 +317,12 @@ def report(args, size: Size, lengths: tuple[int, ...], labelled: int, contenders
 # ---------------------------------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_size_arguments(parser)
+    parser = timing_parser(__doc__.split("\n\n")[0], repeats=10, warmup=3, timed="calls per model and mode")
     parser.set_defaults(layers=12)  # the GPU targets are at base size
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     parser.add_argument("--repeat-batch", type=int, default=4,
                         help="the --lengths mix repeated N times in one batch (default 4: 32 sequences)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per model and mode")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per model and mode first")
     parser.add_argument("--attn", default="auto", choices=("auto", "sdpa", "flash_attention_2"),
                         help="roformer_hf's and ModernBERT's attention; auto: flash_attention_2 when flash-attn is "
                              "installed (and the device and dtype allow it), else sdpa")

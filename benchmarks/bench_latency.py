@@ -34,7 +34,6 @@ import time
 from statistics import median
 
 import torch
-
 from bench_embeddings import SETS, batches, sentences
 from common import available_cores, machine_lines, progress, time_interleaved, time_once, verdict
 from workload import add_size_arguments, padded_batch, parse_args, size_of, transformers_config

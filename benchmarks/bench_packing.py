@@ -17,15 +17,13 @@ Two workloads: the CPU benchmark's mixed lengths (8 sequences of 512...128 token
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from statistics import median
 
 import torch
-
 from common import machine_lines
-from workload import add_size_arguments, allocator_line, keep_freed_memory, parse_args, size_of, transformers_config
+from workload import allocator_line, keep_freed_memory, parse_args, size_of, timing_parser, transformers_config
 
 SHORT_LINES = 64
 
@@ -106,10 +104,7 @@ def run_workload(name: str, lengths: tuple[int, ...], models: dict, args) -> dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_size_arguments(parser)
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per way and workload")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = timing_parser(__doc__, repeats=5, warmup=1, timed="steps per way and workload")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max loss difference allowed")
     args = parse_args(parser, argv, repeats=3)
     if args.keep_freed_memory:

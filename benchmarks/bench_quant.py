@@ -36,12 +36,19 @@ import time
 import warnings
 from statistics import median
 
-import torch
-
 import onnx_runtime
+import torch
 from common import cpu_info, int8_matrix_units, machine_lines, progress, spread, time_interleaved, verdict
-from workload import (REPO_ROOT, add_size_arguments, infer, load_model, padded_batch, parse_args, size_of,
-                      transformers_config)
+from workload import (
+    REPO_ROOT,
+    infer,
+    load_model,
+    padded_batch,
+    parse_args,
+    size_of,
+    timing_parser,
+    transformers_config,
+)
 
 from roformer_hf.quantization import quantize_int8  # after workload, which puts this checkout first on sys.path
 
@@ -169,11 +176,7 @@ def report(args, size, times, facts, setup, units, full_range, measured_commit: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_size_arguments(parser)
-    parser.add_argument("--repeats", type=int, default=5, help="timed forwards per path")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed forwards per path first")
+    parser = timing_parser(__doc__.split("\n\n")[0], repeats=5, warmup=1, timed="forwards per path")
     parser.add_argument("--skip-onnx", action="store_true", help="skip the ONNX Runtime paths")
     parser.add_argument("--skip-compile", action="store_true", help="skip the torch.compile fp32 path")
     parser.add_argument("--torchao", action=argparse.BooleanOptionalAction, default=None,

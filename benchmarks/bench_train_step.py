@@ -35,21 +35,20 @@ import argparse
 import sys
 import tempfile
 import time
-from pathlib import Path
 from statistics import median
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from common import machine_lines, progress, spread, time_interleaved
 from profile_cpu import CATEGORIES
+from torch.profiler import ProfilerActivity, profile
 from workload import REPO_ROOT, Size, forward_flops, sparse_head_forward_flops
 
 sys.path.insert(0, str(REPO_ROOT / "examples"))
 
 SIDES = ("roformer_hf", "transformers")
-DEMO = dict(layers=3, hidden=256, heads=4, intermediate=1024, vocab=8000, batch=8, length=256)
-QUICK = dict(layers=2, hidden=64, heads=4, intermediate=256, vocab=1000, batch=4, length=64, repeats=3, warmup=1)
+DEMO = {"layers": 3, "hidden": 256, "heads": 4, "intermediate": 1024, "vocab": 8000, "batch": 8, "length": 256}
+QUICK = {"layers": 2, "hidden": 64, "heads": 4, "intermediate": 256, "vocab": 1000, "batch": 4, "length": 64,
+         "repeats": 3, "warmup": 1}
 # Operator-name fragments of the step's parts beyond the model's (profile_cpu.CATEGORIES); the first match wins.
 STEP_CATEGORIES = (
     ("gradient clipping", ("_foreach_norm", "linalg_vector_norm", "clamp")),
@@ -87,6 +86,7 @@ class Example:
 
     def __init__(self, args: argparse.Namespace, tokenizer_vocab: int):
         from collator import ResumableMLMCollator
+
         from roformer_hf import RoFormerHFTokenizer
 
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -111,7 +111,7 @@ def build_models(args: argparse.Namespace, folder: str, dropout: float) -> dict:
         vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, intermediate_size=args.intermediate, max_position_embeddings=args.length,
     )).save_pretrained(folder)
-    dropouts = dict(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    dropouts = {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
     return {
         "roformer_hf": roformer_hf.RoFormerForMaskedLM.from_pretrained(folder, sparse_prediction=True,
                                                                        **dropouts).train(),
@@ -143,7 +143,7 @@ class Step:
 
     def __init__(self, model, example: Example, lr: float, implementation: str = "fused"):
         self.model, self.example = model, example
-        flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
+        flags = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
         # Trainer's AdamW with weight decay 0.01 on the weights, none on biases and LayerNorm (as Trainer groups them)
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
         rest = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -210,7 +210,7 @@ def compiled_step(args: argparse.Namespace, folder: str, example: Example, steps
     import roformer_hf
 
     progress("compiling roformer_hf's step (torch.compile)")
-    dropouts = dict(hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout)
+    dropouts = {"hidden_dropout_prob": args.dropout, "attention_probs_dropout_prob": args.dropout}
     model = roformer_hf.RoFormerForMaskedLM.from_pretrained(folder, sparse_prediction=True, **dropouts).train()
     steps[COMPILED] = Step(torch.compile(model), example, args.lr)
     return sum(steps[COMPILED]() for _ in range(COMPILE_CALLS))

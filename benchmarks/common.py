@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from statistics import median
-from typing import Callable
 
 import torch
 
@@ -72,7 +72,7 @@ def cpu_info() -> tuple[str, set[str]]:
     """The CPU's model name and feature flags from /proc/cpuinfo (Linux; elsewhere `platform`'s name, no flags)."""
     fields = {}
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
                 key, _, value = line.partition(":")
                 fields.setdefault(key.strip(), value.strip())  # the first core's

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-SMALL = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-             max_position_embeddings=64)
+SMALL = {"vocab_size": 120, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "intermediate_size": 64, "max_position_embeddings": 64}
 ROPES = {"linear": {"rope_type": "linear", "factor": 2.0}, "dynamic": {"rope_type": "dynamic", "factor": 2.0},
          "yarn": {"rope_type": "yarn", "factor": 4.0}, "llama3": {"rope_type": "llama3", "factor": 2.0,
                                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0},

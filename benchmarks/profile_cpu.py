@@ -16,11 +16,9 @@ import resource
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from common import machine_lines
-from workload import (DTYPES, add_size_arguments, allocator_line, keep_freed_memory, padded_batch, parse_args,
-                      size_of)
+from torch.profiler import ProfilerActivity, profile
+from workload import DTYPES, add_size_arguments, allocator_line, keep_freed_memory, padded_batch, parse_args, size_of
 
 # Operator-name fragments -> the part of the model they stand for; the first match wins.
 CATEGORIES = (

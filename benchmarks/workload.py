@@ -1,5 +1,6 @@
-"""The benchmark workload shared by `bench_cpu.py`, `bench_gpu.py` and `profile_cpu.py`: model size, the padded batch,
-the two RoFormers loaded from one checkpoint and the two steps timed, and the analytic FLOP count on real tokens.
+"""The benchmark workload shared by `bench_cpu.py`, `bench_gpu.py`, `profile_cpu.py` and the other timing scripts:
+their command line (`timing_parser`, `parse_args`), model size, the padded batch, the two RoFormers loaded from one
+checkpoint and the two steps timed, and the analytic FLOP count on real tokens.
 
 Defaults are the CPU targets: base width (hidden 768, 12 heads, intermediate 3072), 4 layers, a vocabulary of
 12000 (roformer_chinese_char_small's size), and 8 sequences of 512/480/400/350/300/256/200/128 tokens right-padded
@@ -22,8 +23,8 @@ if str(REPO_ROOT) not in sys.path:
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --dtype of the CPU scripts
 TARGET_LENGTHS = (512, 480, 400, 350, 300, 256, 200, 128)
-QUICK = dict(layers=2, hidden=64, heads=4, intermediate=256, vocab=1000, lengths=(64, 60, 50, 40, 32, 16),
-             memory_length=256, repeats=3, warmup=1)
+QUICK = {"layers": 2, "hidden": 64, "heads": 4, "intermediate": 256, "vocab": 1000,
+         "lengths": (64, 60, 50, 40, 32, 16), "memory_length": 256, "repeats": 3, "warmup": 1}
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Size:
 
 
 def add_size_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model-size and batch flags both scripts take (defaults: the CPU targets)."""
+    """The model-size and batch flags every timing script takes (defaults: the CPU targets)."""
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
@@ -51,6 +52,17 @@ def add_size_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny smoke configuration (seconds); flags given explicitly still apply")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="make glibc keep freed memory for reuse, as jemalloc/tcmalloc do (see keep_freed_memory)")
+
+
+def timing_parser(description: str, *, repeats: int, warmup: int, timed: str | None = None) -> argparse.ArgumentParser:
+    """A timing script's parser: its `description` as written, the size flags (`add_size_arguments`), then
+    `--repeats` timed and `--warmup` untimed runs of each thing it times, which `timed` names in the help
+    ("forwards per path")."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_arguments(parser)
+    parser.add_argument("--repeats", type=int, default=repeats, help=timed and f"timed {timed}")
+    parser.add_argument("--warmup", type=int, default=warmup, help=timed and f"untimed {timed} first")
+    return parser
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None, **quick_defaults) -> argparse.Namespace:

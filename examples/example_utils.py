@@ -1,4 +1,5 @@
-"""What run_mlm.py and run_classification.py share: model/data arguments, loading text data, the tokenizer."""
+"""What the Trainer scripts (run_mlm.py, run_classification.py, run_seq2seq.py) share: model/data arguments,
+loading text data, the tokenizer, a language model's training and evaluation."""
 
 from __future__ import annotations
 
@@ -174,6 +175,30 @@ def new_config(model_args: ModelArguments, tokenizer, **fields) -> roformer_hf.R
 
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 100 else float("inf")
+
+
+def train_and_evaluate(trainer: transformers.Trainer, tokenizer, max_seq_length: int, metrics: dict) -> dict:
+    """A language model's run (run_mlm.py, run_seq2seq.py): with --do_train, train (from --resume_from_checkpoint)
+    and save the model and the trainer's state; with --do_eval, the validation loss and its perplexity; both when
+    neither flag is given. The training and evaluation metrics join `metrics`, which is saved (all_results.json)
+    and returned."""
+    args = trainer.args
+    if not (args.do_train or args.do_eval):
+        logger.info("Neither --do_train nor --do_eval given: doing both")
+        args.do_train = args.do_eval = True
+    if args.do_train:
+        record_trained_length(trainer.model, tokenizer, max_seq_length)
+        result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        trainer.save_model()
+        metrics.update(result.metrics)
+        trainer.save_state()
+    if args.do_eval:
+        evaluation = trainer.evaluate()
+        evaluation["eval_perplexity"] = perplexity(evaluation["eval_loss"])
+        metrics.update(evaluation)
+        trainer.log_metrics("eval", evaluation)
+    trainer.save_metrics("all", metrics)
+    return metrics
 
 
 def setup_logging(training_args: transformers.TrainingArguments) -> None:

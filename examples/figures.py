@@ -8,6 +8,8 @@
   shrinks with the distance between the two tokens, more slowly for large head sizes and bases.
 - `plot_rotary_rotation`: one vector rotated by positions 0, 1, 2, ...: each pair of dimensions turns on its own
   circle, at its own speed.
+
+`pyplot` and `save_figure`: matplotlib without a display, and a figure written and closed, for the examples that draw.
 """
 
 from __future__ import annotations
@@ -19,13 +21,23 @@ import torch
 
 from roformer_hf.rotary import inverse_frequencies, rotary_phases, rotate
 
-def _pyplot():
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: the examples write files and need no display."""
     import matplotlib
 
-    matplotlib.use("Agg")  # files only: no display needed
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> Path:
+    """Lays `fig` out, writes it to `path` and closes it (pyplot keeps every figure open until then)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
 
 
 def relative_upper_bound(head_dim: int, base: float, max_distance: int) -> torch.Tensor:
@@ -47,7 +59,7 @@ def relative_upper_bound(head_dim: int, base: float, max_distance: int) -> torch
 def plot_rotary_decay(path: Path, max_distance: int = 512) -> Path:
     """The long-term decay of the relative upper bound: for head sizes 32/64/128 at rope_theta 10000 (RoFormer's
     default), and for rope_theta 500/10^4/10^6 at head size 64."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = {"head size (rope_theta=10000)": [(32, 1e4), (64, 1e4), (128, 1e4)],
               "rope_theta (head_dim=64)": [(64, 500.0), (64, 1e4), (64, 1e6)]}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
@@ -63,10 +75,7 @@ def plot_rotary_decay(path: Path, max_distance: int = 512) -> Path:
     axes[0].set_ylabel("relative upper bound (1 at distance 0)")
     fig.suptitle("RoFormer's long-term decay (paper, section 3.4.3): (1/(d/2)) * sum_j |S_j|, "
                  "S_j = sum_{k<j} exp(i * distance * theta_k)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_rotary_rotation(path: Path, head_dim: int = 8, base: float = 10_000.0, points: int = 12) -> Path:
@@ -76,7 +85,7 @@ def plot_rotary_rotation(path: Path, head_dim: int = 8, base: float = 10_000.0, 
     radian's worth of tokens: the fastest pair turns at every token, the slowest needs thousands of tokens to
     turn as far. That is why a model can tell nearby tokens apart with the fast pairs and distant ones with the
     slow pairs."""
-    plt = _pyplot()
+    plt = pyplot()
     inv_freq = inverse_frequencies(head_dim, base)
     x = torch.tensor([1.0, 0.0]).repeat(head_dim // 2)  # (d,): every pair points along the first axis
     fig, axes = plt.subplots(1, head_dim // 2, figsize=(3.2 * head_dim // 2, 3.6))
@@ -100,10 +109,7 @@ def plot_rotary_rotation(path: Path, head_dim: int = 8, base: float = 10_000.0, 
         ax.tick_params(labelsize=7)
     fig.suptitle(f"rotary_phases + rotate on (1, 0, 1, 0, ...): pair i at position m turned by m * theta_i "
                  f"(head_dim={head_dim}, rope_theta={base:g})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_loss_curves(runs: dict[str, tuple[list[dict], int | None]], path: Path) -> Path:
@@ -112,7 +118,7 @@ def plot_loss_curves(runs: dict[str, tuple[list[dict], int | None]], path: Path)
     Args:
         runs: title -> (Trainer `state.log_history`, the step whose weights were kept).
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
     for ax, (title, (history, kept_step)) in zip(axes[0], runs.items()):
         train = [(h["step"], h["loss"]) for h in history if "loss" in h]
@@ -126,10 +132,7 @@ def plot_loss_curves(runs: dict[str, tuple[list[dict], int | None]], path: Path)
         ax.set(title=title, xlabel="step", ylabel="loss")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main() -> None:

@@ -34,8 +34,8 @@ from roformer_hf.configuration import ROPE_TYPES as ROPE_TABLE
 logger = logging.getLogger("length_extrapolation")
 
 # Small enough to train in minutes on two cores; the MLM head runs on the masked tokens only (sparse_prediction).
-MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
-             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, sparse_prediction=True)
+MODEL = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 512,
+         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "sparse_prediction": True}
 MULTIPLES = (1, 2, 4, 8)
 # Every rope type of roformer_hf, by the name its row has in the table and plot: "none" is the trained rotation.
 ROPE_TYPES = {"none" if rope_type == "default" else rope_type: rope_type for rope_type in ROPE_TABLE}
@@ -132,7 +132,7 @@ def write_table(losses: dict[str, dict[int, float]], args, path: Path) -> None:
     lines.append("")
     lines.append(f"Masked-LM loss (cross-entropy, nats) on held-out plays; trained {args.steps} steps at "
                  f"{args.train_length} tokens. Lower is better.")
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def plot(losses: dict[str, dict[int, float]], args, path: Path) -> None:

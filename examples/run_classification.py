@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_or_train_tokenizer(model_args, (row[column] for row in raw["train"]), training_args,
                                         max_length=data.max_seq_length)
     id2label = dict(enumerate(names))
-    head = dict(num_labels=len(names), id2label=id2label, label2id=label2id)
+    head = {"num_labels": len(names), "id2label": id2label, "label2id": label2id}
     if cls_args.classifier_pooling:
         head["classifier_pooling"] = cls_args.classifier_pooling
     if model_args.model_name_or_path:

@@ -25,9 +25,8 @@ from example_utils import (
     load_text_datasets,
     new_config,
     parse_arguments,
-    perplexity,
-    record_trained_length,
     text_column,
+    train_and_evaluate,
 )
 from shakespeare import genre_classification_test_plays, mlm_corpus_splits
 
@@ -102,22 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    data_collator=collator, compute_metrics=masked_token_accuracy,
                                    preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1))
 
-    metrics = {"world_size": training_args.world_size}
-    if not (training_args.do_train or training_args.do_eval):
-        logger.info("Neither --do_train nor --do_eval given: doing both")
-        training_args.do_train = training_args.do_eval = True
-    if training_args.do_train:
-        record_trained_length(model, tokenizer, data.max_seq_length)
-        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        trainer.save_model()
-        metrics.update(result.metrics)
-        trainer.save_state()
-    if training_args.do_eval:
-        evaluation = trainer.evaluate()
-        evaluation["eval_perplexity"] = perplexity(evaluation["eval_loss"])
-        metrics.update(evaluation)
-        trainer.log_metrics("eval", evaluation)
-    trainer.save_metrics("all", metrics)
+    metrics = train_and_evaluate(trainer, tokenizer, data.max_seq_length, {"world_size": training_args.world_size})
     if training_args.push_to_hub:
         trainer.push_to_hub(finetuned_from=model_args.model_name_or_path, tasks="fill-mask")
     return {"metrics": metrics, "trainer": trainer, "tokenizer": tokenizer}

@@ -30,8 +30,7 @@ from example_utils import (
     load_text_datasets,
     new_config,
     parse_arguments,
-    perplexity,
-    record_trained_length,
+    train_and_evaluate,
 )
 from shakespeare import next_line_splits
 
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_or_train_tokenizer(model_args, (row[c] for row in raw["train"] for c in COLUMNS), training_args,
                                         max_length=data.max_seq_length)
 
-    decoder = dict(is_decoder=True, prefix_lm=True)
+    decoder = {"is_decoder": True, "prefix_lm": True}
     if model_args.model_name_or_path:
         model = roformer_hf.RoFormerForCausalLM.from_pretrained(
             model_args.model_name_or_path, attn_implementation=model_args.attn_implementation, **decoder)
@@ -116,19 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = transformers.Trainer(model=model, args=training_args, train_dataset=tokenized["train"],
                                    eval_dataset=tokenized["validation"], processing_class=tokenizer,
                                    data_collator=collator)
-    metrics = {}
-    if not (training_args.do_train or training_args.do_eval):
-        training_args.do_train = training_args.do_eval = True
-    if training_args.do_train:
-        record_trained_length(model, tokenizer, data.max_seq_length)
-        metrics.update(trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint).metrics)
-        trainer.save_model()
-    if training_args.do_eval:
-        evaluation = trainer.evaluate()
-        evaluation["eval_perplexity"] = perplexity(evaluation["eval_loss"])
-        metrics.update(evaluation)
-        trainer.log_metrics("eval", evaluation)
-    trainer.save_metrics("all", metrics)
+    metrics = train_and_evaluate(trainer, tokenizer, data.max_seq_length, {})
 
     examples = raw["validation"].select(range(min(seq2seq.num_examples_to_print, len(raw["validation"]))))
     sources, targets = list(examples["source"]), list(examples["target"])

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from figures import pyplot, save_figure
 from shakespeare import next_line_splits
 
 import roformer_hf
@@ -245,8 +246,11 @@ def query_map(width: int):
 
 
 def train(folder: Path, pairs, args, negatives: list[str] | None = None):
-    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
-                                       SentenceTransformerTrainingArguments)
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
 
     model = SentenceTransformer(str(folder), device="cpu")
     prompts = None
@@ -271,11 +275,7 @@ def train(folder: Path, pairs, args, negatives: list[str] | None = None):
 
 
 def plot(ranks_by_method: dict[str, np.ndarray], pool: int, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ks = np.unique(np.logspace(0, np.log10(pool), 60).astype(int))
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, rank in ranks_by_method.items():
@@ -284,10 +284,7 @@ def plot(ranks_by_method: dict[str, np.ndarray], pool: int, path: Path) -> Path:
            title="Which line comes next? Retrieval on unseen plays", ylim=(0, 1))
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> dict:

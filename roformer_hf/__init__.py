@@ -9,8 +9,7 @@ copied into every saved folder, imports none of them.
 
 import transformers
 
-from . import hub, sentence  # noqa: F401  (tools: they register their hooks at import)
-from . import modeling
+from . import hub, modeling, sentence  # noqa: F401  (tools: they register their hooks at import)
 from .configuration import RoFormerConfig
 from .modeling import *  # noqa: F403  (the classes of modeling.HEADS, see modeling.__all__)
 from .summary import summary

@@ -24,8 +24,9 @@ Kernels given no mask are causal when their module is (transformers' convention)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor

@@ -12,8 +12,9 @@ stays inside each sequence.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 from transformers.utils.import_utils import is_torchdynamo_exporting

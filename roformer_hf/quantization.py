@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn

@@ -10,6 +10,28 @@
 
 Token poolings other than the pooler are sentence-transformers' `Pooling` module
 (`pip install roformer_hf[embeddings]`).
+
+Example, a RoFormer-Sim with random weights (a trained one gives paraphrases); its embedding is its pooler output:
+
+```python
+>>> import torch
+>>> from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerHFTokenizer
+>>> from roformer_hf.similarity import encode, generate_similar, similarity
+>>> words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "be", "or", "not"]
+>>> tokenizer = RoFormerHFTokenizer(vocab={word: i for i, word in enumerate(words)})
+>>> model = RoFormerForCausalLM(RoFormerConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
+...     num_attention_heads=2, intermediate_size=64, is_decoder=True, prefix_lm=True, add_pooling_layer=True)).eval()
+>>> embeddings = encode(model, tokenizer, ["to be or not to be", "not to be"])
+>>> batch = tokenizer(["to be or not to be", "not to be"], padding=True, return_tensors="pt")
+>>> torch.allclose(embeddings, model(**batch).pooler_output, atol=1e-5)
+True
+>>> scores = similarity(model, tokenizer, ["to be", "or not"], ["to be", "to be or not"])
+>>> scores.shape, round(scores[0].item(), 4)
+(torch.Size([2]), 1.0)
+>>> ranked = generate_similar(model, tokenizer, ["to be or not to be", "not to be"], n=4, seed=1, max_new_tokens=6)
+>>> len(ranked), all(a.score >= b.score for a, b in zip(ranked[0], ranked[0][1:]))
+(2, True)
+```
 """
 
 from __future__ import annotations
@@ -59,21 +81,7 @@ def encode(model, tokenizer, sentences: Sequence[str], *, pooling: str | None = 
             `sentence_pooling(model.config)`: the pooler for RoFormer-Sim, else `config.sentence_pooling` or mean.
         normalize: scale each embedding to unit length.
 
-    Example, RoFormer-Sim's embedding is its pooler output:
-
-    ```python
-    >>> import torch
-    >>> from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerHFTokenizer
-    >>> from roformer_hf.similarity import encode
-    >>> words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "be", "or", "not"]
-    >>> tokenizer = RoFormerHFTokenizer(vocab={word: i for i, word in enumerate(words)})
-    >>> model = RoFormerForCausalLM(RoFormerConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
-    ...     num_attention_heads=2, intermediate_size=64, is_decoder=True, prefix_lm=True, add_pooling_layer=True))
-    >>> embeddings = encode(model.eval(), tokenizer, ["to be or not to be", "not to be"])
-    >>> batch = tokenizer(["to be or not to be", "not to be"], padding=True, return_tensors="pt")
-    >>> torch.allclose(embeddings, model(**batch).pooler_output, atol=1e-5)
-    True
-    ```
+    Example: the module's.
     """
     sentences = _check_sentences("sentences", sentences)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
@@ -105,19 +113,7 @@ def similarity(model, tokenizer, sentences1: Sequence[str], sentences2: Sequence
                batch_size: int = 32) -> torch.Tensor:
     """The cosine similarity of each pair `(sentences1[i], sentences2[i])`, `(N,)`, of the embeddings `encode` gives.
 
-    Example:
-
-    ```python
-    >>> from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerHFTokenizer
-    >>> from roformer_hf.similarity import similarity
-    >>> words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "be", "or", "not"]
-    >>> tokenizer = RoFormerHFTokenizer(vocab={word: i for i, word in enumerate(words)})
-    >>> model = RoFormerForCausalLM(RoFormerConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
-    ...     num_attention_heads=2, intermediate_size=64, is_decoder=True, prefix_lm=True, add_pooling_layer=True))
-    >>> scores = similarity(model.eval(), tokenizer, ["to be", "or not"], ["to be", "to be or not"])
-    >>> scores.shape, round(scores[0].item(), 4)
-    (torch.Size([2]), 1.0)
-    ```
+    Example: the module's.
     """
     sentences1, sentences2 = _check_sentences("sentences1", sentences1), _check_sentences("sentences2", sentences2)
     if len(sentences1) != len(sentences2):
@@ -178,20 +174,7 @@ def generate_similar(model, tokenizer, sentences: Sequence[str], n: int = 8, *, 
             `config.add_pooling_layer`) or any other whose `pooling` it can rank by.
         tokenizer: its tokenizer (its [SEP] ends a sentence, its [PAD] pads).
 
-    Example, with random weights (a trained RoFormer-Sim gives paraphrases):
-
-    ```python
-    >>> from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerHFTokenizer
-    >>> from roformer_hf.similarity import generate_similar
-    >>> words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "be", "or", "not"]
-    >>> tokenizer = RoFormerHFTokenizer(vocab={word: i for i, word in enumerate(words)})
-    >>> model = RoFormerForCausalLM(RoFormerConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
-    ...     num_attention_heads=2, intermediate_size=64, is_decoder=True, prefix_lm=True, add_pooling_layer=True))
-    >>> ranked = generate_similar(model.eval(), tokenizer, ["to be or not to be", "not to be"], n=4, seed=1,
-    ...                           max_new_tokens=6)
-    >>> len(ranked), all(a.score >= b.score for a, b in zip(ranked[0], ranked[0][1:]))
-    (2, True)
-    ```
+    Example: the module's.
     """
     sentences = _check_sentences("sentences", sentences)
     if not getattr(model.config, "is_decoder", False) or not hasattr(model, "generate"):

@@ -193,4 +193,5 @@ def _as_model(model_or_config: RoFormerPreTrainedModel | RoFormerConfig) -> RoFo
     raise ValueError(f"model_or_config={type(model_or_config).__name__}: expected a RoFormer model or a RoFormerConfig")
 
 
-__all__ = ["DistinctParameterStatistics", "attention_mult_adds", "example_inputs", "summary"]
+# DistinctParameterStatistics comes from the module-level __getattr__.
+__all__ = ["DistinctParameterStatistics", "attention_mult_adds", "example_inputs", "summary"]  # noqa: F822

@@ -7,6 +7,7 @@ so that `AutoTokenizer.from_pretrained(folder, trust_remote_code=True)` works wh
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 from collections.abc import Iterable, Iterator
@@ -18,9 +19,9 @@ from tokenizers.pre_tokenizers import BertPreTokenizer, PreTokenizer
 from tokenizers.trainers import WordPieceTrainer
 from transformers import PreTrainedTokenizerFast
 from transformers.models.auto.tokenization_auto import get_tokenizer_config
-from transformers.utils import CONFIG_NAME, cached_file, logging
+from transformers.utils import CONFIG_NAME, cached_file
 
-logger = logging.get_logger(__name__)
+logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4 in a trained vocabulary
 VOCAB_FILES_NAMES = {"vocab_file": "vocab.txt", "tokenizer_file": "tokenizer.json"}

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
-from helpers import KernelModule as Training, random_qkv as qkv
+from helpers import KernelModule as Training
+from helpers import random_qkv as qkv
 
 from roformer_hf import attention
 from roformer_hf.attention import blocked_dropout_attention_forward, eager_attention_forward
@@ -25,8 +24,9 @@ def test_blocked_dropout_attention_without_dropout_is_plain_attention(training, 
 
 @pytest.mark.parametrize("unpad", [True, False])
 def test_models_in_training_use_blocked_dropout_on_cpu(unpad, monkeypatch):
-    import roformer_hf
     from helpers import padded_batch, tiny_config
+
+    import roformer_hf
 
     calls = []
     original = attention.blocked_dropout_attention_forward
@@ -104,7 +104,7 @@ def test_varlen_kernel_attends_each_sequence_to_its_own_keys():
     generator = torch.Generator().manual_seed(3)
     query = torch.randn(1, 2, 5, 4, generator=generator)  # sequences of 3 and 2 queries
     key, value = (torch.randn(1, 2, 7, 4, generator=generator) for _ in range(2))  # ... of 4 and 3 keys
-    offsets = dict(cu_seq_lens_q=torch.tensor([0, 3, 5]), cu_seq_lens_k=torch.tensor([0, 4, 7]))
+    offsets = {"cu_seq_lens_q": torch.tensor([0, 3, 5]), "cu_seq_lens_k": torch.tensor([0, 4, 7])}
     output, _ = attention.sdpa_varlen_attention_forward(Bidirectional().eval(), query, key, value, None, 0.5,
                                                         **offsets)
     for (q0, q1), (k0, k1) in (((0, 3), (0, 4)), ((3, 5), (4, 7))):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import KernelModule as Training, random_qkv as qkv
+from helpers import KernelModule as Training
+from helpers import random_qkv as qkv
 
 from roformer_hf import attention, blocked_dropout
 from roformer_hf.attention import blocked_dropout_attention_forward, eager_attention_forward

@@ -52,8 +52,8 @@ def test_generation_appends_to_the_cache_without_copying_it():
     torch.manual_seed(0)
     model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
     prompts, mask = padded_batch([6, 4], left=True)
-    settings = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-                    return_dict_in_generate=True)
+    settings = {"attention_mask": mask, "max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False,
+                "pad_token_id": 0, "return_dict_in_generate": True}
     growing = model.generate(prompts, **settings)
     assert type(growing.past_key_values) is GrowingCache
     layer = growing.past_key_values.layers[0]

@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-
 import pytest
 import transformers
 
@@ -25,24 +24,24 @@ def test_defaults_match_transformers_roformer():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(hidden_size=64, num_attention_heads=5), "num_attention_heads"),
-        (dict(hidden_size=12, num_attention_heads=4), "num_attention_heads"),  # head_dim 3 is odd
-        (dict(rotary_layout="rotate"), "rotary_layout"),
-        (dict(norm_position="middle"), "norm_position"),
-        (dict(classifier_pooling="max"), "classifier_pooling"),
-        (dict(rope_theta=0.0), "rope_theta"),
-        (dict(rope_theta=-5.0), "rope_theta"),
-        (dict(vocab_size=0), "vocab_size"),
-        (dict(hidden_dropout_prob=1.5), "hidden_dropout_prob"),
-        (dict(chunk_size_feed_forward=-1), "chunk_size_feed_forward"),
-        (dict(hidden_act="nonexistent"), "hidden_act"),
-        (dict(vocab_size=97, pad_token_id=200), "pad_token_id"),
-        (dict(rope_theta="abc"), "rope_theta"),
-        (dict(hidden_dropout_prob=None), "hidden_dropout_prob"),
-        (dict(classifier_dropout=2.0), "classifier_dropout"),
-        (dict(layer_norm_eps=-1.0), "layer_norm_eps"),
-        (dict(num_labels=0), "num_labels"),
-        (dict(chunk_size_feed_forward=2.5), "chunk_size_feed_forward"),
+        ({"hidden_size": 64, "num_attention_heads": 5}, "num_attention_heads"),
+        ({"hidden_size": 12, "num_attention_heads": 4}, "num_attention_heads"),  # head_dim 3 is odd
+        ({"rotary_layout": "rotate"}, "rotary_layout"),
+        ({"norm_position": "middle"}, "norm_position"),
+        ({"classifier_pooling": "max"}, "classifier_pooling"),
+        ({"rope_theta": 0.0}, "rope_theta"),
+        ({"rope_theta": -5.0}, "rope_theta"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"hidden_dropout_prob": 1.5}, "hidden_dropout_prob"),
+        ({"chunk_size_feed_forward": -1}, "chunk_size_feed_forward"),
+        ({"hidden_act": "nonexistent"}, "hidden_act"),
+        ({"vocab_size": 97, "pad_token_id": 200}, "pad_token_id"),
+        ({"rope_theta": "abc"}, "rope_theta"),
+        ({"hidden_dropout_prob": None}, "hidden_dropout_prob"),
+        ({"classifier_dropout": 2.0}, "classifier_dropout"),
+        ({"layer_norm_eps": -1.0}, "layer_norm_eps"),
+        ({"num_labels": 0}, "num_labels"),
+        ({"chunk_size_feed_forward": 2.5}, "chunk_size_feed_forward"),
     ],
 )
 def test_invalid_values_fail_at_construction_naming_the_field(kwargs, field):

@@ -13,7 +13,6 @@ from helpers import TINY, padded_batch, reference_and_ours, tiny_config
 from safetensors.torch import load_file
 from transformers.cache_utils import DynamicCache
 
-import roformer_hf
 from roformer_hf import RoFormerForCausalLM, RoFormerModel
 
 LENGTHS = [12, 9, 5, 1]
@@ -65,7 +64,7 @@ def test_causal_lm_trains_like_transformers(tmp_path):
 def test_greedy_generation_matches_transformers(tmp_path, attn_implementation):
     reference, ours = causal_pair(tmp_path, attn_implementation)
     prompts, _ = padded_batch([6, 6])
-    settings = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, num_beams=1, pad_token_id=0)
+    settings = {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False, "num_beams": 1, "pad_token_id": 0}
     expected = reference.generate(prompts, **settings)
     assert torch.equal(ours.generate(prompts, **settings), expected)
     assert torch.equal(ours.generate(prompts, use_cache=False, **settings), expected)
@@ -78,7 +77,7 @@ def test_cross_attention_matches_transformers(tmp_path):
     ids, mask = padded_batch([7, 4])
     encoder_states = torch.randn(2, 5, TINY["hidden_size"], generator=torch.Generator().manual_seed(1))
     encoder_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    inputs = dict(attention_mask=mask, encoder_hidden_states=encoder_states, encoder_attention_mask=encoder_mask)
+    inputs = {"attention_mask": mask, "encoder_hidden_states": encoder_states, "encoder_attention_mask": encoder_mask}
     with torch.no_grad():
         expected, actual = reference(ids, **inputs).logits, ours(ids, **inputs).logits
     torch.testing.assert_close(real(actual, mask), real(expected, mask), atol=1e-5, rtol=0)
@@ -108,7 +107,7 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone():
     torch.manual_seed(0)
     model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
     ids, mask = padded_batch([7, 3, 5], left=True)
-    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    settings = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     together = model.generate(ids, attention_mask=mask, **settings)
     for row in range(len(ids)):
         alone = model.generate(ids[row:row + 1, mask[row].bool()], **settings)
@@ -215,7 +214,8 @@ def test_encoder_decoder_model_with_a_roformer_hf_decoder_trains_and_generates()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     model.eval()
-    settings = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, decoder_start_token_id=1, pad_token_id=0)
+    settings = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False, "decoder_start_token_id": 1,
+                "pad_token_id": 0}
     generated = model.generate(sources, attention_mask=source_mask, **settings)
     assert generated.shape == (2, 6)
     assert torch.equal(generated, model.generate(sources, attention_mask=source_mask, use_cache=False, **settings))

@@ -157,7 +157,7 @@ def test_generate_from_embeddings_gives_the_tokens_generated_from_ids(tmp_path):
     reference.save_pretrained(tmp_path)
     model = RoFormerForCausalLM.from_pretrained(tmp_path).eval()
     ids = torch.tensor([[2, 15, 27, 9, 33, 41]])
-    options = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     from_ids = model.generate(ids, **options)[:, ids.shape[1]:]
     from_embeddings = model.generate(inputs_embeds=model.get_input_embeddings()(ids), **options)
     torch.testing.assert_close(from_embeddings, from_ids, rtol=0, atol=0)
@@ -170,7 +170,7 @@ def test_generate_from_embeddings_of_a_left_padded_batch():
     torch.manual_seed(0)
     model = RoFormerForCausalLM(tiny_config(is_decoder=True)).eval()
     ids, mask = padded_batch([6, 3, 5], left=True)
-    options = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    options = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
     from_ids = model.generate(ids, attention_mask=mask, **options)[:, ids.shape[1]:]
     embeds = model.get_input_embeddings()(ids)
     torch.testing.assert_close(model.generate(inputs_embeds=embeds, attention_mask=mask, **options), from_ids,
@@ -273,9 +273,9 @@ def random_decoder(seed: int, **fixed) -> RoFormerForCausalLM:
 
     rope = pick({"rope_type": "default", "rope_theta": 10000.0},
                 {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
-    options = dict(num_attention_heads=pick(2, 4), num_hidden_layers=pick(1, 2), rotary_value=pick(False, True),
-                   hidden_act=pick("gelu", "relu"), rope_parameters=rope, max_position_embeddings=8,
-                   is_decoder=True)
+    options = {"num_attention_heads": pick(2, 4), "num_hidden_layers": pick(1, 2), "rotary_value": pick(False, True),
+               "hidden_act": pick("gelu", "relu"), "rope_parameters": rope, "max_position_embeddings": 8,
+               "is_decoder": True}
     torch.manual_seed(seed)
     model = RoFormerForCausalLM(tiny_config(**{**options, **fixed})).eval()
     with torch.no_grad():  # a bias of its own, so that a mix-up with the decoder's tied one shows
@@ -373,7 +373,7 @@ def test_cross_attention_decoder_on_padded_rows_equals_the_reference(left):
         ids, mask, _ = random_prefix_batch(seed, left)
         types = torch.zeros_like(ids)
         states, states_mask = random_encoder_states(seed, ids.shape[0])
-        inputs = dict(attention_mask=mask, encoder_hidden_states=states, encoder_attention_mask=states_mask)
+        inputs = {"attention_mask": mask, "encoder_hidden_states": states, "encoder_attention_mask": states_mask}
         with torch.no_grad():
             out = model(ids, labels=ids.masked_fill(mask == 0, -100), **inputs)
         expected = reference_logits(model, ids, mask, types, states, states_mask)
@@ -423,7 +423,7 @@ def test_text_generation_pipeline_continues_a_prompt_and_stops_at_the_end(causal
     tokenizer = generator.tokenizer
     assert not tokenizer.add_sep_token  # a causal LM's folder: prompts are [CLS] text, to be continued
     assert tokenizer("the queen")["input_ids"] == [2, 5, 7]
-    options = dict(max_new_tokens=8, do_sample=False)
+    options = {"max_new_tokens": 8, "do_sample": False}
     assert generator("the queen", **options)[0]["generated_text"] == "the queen smiles."  # pieces joined, stops
     assert generator("the king", **options)[0]["generated_text"] == "the king speaks."
     assert generator("the queen", return_full_text=False, **options)[0]["generated_text"] == " smiles."

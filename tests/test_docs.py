@@ -32,7 +32,8 @@ def test_docstring_example_runs(cls):
 
 def anchors(page: Path) -> set[str]:
     """GitHub's anchors of a Markdown page's headings: lower case, punctuation dropped, spaces as hyphens."""
-    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL), re.MULTILINE)
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL),
+                          re.MULTILINE)
     return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
 
 

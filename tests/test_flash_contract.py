@@ -11,6 +11,7 @@ from helpers import STAND_IN, padded_batch, tiny_config
 
 from roformer_hf import RoFormerForCausalLM, RoFormerForMaskedLM
 
+
 @pytest.mark.parametrize("unpad, lengths, expected_call", [
     (True, [9, 4, 7, 1], "varlen"),
     (False, [9, 4, 7, 1], "padded"),
@@ -60,5 +61,6 @@ def test_flash_path_of_the_decoder_matches_sdpa(stand_in_flash, unpad, expected_
     real = mask.bool()
     torch.testing.assert_close(actual.logits[real], expected.logits[real], atol=1e-5, rtol=1e-5)
     prompts, prompt_mask = padded_batch([6, 3], left=True)
-    settings = dict(attention_mask=prompt_mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    settings = {"attention_mask": prompt_mask, "max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False,
+                "pad_token_id": 0}
     assert torch.equal(flash.generate(prompts, **settings), sdpa.generate(prompts, **settings))

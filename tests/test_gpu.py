@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 needs_flash = pytest.mark.skipif(not (torch.cuda.is_available() and flash_attn_importable()),
                                  reason="needs an importable flash-attn on a CUDA device")
 
-SIZE = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128)  # 2 layers, vocab 97, max 64 positions
+SIZE = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}  # 2 layers, vocab 97, max 64 positions
 LENGTHS = [64, 50, 33, 7]  # padded to 64, sequences of several lengths
 BF16_RELATIVE = 3e-2  # bf16 keeps 8 bits of mantissa: ~4e-3 per rounding, a few roundings deep
 BF16_GRADIENTS = 5e-2  # relative L2 error of each parameter's gradient, bf16 against bf16

@@ -25,7 +25,7 @@ from roformer_hf.hub import model_card_text, write_model_card
 
 REPO = "user/tiny-roformer"
 TEXTS = ["now is the winter of our discontent", "to be or not to be"]  # unequal lengths: one is padded
-TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
 CLIENT_TIMEOUT_S = 240
 
 PUSH = """

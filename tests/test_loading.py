@@ -11,7 +11,6 @@ import transformers
 from helpers import padded_batch, tiny_config
 
 import roformer_hf
-
 from roformer_hf import RoFormerForMaskedLM, RoFormerForSequenceClassification, hub
 from roformer_hf.loading import register_hook, unregister_hook
 

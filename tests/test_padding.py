@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from helpers import tiny_config
 
 from roformer_hf.attention import choose_kernel
@@ -93,7 +92,7 @@ def mlm_head(**overrides) -> RoFormerLMPredictions:
 def test_logits_in_padded_layout_equals_unpack_of_the_mapped_tokens(v2):
     """The per-sequence path (contiguous sequences) and the fallback (holes) both give unpack(head(x)), values and
     gradients, with zeros at the padding; without autograd (oneDNN's kernel where it runs) the same values."""
-    head = mlm_head(**(dict(use_bias=False, norm_type="rms_norm") if v2 else {}))
+    head = mlm_head(**({"use_bias": False, "norm_type": "rms_norm"} if v2 else {}))
     for mask in (MASK, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]),
                  torch.tensor([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 1]])):
         batch = BatchLayout.from_attention_mask(mask, 4, 4)

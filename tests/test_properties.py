@@ -1,9 +1,9 @@
 """Property-based tests over random small configs and inputs: shapes, finiteness, padding invariance, rotary."""
 
 import torch
+from helpers import apply_rotary, rotary_cos_sin
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import apply_rotary, rotary_cos_sin
 
 from roformer_hf import RoFormerConfig, RoFormerModel
 

@@ -14,10 +14,10 @@ from helpers import padded_batch, tiny_config
 from torch import nn
 from transformers.activations import ACT2FN
 
+from roformer_hf import quantization
 from roformer_hf.fused import FusesPostOps, fused_linear
 from roformer_hf.loading import RefusesSaving
 from roformer_hf.modeling import HEADS, RoFormerForCausalLM, RoFormerForMaskedLM
-from roformer_hf import quantization
 from roformer_hf.quantization import Int8Linear, int8_kernel_available, quantize_activations, quantize_int8
 
 needs_int8_kernel = pytest.mark.skipif(not int8_kernel_available(), reason="this torch has no oneDNN int8 kernel")

@@ -10,7 +10,6 @@ from helpers import BLOCK_ROFORMER_HF, PYTHON, padded_batch, tiny_config
 from transformers.dynamic_module_utils import get_relative_import_files
 
 import roformer_hf.modeling
-
 from roformer_hf import (
     RoFormerForCausalLM,
     RoFormerForMaskedLM,

@@ -174,8 +174,8 @@ def test_v2_checkpoint_whose_config_lost_the_v2_fields_is_refused(tmp_path, mode
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(norm_type="rms_norm"), r"holds 10 LayerNorm weights .*norm_type='rms_norm'"),
-    (dict(use_bias=False), r"holds 12 biases of the encoder's dense layers .*use_bias=False"),
+    ({"norm_type": "rms_norm"}, r"holds 10 LayerNorm weights .*norm_type='rms_norm'"),
+    ({"use_bias": False}, r"holds 12 biases of the encoder's dense layers .*use_bias=False"),
 ])
 @pytest.mark.parametrize("model_class", ["RoFormerForTokenClassification", "RoFormerModel"])
 def test_v1_checkpoint_read_with_a_v2_config_is_refused(overrides, message, model_class):
@@ -193,7 +193,6 @@ def test_missing_norms_stay_allowed_when_asked_for():
                                                  "roformer 0.4.3 (see tests/fixtures/make_v2_fixtures.py)")
 @pytest.mark.parametrize("head", ["RoFormerForMaskedLM", "RoFormerForSequenceClassification"])
 def test_junnyus_package_loads_what_roformer_hf_saves(tmp_path, head):
-    refs = references("v2")
     model = getattr(roformer_hf, head).from_pretrained(folder("v2", head))
     model.save_pretrained(tmp_path / "saved")
     script = textwrap.dedent(f"""

@@ -15,9 +15,10 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 import roformer_hf
 from roformer_hf import RoFormerConfig
 
-SIZES = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
-             max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-             initializer_range=0.3)  # weights large enough for sharp, position-dependent attention
+SIZES = {"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+         "intermediate_size": 48, "max_position_embeddings": 16, "hidden_dropout_prob": 0.0,
+         "attention_probs_dropout_prob": 0.0,
+         "initializer_range": 0.3}  # weights large enough for sharp, position-dependent attention
 HALF = SIZES["hidden_size"] // SIZES["num_attention_heads"] // 2  # frequencies per head
 ROPE_CASES = {
     "default": {"rope_type": "default", "rope_theta": 500.0},

@@ -22,7 +22,7 @@ from sentence_transformers.sentence_transformer.losses import MultipleNegativesR
 from sentence_transformers.sentence_transformer.modules import Pooling
 
 import roformer_hf
-from roformer_hf import RoFormerForCausalLM, RoFormerForMaskedLM, RoFormerModel, RoFormerHFTokenizer
+from roformer_hf import RoFormerForCausalLM, RoFormerForMaskedLM, RoFormerHFTokenizer, RoFormerModel
 from roformer_hf.convert import convert_checkpoint
 from roformer_hf.sentence import check_sentence_modules, sentence_pooling, write_sentence_modules
 

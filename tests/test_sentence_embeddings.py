@@ -6,8 +6,17 @@ import json
 import numpy as np
 import pytest
 import torch
-from sentence_embeddings import (DEV_FRACTION, main, paired_differences, per_query, pooled_differences, ranks,
-                                 recall_at, retrieval_metrics, tfidf_negatives)
+from sentence_embeddings import (
+    DEV_FRACTION,
+    main,
+    paired_differences,
+    per_query,
+    pooled_differences,
+    ranks,
+    recall_at,
+    retrieval_metrics,
+    tfidf_negatives,
+)
 from sentence_transformers import SentenceTransformer
 from shakespeare import next_line_splits
 
@@ -39,9 +48,9 @@ def test_paired_differences_are_the_mean_and_standard_error_of_per_query_differe
     hits = np.array([1, 1, 0, 1 / 2]) - np.array([0, 1, 1, 1 / 4])
     reciprocal = np.array([1, 1, 1 / 4, (1 + 1 / 2) / 2]) - np.array([1 / 2, 1, 1, (1 + 1 / 2 + 1 / 3 + 1 / 4) / 4])
     result = paired_differences(ours, baseline)
-    for name, per_query in (("recall@1", hits), ("mrr", reciprocal)):
-        assert result[name]["difference"] == pytest.approx(per_query.mean())
-        assert result[name]["standard_error"] == pytest.approx(per_query.std(ddof=1) / 2)
+    for name, differences in (("recall@1", hits), ("mrr", reciprocal)):
+        assert result[name]["difference"] == pytest.approx(differences.mean())
+        assert result[name]["standard_error"] == pytest.approx(differences.std(ddof=1) / 2)
     assert result["recall@1"]["difference"] == pytest.approx(
         retrieval_metrics(ours)["recall@1"] - retrieval_metrics(baseline)["recall@1"])
     assert result["recall@10"] == {"difference": 0.0, "standard_error": 0.0}

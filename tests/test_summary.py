@@ -13,7 +13,8 @@ from roformer_hf import (
 )
 from roformer_hf.summary import example_inputs
 
-TINY = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+TINY = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 64}
 
 
 def test_tied_masked_lm_total_counts_the_decoder_once():

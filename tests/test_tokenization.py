@@ -15,7 +15,7 @@ from helpers import BLOCK_ROFORMER_HF
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from roformer_hf import RoFormerConfig, RoFormerModel, RoFormerHFTokenizer, train_tokenizer
+from roformer_hf import RoFormerConfig, RoFormerHFTokenizer, RoFormerModel, train_tokenizer
 from roformer_hf.tokenization import _batches
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

@@ -11,11 +11,10 @@ from __future__ import annotations
 import unittest
 
 import pytest
+import transformers_tests
 
 from roformer_hf import RoFormerConfig
 from roformer_hf.modeling import HEADS
-
-import transformers_tests
 
 try:
     common = transformers_tests.import_common()

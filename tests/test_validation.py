@@ -24,19 +24,21 @@ def model():
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
-    (dict(input_ids=torch.tensor([[2, 97]])), r"input_ids contains 97; expected values in \[0, 97\)"),
-    (dict(input_ids=torch.tensor([[-1, 3]])), r"input_ids contains -1"),
-    (dict(input_ids=IDS.float()), r"input_ids has dtype torch.float32; expected an integer"),
-    (dict(input_ids=torch.tensor([2, 5, 7])), r"input_ids has shape \(3,\); expected \(batch_size, seq_len\)"),
-    (dict(input_ids=IDS, attention_mask=MASK[:, :3]), r"attention_mask has shape \(2, 3\); expected \(2, 4\)"),
-    (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 5, dtype=torch.long)), r"token_type_ids has shape"),
-    (dict(input_ids=IDS, token_type_ids=torch.full((2, 4), 2)),
+    ({"input_ids": torch.tensor([[2, 97]])}, r"input_ids contains 97; expected values in \[0, 97\)"),
+    ({"input_ids": torch.tensor([[-1, 3]])}, r"input_ids contains -1"),
+    ({"input_ids": IDS.float()}, r"input_ids has dtype torch.float32; expected an integer"),
+    ({"input_ids": torch.tensor([2, 5, 7])}, r"input_ids has shape \(3,\); expected \(batch_size, seq_len\)"),
+    ({"input_ids": IDS, "attention_mask": MASK[:, :3]}, r"attention_mask has shape \(2, 3\); expected \(2, 4\)"),
+    ({"input_ids": IDS, "token_type_ids": torch.zeros(2, 5, dtype=torch.long)}, r"token_type_ids has shape"),
+    ({"input_ids": IDS, "token_type_ids": torch.full((2, 4), 2)},
      r"token_type_ids contains 2; expected values in \[0, 2\)"),
-    (dict(input_ids=IDS, position_ids=torch.arange(5)), r"position_ids has shape \(5,\)"),
-    (dict(input_ids=IDS, position_ids=torch.tensor([0, 1, -2, 3])), r"position_ids contains -2"),
-    (dict(input_ids=IDS, inputs_embeds=torch.zeros(2, 4, 32)), r"exactly one of input_ids or inputs_embeds \(got both\)"),
-    (dict(), r"\(got neither\)"),
-    (dict(inputs_embeds=torch.zeros(2, 4, 31)), r"inputs_embeds has shape \(2, 4, 31\); expected \(batch_size, seq_len, 32\)"),
+    ({"input_ids": IDS, "position_ids": torch.arange(5)}, r"position_ids has shape \(5,\)"),
+    ({"input_ids": IDS, "position_ids": torch.tensor([0, 1, -2, 3])}, r"position_ids contains -2"),
+    ({"input_ids": IDS, "inputs_embeds": torch.zeros(2, 4, 32)},
+     r"exactly one of input_ids or inputs_embeds \(got both\)"),
+    ({}, r"\(got neither\)"),
+    ({"inputs_embeds": torch.zeros(2, 4, 31)},
+     r"inputs_embeds has shape \(2, 4, 31\); expected \(batch_size, seq_len, 32\)"),
 ])
 def test_encoder_inputs(model, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -52,7 +54,8 @@ def test_valid_position_id_shapes_are_accepted(model):
 
 
 @pytest.mark.parametrize("cls, labels, pattern", [
-    (RoFormerForMaskedLM, torch.tensor([[-100, 4, 97, -100], [-100] * 4]), r"labels contains 97; expected values in \[0, 97\) or -100"),
+    (RoFormerForMaskedLM, torch.tensor([[-100, 4, 97, -100], [-100] * 4]),
+     r"labels contains 97; expected values in \[0, 97\) or -100"),
     (RoFormerForMaskedLM, torch.tensor([[-100, 4, -5, -100], [-100] * 4]), r"labels contains -5"),
     (RoFormerForSequenceClassification, torch.tensor([0, 3]), r"labels contains 3; expected values in \[0, 3\)"),
     (RoFormerForTokenClassification, torch.tensor([[0, 1, 2, 3], [0, 0, 0, -100]]), r"labels contains 3"),
@@ -84,11 +87,12 @@ def test_token_labels_must_have_the_inputs_shape(cls, labels, pattern):
 
 
 @pytest.mark.parametrize("config, labels, pattern", [
-    (dict(num_labels=3), torch.zeros(2, 3, dtype=torch.long), r"labels has shape \(2, 3\); expected \(2,\)"),
-    (dict(num_labels=3), torch.zeros(2, 2), r"labels has shape \(2, 2\); expected \(2, 3\)"),  # multi-label
-    (dict(num_labels=1), torch.zeros(2, 2), r"labels has shape \(2, 2\); expected \(2,\): a target per"),
-    (dict(num_labels=2, problem_type="regression"), torch.zeros(4, 1), r"labels has shape \(4, 1\); expected \(2, 2\)"),
-    (dict(num_labels=3, problem_type="single_label_classification"), torch.tensor([0.0, 1.0]), "dtype"),
+    ({"num_labels": 3}, torch.zeros(2, 3, dtype=torch.long), r"labels has shape \(2, 3\); expected \(2,\)"),
+    ({"num_labels": 3}, torch.zeros(2, 2), r"labels has shape \(2, 2\); expected \(2, 3\)"),  # multi-label
+    ({"num_labels": 1}, torch.zeros(2, 2), r"labels has shape \(2, 2\); expected \(2,\): a target per"),
+    ({"num_labels": 2, "problem_type": "regression"}, torch.zeros(4, 1),
+     r"labels has shape \(4, 1\); expected \(2, 2\)"),
+    ({"num_labels": 3, "problem_type": "single_label_classification"}, torch.tensor([0.0, 1.0]), "dtype"),
 ])
 def test_sequence_labels_must_fit_the_problem_type(config, labels, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -136,10 +140,10 @@ def test_empty_inputs_are_refused(model, ids):
 
 
 @pytest.mark.parametrize("cls, targets", [
-    (RoFormerForMaskedLM, dict(labels=torch.tensor([[-100, 4, 9, -100], [5, -100, -100, -100]]))),
-    (RoFormerForTokenClassification, dict(labels=torch.tensor([[0, 1, 2, 1], [2, 0, 1, -100]]))),
-    (RoFormerForSequenceClassification, dict(labels=torch.tensor([2, 0]))),
-    (RoFormerForQuestionAnswering, dict(start_positions=torch.tensor([1, 0]), end_positions=torch.tensor([2, 2]))),
+    (RoFormerForMaskedLM, {"labels": torch.tensor([[-100, 4, 9, -100], [5, -100, -100, -100]])}),
+    (RoFormerForTokenClassification, {"labels": torch.tensor([[0, 1, 2, 1], [2, 0, 1, -100]])}),
+    (RoFormerForSequenceClassification, {"labels": torch.tensor([2, 0])}),
+    (RoFormerForQuestionAnswering, {"start_positions": torch.tensor([1, 0]), "end_positions": torch.tensor([2, 2])}),
 ])
 def test_int32_targets_give_the_int64_loss(cls, targets):
     """Labels from numpy or Arrow often arrive as int32; cross-entropy itself only takes int64."""

@@ -46,7 +46,7 @@ def text_files(tmp_path_factory):
     for split, n in (("train", 400), ("validation", 60)):
         (folder / f"{split}.txt").write_text("\n".join(_sentence(rng, rng.randint(0, 1)) for _ in range(n)) + "\n")
     for split, n in (("train", 160), ("validation", 40), ("test", 40)):
-        with open(folder / f"{split}.csv", "w", newline="") as f:
+        with open(folder / f"{split}.csv", "w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
             writer.writerow(["sentence", "genre"])
             for _ in range(n):
@@ -153,7 +153,7 @@ def test_run_classification_from_pretrained_folder(pretrained, text_files, tmp_p
     the = tokenizer("the", add_special_tokens=False)["input_ids"][0]
     assert not torch.equal(after[the], before[the])
     # The reported accuracy is the model's accuracy on the test file.
-    with open(text_files / "test.csv") as f:
+    with open(text_files / "test.csv", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     batch = tokenizer([r["sentence"] for r in rows], padding=True, truncation=True, return_tensors="pt")
     with torch.no_grad():
@@ -343,7 +343,7 @@ def test_run_seq2seq_learns_pairs_and_generates(text_files, pretrained, tmp_path
     guess, and each printed example shows the line, the true next line and a generation."""
     rng = random.Random(1)
     for split, n in (("train", 120), ("validation", 16)):
-        with open(text_files / f"pairs_{split}.csv", "w", newline="") as f:
+        with open(text_files / f"pairs_{split}.csv", "w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
             writer.writerow(["source", "target"])
             for _ in range(n):
