@@ -17,6 +17,7 @@ usual; of any other layer it reads nothing but its type.
 
 from __future__ import annotations
 
+import weakref
 from typing import ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import torch
@@ -29,6 +30,11 @@ _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends
 # oneDNN has bf16 GEMMs only on CPUs with AVX-512 (or AMX); elsewhere it cannot build the primitive at all.
 _BF16_GEMMS = _KERNEL is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _BF16_GEMMS else (torch.float32,)
+_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _KERNEL is not None else None
+PACKING_HINT = 16  # the rows oneDNN lays a packed weight out for; it serves every row count above one
+# Each layer's weight in oneDNN's blocked layout, with the (storage, version) of the weight it was packed from: made at
+# the layer's first fp32 call of more than one row, made again once the weight changes, dropped with the layer.
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple[int, int], Tensor]] = weakref.WeakKeyDictionary()
 
 
 @runtime_checkable
@@ -88,11 +94,29 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
                 residual is None or _fits(residual, x, layer.out_features)):
             return layer.fused(x, name, algorithm, residual)
         if _kernel_applies(layer, x, residual):
+            weight = _packed_weight(layer, x)
             if residual is not None:
-                return _KERNEL.binary(x, residual, layer.weight, layer.bias, "add")
-            return _KERNEL(x, layer.weight, layer.bias, name, [], algorithm)
+                return _KERNEL.binary(x, residual, weight, layer.bias, "add")
+            return _KERNEL(x, weight, layer.bias, name, [], algorithm)
     output = layer(x) if activation is None else activation(layer(x))
     return output if residual is None else residual + output
+
+
+def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:
+    """The weight `fused_linear` hands oneDNN: packed in its blocked layout (`_PACK`, what torch.compile's CPU backend
+    does with frozen weights) for fp32 inputs of more than one row, where the packed GEMM reads the weight faster
+    (short sentences: up to 1.5x per dense layer) and computes the same bits; the layer's own weight otherwise (one
+    row, a matrix-vector product, sums in another order on a packed weight). The packed copy is kept beside the
+    layer (as much memory again as its weight) and made anew when the weight changes; a weight made under
+    `torch.inference_mode()` keeps no count of its changes, so it is never packed."""
+    weight = layer.weight
+    if _PACK is None or weight.dtype != torch.float32 or x.numel() == x.shape[-1] or weight.is_inference():
+        return weight
+    key = (weight.untyped_storage().data_ptr(), weight._version)
+    cached = _PACKED.get(layer)
+    if cached is None or cached[0] != key:
+        cached = _PACKED[layer] = (key, _PACK(weight.detach(), PACKING_HINT))
+    return cached[1]
 
 
 def _fused_activation(activation: nn.Module | None) -> tuple[str, str] | None:

@@ -135,3 +135,43 @@ def test_dropout_in_training_is_applied_not_fused(kernel):
     dropped = output == 0
     assert 0.3 < dropped.float().mean() < 0.7 and kernel.calls == []
     torch.testing.assert_close(output[~dropped], 2 * reference(layer, x).float()[~dropped])
+
+
+@pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
+@pytest.mark.parametrize("rows", [2, 5, 16, 37, 130])
+@pytest.mark.parametrize("case", ["none", "gelu", "relu", "residual"])
+def test_a_packed_weight_gives_the_bits_of_the_layers_own(rows, case):
+    torch.manual_seed(rows)
+    layer, x = nn.Linear(48, 80), torch.randn(rows, 48)
+    activation = {"none": None, "gelu": ACT2FN["gelu"], "relu": nn.ReLU(), "residual": None}[case]
+    residual = torch.randn(rows, 80) if case == "residual" else None
+    name, algorithm = {"none": ("none", ""), "gelu": ("gelu", "none"), "relu": ("relu", "")}.get(case, ("none", ""))
+    with torch.inference_mode():
+        unpacked = fused._KERNEL.binary(x, residual, layer.weight, layer.bias, "add") if residual is not None else \
+            fused._KERNEL(x, layer.weight, layer.bias, name, [], algorithm)
+        assert torch.equal(fused_linear(layer, x, activation, residual), unpacked)
+    assert fused._PACKED[layer][1].is_mkldnn  # it ran on the packed copy
+
+
+@pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
+def test_the_packed_weight_follows_the_weight_it_was_packed_from():
+    torch.manual_seed(0)
+    layer, x = nn.Linear(16, 8), torch.randn(4, 16)
+    with torch.inference_mode():
+        fused_linear(layer, x)
+        packed = fused._PACKED[layer][1]
+        fused_linear(layer, x)
+        assert fused._PACKED[layer][1] is packed  # packed once, reused
+        with torch.no_grad():
+            layer.weight.mul_(-2)  # an in-place update (an optimizer step, load_state_dict)
+        torch.testing.assert_close(fused_linear(layer, x), reference(layer, x).float(), atol=1e-5, rtol=1e-5)
+        one_row = fused_linear(layer, x[:1])  # a matrix-vector product: the layer's own weight
+        assert torch.equal(one_row, fused._KERNEL(x[:1], layer.weight, layer.bias, "none", [], ""))
+    layer.weight = nn.Parameter(torch.randn(8, 16))  # a new tensor
+    with torch.inference_mode():
+        torch.testing.assert_close(fused_linear(layer, x), reference(layer, x).float(), atol=1e-5, rtol=1e-5)
+        layer.weight = nn.Parameter(torch.randn(8, 16))  # made in inference mode: changes in place go uncounted
+        assert torch.equal(fused_linear(layer, x), fused._KERNEL(x, layer.weight, layer.bias, "none", [], ""))
+    packs = len(fused._PACKED)
+    del layer
+    assert len(fused._PACKED) == packs - 1  # dropped with its layer
