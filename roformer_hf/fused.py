@@ -32,6 +32,7 @@ _BF16_GEMMS = _KERNEL is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _BF16_GEMMS else (torch.float32,)
 _PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _KERNEL is not None else None
 PACKING_HINT = 16  # the rows oneDNN lays a packed weight out for; it serves every row count above one
+PACKED_MAX_ROWS = 256  # beyond, the GEMM is bound by its arithmetic, not by reading the weight, and gains little
 # Each layer's weight in oneDNN's blocked layout, with the (storage, version) of the weight it was packed from: made at
 # the layer's first fp32 call of more than one row, made again once the weight changes, dropped with the layer.
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple[int, int], Tensor]] = weakref.WeakKeyDictionary()
@@ -104,13 +105,15 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
 
 def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:
     """The weight `fused_linear` hands oneDNN: packed in its blocked layout (`_PACK`, what torch.compile's CPU backend
-    does with frozen weights) for fp32 inputs of more than one row, where the packed GEMM reads the weight faster
-    (short sentences: up to 1.5x per dense layer) and computes the same bits; the layer's own weight otherwise (one
-    row, a matrix-vector product, sums in another order on a packed weight). The packed copy is kept beside the
-    layer (as much memory again as its weight) and made anew when the weight changes; a weight made under
-    `torch.inference_mode()` keeps no count of its changes, so it is never packed."""
+    does with frozen weights) for fp32 inputs of 2 to `PACKED_MAX_ROWS` rows, where the GEMM waits on its weight and
+    the packed one reads it faster (short sentences: up to 1.5x per dense layer), computing the same bits; the layer's
+    own weight otherwise (one row, a matrix-vector product, sums in another order on a packed weight). The packed
+    copy is kept beside the layer (as much memory again as its weight) from the first short input on, and made anew
+    when the weight changes; a weight made under `torch.inference_mode()` keeps no count of its changes, so it is
+    never packed."""
     weight = layer.weight
-    if _PACK is None or weight.dtype != torch.float32 or x.numel() == x.shape[-1] or weight.is_inference():
+    rows = x.numel() // x.shape[-1]
+    if _PACK is None or weight.dtype != torch.float32 or not 1 < rows <= PACKED_MAX_ROWS or weight.is_inference():
         return weight
     key = (weight.untyped_storage().data_ptr(), weight._version)
     cached = _PACKED.get(layer)

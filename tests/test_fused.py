@@ -138,7 +138,7 @@ def test_dropout_in_training_is_applied_not_fused(kernel):
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
-@pytest.mark.parametrize("rows", [2, 5, 16, 37, 130])
+@pytest.mark.parametrize("rows", [2, 5, 16, 37, 130, fused.PACKED_MAX_ROWS])
 @pytest.mark.parametrize("case", ["none", "gelu", "relu", "residual"])
 def test_a_packed_weight_gives_the_bits_of_the_layers_own(rows, case):
     torch.manual_seed(rows)
@@ -175,3 +175,11 @@ def test_the_packed_weight_follows_the_weight_it_was_packed_from():
     packs = len(fused._PACKED)
     del layer
     assert len(fused._PACKED) == packs - 1  # dropped with its layer
+
+
+@pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
+def test_long_inputs_leave_the_weight_unpacked():
+    layer, x = nn.Linear(16, 8), torch.randn(fused.PACKED_MAX_ROWS + 1, 16)
+    with torch.inference_mode():
+        fused_linear(layer, x)
+    assert layer not in fused._PACKED  # no second copy of the weight for bulk inference
