@@ -53,11 +53,14 @@ class Kernel:
         varlen: the function on the real tokens, sequence by sequence (flash-attn's varlen kernel, `SDPA_VARLEN` on
             CPU); ``None`` where the implementation has none.
         takes_key_padding: the padded function takes the keys' padding ``(B, Lk)`` (flash-attn), not a dense mask.
+        masks_causality: the varlen function applies causality as a mask it is given (attention dropout on CPU,
+            whose blocked and math kernels have no ``is_causal``), not by itself.
     """
 
     padded: str
     varlen: str | None = None
     takes_key_padding: bool = False
+    masks_causality: bool = False
 
 
 def choose_kernel(implementation: str, device: torch.device | str | None = None, dropout: bool = False) -> Kernel:
@@ -67,7 +70,7 @@ def choose_kernel(implementation: str, device: torch.device | str | None = None,
     if is_flash_attention_requested(requested_attention_implementation=implementation):
         return Kernel(implementation, implementation, takes_key_padding=True)
     if implementation == "sdpa" and torch.device(device or "cpu").type == "cpu":
-        return Kernel(SDPA_DROPOUT if dropout else "sdpa", SDPA_VARLEN)
+        return Kernel(SDPA_DROPOUT if dropout else "sdpa", SDPA_VARLEN, masks_causality=dropout)
     return Kernel(implementation)
 
 
@@ -115,6 +118,7 @@ def sdpa_varlen_attention_forward(
     cu_seq_lens_q: torch.Tensor,  # (S + 1,) offsets of the sequences among the N query tokens
     cu_seq_lens_k: torch.Tensor | None = None,  # (S + 1,) among the key tokens; default: those of the queries
     seq_lengths: tuple[int, ...] | None = None,  # the S lengths on the host, when queries and keys share them
+    causal_mask: torch.Tensor | None = None,  # (1, 1, L, L) of the longest sequence, for kernels that take a mask
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA on packed tokens, one sequence at a time: no work and no mask for padding. Sequence ``s``
@@ -123,7 +127,8 @@ def sdpa_varlen_attention_forward(
 
     Meant for the CPU, where a loop over sequences costs nothing next to the attention itself; `split` (not
     indexing) lets the backward pass join the gradients with one `cat`. The model passes `seq_lengths`, read once
-    per forward; without them the offsets are read here.
+    per forward (without them the offsets are read here), and with attention dropout, a causal module's mask of the
+    longest sequence, which each sequence slices (else the dropout kernel renders its own, per sequence).
     """
     if seq_lengths is not None:
         query_lengths = key_lengths = list(seq_lengths)
@@ -136,10 +141,13 @@ def sdpa_varlen_attention_forward(
     if getattr(module, "is_causal", False) and key_lengths != query_lengths:
         raise ValueError("causal attention on packed sequences needs as many keys as queries in each sequence "
                          f"(cu_seq_lens_q {cu_seq_lens_q.tolist()}, cu_seq_lens_k {cu_seq_lens_k.tolist()})")
-    sdpa = ALL_ATTENTION_FUNCTIONS[SDPA_DROPOUT if dropout and module.training else "sdpa"]
+    dropping = dropout and module.training
+    sdpa = ALL_ATTENTION_FUNCTIONS[SDPA_DROPOUT if dropping else "sdpa"]
+    masks = causal_mask if dropping and getattr(module, "is_causal", False) else None
     queries = query.split(query_lengths, dim=2)  # (1, nh, n, d) each
     keys, values = (t.split(key_lengths, dim=2) for t in (key, value))
-    outputs = [sdpa(module, q, k, v, None, dropout=dropout, scaling=scaling)[0]
+    outputs = [sdpa(module, q, k, v, None if masks is None else masks[..., :q.shape[2], :q.shape[2]], dropout=dropout,
+                    scaling=scaling)[0]
                for q, k, v in zip(queries, keys, values) if q.shape[2]]  # sequences without queries hold no rows
     return torch.cat(outputs, dim=1), None  # (1, N, nh, d)
 
@@ -212,6 +220,7 @@ def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
         module, query, key, value, None, dropout=dropout, scaling=scaling,
         cu_seq_lens_q=layout.cu_seqlens, cu_seq_lens_k=layout.cu_seqlens,
         max_length_q=layout.max_seqlen, max_length_k=layout.max_seqlen, seq_lengths=layout.seq_lengths,
+        **({} if attention_mask.dense is None else {"causal_mask": attention_mask.dense}),
     )
     return output.squeeze(0).unflatten(0, tokens), None
 

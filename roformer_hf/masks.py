@@ -109,7 +109,9 @@ class AttentionMask:
         form: what the kernel takes (see the module's docstring).
         keys_are_queries: whether keys and values are the queries' own tokens, in the layout's token shape; else
             they are ``(B, Lk, nkv, d)`` (a cache, cross-attention).
-        dense: ``(B, 1, Lq or 1, Lk)`` bool for the ``"dense"`` form; ``None``: every key is visible.
+        dense: ``(B, 1, Lq or 1, Lk)`` bool for the ``"dense"`` form; ``None``: every key is visible. In the
+            ``"varlen"`` form, the causal mask of the longest sequence ``(1, 1, L, L)`` when the kernel takes causality
+            as a mask (`attention.Kernel.masks_causality`), else ``None``.
         key_padding: ``(B, Lk)`` bool, True at real keys, for the ``"flash"`` form; ``None``: every key is real.
         kernel: the name of the attention function that takes this form, in transformers' `ALL_ATTENTION_FUNCTIONS`
             (``"eager"`` is its fallback), chosen once per forward (`attention.choose_kernel`).
@@ -151,7 +153,11 @@ def create_attention_mask(layout: BatchLayout, kernel: Kernel, device: torch.dev
         keys_are_queries = key_padding is None and not past_length
     layout_only = keys_are_queries and prefix is None
     if layout_only and layout.cu_seqlens is not None and kernel.varlen is not None:
-        return AttentionMask(layout, "varlen", kernel=kernel.varlen)
+        # Kernels that take a mask where flash-attn takes `is_causal` (attention dropout on CPU) slice their
+        # sequence's causal mask from the longest one's, rendered here once.
+        longest = causal_mask(layout.max_seqlen, layout.max_seqlen, device) if causal and kernel.masks_causality \
+            else None
+        return AttentionMask(layout, "varlen", dense=longest, kernel=kernel.varlen)
     if kernel.takes_key_padding:
         if prefix is not None:
             raise ValueError("flash-attn cannot apply a bidirectional prefix (prefix_lm): use "

@@ -118,3 +118,17 @@ def test_padded_training_with_attention_dropout_takes_the_blocked_kernel():
 def test_values_read_in_one_copy_are_still_refused_by_name(inputs, message):
     with pytest.raises(ValueError, match=message):
         RoFormerModel(tiny_config())(**inputs)
+
+
+def test_causal_training_with_dropout_renders_one_causal_mask_for_every_sequence():
+    ids, mask = padded_batch([9, 4, 7])
+    rendered = {}
+    for dropout in (0.1, 0.0):
+        config = RoFormerModel(tiny_config(is_decoder=True, attention_probs_dropout_prob=dropout)).config
+        rendered[dropout] = ForwardPlan.build(config, ids, mask, use_cache=False, training=True).attention_mask
+        assert rendered[dropout].form == "varlen"
+    assert rendered[0.0].dense is None  # SDPA is causal by itself
+    longest = rendered[0.1].dense  # the dropout kernels take causality as a mask: the longest sequence's, once
+    assert longest.shape == (1, 1, 9, 9)
+    for length in (9, 4, 7):  # each sequence's own causal mask is its top-left corner
+        assert torch.equal(longest[..., :length, :length], torch.ones(length, length, dtype=torch.bool).tril())
