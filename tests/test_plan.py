@@ -131,4 +131,4 @@ def test_causal_training_with_dropout_renders_one_causal_mask_for_every_sequence
     longest = rendered[0.1].dense  # the dropout kernels take causality as a mask: the longest sequence's, once
     assert longest.shape == (1, 1, 9, 9)
     for length in (9, 4, 7):  # each sequence's own causal mask is its top-left corner
-        assert torch.equal(longest[..., :length, :length], torch.ones(length, length, dtype=torch.bool).tril())
+        assert torch.equal(longest[0, 0, :length, :length], torch.ones(length, length, dtype=torch.bool).tril())
