@@ -14,8 +14,7 @@
 The package does not import this module, so the core install needs no Ray.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations (`Request`) at run time.
 import asyncio
 import base64
 import json
@@ -485,20 +484,24 @@ def default_threads(replicas: int) -> int:
     return max(1, (os.cpu_count() or 1) // replicas)
 
 
-def deployment_options(replicas: int = 1, threads: int | None = None, num_cpus: float | None = None) -> dict:
+def deployment_options(replicas: int = 1, threads: int | None = None, num_cpus: float | None = None,
+                       max_ongoing_requests: int = 64, max_queued_requests: int = 256) -> dict:
     """Ray Serve options of the deployment: `replicas` replicas of `threads` torch threads each (default
-    `default_threads`), each reserving `num_cpus` of Ray's CPUs (default `threads`)."""
+    `default_threads`), each reserving `num_cpus` of Ray's CPUs (default `threads`), taking `max_ongoing_requests`
+    at a time; beyond those, `max_queued_requests` wait and the rest get 503 with `Retry-After: 1`."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas={replicas!r}: expected a positive integer")
     threads = threads or default_threads(replicas)
-    return {"num_replicas": replicas, "ray_actor_options": {"num_cpus": threads if num_cpus is None else num_cpus}}
+    return {"num_replicas": replicas, "ray_actor_options": {"num_cpus": threads if num_cpus is None else num_cpus},
+            "max_ongoing_requests": max_ongoing_requests, "max_queued_requests": max_queued_requests}
 
 
 def build_app(args: dict) -> serve.Application:
     """The application serving `args["folder"]`: `serve run roformer_hf.serving:build_app folder=FOLDER`, or the
     `import_path` and `args` of a Serve config file. Arguments (strings are read as `serve run` passes them):
     folder, replicas (1), threads (cores // replicas), int8 (false), max_batch_tokens (4096), batch_wait_ms (5),
-    max_inputs (256), num_cpus (Ray CPUs per replica, default threads)."""
+    max_inputs (256), num_cpus (Ray CPUs per replica, default threads), max_ongoing_requests (64 per replica),
+    max_queued_requests (256)."""
     args = dict(args)
     if "folder" not in args:
         raise ValueError(f"args={args!r}: expected a folder (serve run roformer_hf.serving:build_app folder=FOLDER)")
@@ -515,13 +518,15 @@ def build_app(args: dict) -> serve.Application:
     folder = str(args.pop("folder"))
     replicas = read("replicas", int, 1)
     threads = read("threads", int, None) or default_threads(replicas)
-    options = deployment_options(replicas, threads, read("num_cpus", float, None))
+    options = deployment_options(replicas, threads, read("num_cpus", float, None),
+                                 read("max_ongoing_requests", int, 64), read("max_queued_requests", int, 256))
     kwargs = {"threads": threads, "int8": read("int8", bool, False),
               "max_batch_tokens": read("max_batch_tokens", int, 4096),
               "batch_wait_ms": read("batch_wait_ms", float, 5.0), "max_inputs": read("max_inputs", int, 256)}
     if args:
         raise ValueError(f"unknown arguments {sorted(args)}: expected folder, replicas, threads, int8, "
-                         "max_batch_tokens, batch_wait_ms, max_inputs, num_cpus")
+                         "max_batch_tokens, batch_wait_ms, max_inputs, num_cpus, max_ongoing_requests, "
+                         "max_queued_requests")
     return RoFormerServer.options(**options).bind(folder, **kwargs)
 
 
