@@ -343,3 +343,17 @@ def test_http_overload_answers_503_with_retry_after(server):
     assert set(statuses) == {200, 503}
     assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 503)
     assert _post(f"{server}/busy/v1/completions", body).status_code == 200  # and it serves again
+
+
+def test_docstring_example_runs():
+    import doctest
+    import re
+
+    import roformer_hf.serving
+
+    blocks = re.findall(r"```python\n(.*?)```", ServedModel.__doc__, flags=re.DOTALL)
+    test = doctest.DocTestParser().get_doctest("".join(blocks), vars(roformer_hf.serving).copy(), "ServedModel",
+                                               None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
