@@ -37,7 +37,7 @@ True
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +65,24 @@ def _token_pooling(pooling: str, hidden_size: int):
     return Pooling(hidden_size, pooling)
 
 
+def embedder(model, pooling: str | None = None) -> Callable[[Mapping[str, torch.Tensor]], torch.Tensor]:
+    """The function from a tokenized batch (`input_ids`, `attention_mask`, ...) to its sentence embeddings `(B, H)`,
+    not normalized: what `encode` applies to each batch, with `pooling` as `encode` reads it."""
+    encoder = model.base_model
+    pooling = sentence_pooling(encoder.config, pooling)
+    pool = None if pooling == POOLER else _token_pooling(pooling, encoder.config.hidden_size)
+
+    @torch.no_grad()
+    def embed(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        out = encoder(**batch, use_cache=False)
+        if pool is None:
+            return out.pooler_output
+        return pool({"token_embeddings": out.last_hidden_state,
+                     "attention_mask": batch["attention_mask"]})["sentence_embedding"]
+
+    return embed
+
+
 @torch.no_grad()
 def encode(model, tokenizer, sentences: Sequence[str], *, pooling: str | None = None, normalize: bool = False,
            batch_size: int = 32, max_length: int | None = None) -> torch.Tensor:
@@ -86,10 +104,8 @@ def encode(model, tokenizer, sentences: Sequence[str], *, pooling: str | None = 
     sentences = _check_sentences("sentences", sentences)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: expected a positive integer")
-    encoder = model.base_model
-    pooling = sentence_pooling(encoder.config, pooling)
-    pool = None if pooling == POOLER else _token_pooling(pooling, encoder.config.hidden_size)
-    device = next(encoder.parameters()).device
+    embed = embedder(model, pooling)
+    device = next(model.parameters()).device
     lengths = [len(ids) for ids in tokenizer(sentences, truncation=True, max_length=max_length)["input_ids"]]
     order = sorted(range(len(sentences)), key=lambda i: -lengths[i])
     embeddings = [None] * len(sentences)
@@ -97,13 +113,7 @@ def encode(model, tokenizer, sentences: Sequence[str], *, pooling: str | None = 
         rows = order[start:start + batch_size]
         batch = tokenizer([sentences[i] for i in rows], padding=True, truncation=True, max_length=max_length,
                           return_tensors="pt", padding_side="right").to(device)
-        out = encoder(**batch, use_cache=False)
-        if pool is None:
-            vectors = out.pooler_output
-        else:
-            vectors = pool({"token_embeddings": out.last_hidden_state,
-                            "attention_mask": batch["attention_mask"]})["sentence_embedding"]
-        for row, vector in zip(rows, vectors):
+        for row, vector in zip(rows, embed(batch)):
             embeddings[row] = vector
     embeddings = torch.stack(embeddings)
     return F.normalize(embeddings, dim=-1) if normalize else embeddings
@@ -223,4 +233,4 @@ def _sample(model, tokenizer, sentences: list[str], n: int, seed: int, top_p: fl
     return [texts[i * n:(i + 1) * n] for i in range(len(sentences))]
 
 
-__all__ = ["SeededSampling", "SimilarSentence", "encode", "generate_similar", "similarity"]
+__all__ = ["SeededSampling", "SimilarSentence", "embedder", "encode", "generate_similar", "similarity"]

@@ -1,0 +1,359 @@
+"""roformer_hf.serving and `roformer-hf serve`: each route answers what the library gives offline (`encode`,
+`generate`, transformers' pipelines, `generate_similar`), alone and batched with other requests, on the wrapper and
+over HTTP on a real Ray Serve; bad requests get a 4xx JSON naming the field while the server keeps serving; a folder
+that cannot be served is refused before the port opens."""
+
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import transformers
+from helpers import PYTHON, tiny_config
+
+pytest.importorskip("ray.serve", reason="serving needs Ray Serve: pip install roformer_hf[serve]")
+requests = pytest.importorskip("requests", reason="the HTTP tests talk to the server with requests")
+
+from roformer_hf import (  # noqa: E402
+    RoFormerForCausalLM,
+    RoFormerForMaskedLM,
+    RoFormerForSequenceClassification,
+    train_tokenizer,
+)
+from roformer_hf.cli import main  # noqa: E402
+from roformer_hf.serving import RequestError, ServedModel  # noqa: E402
+from roformer_hf.similarity import encode, generate_similar  # noqa: E402
+
+CORPUS = ["the king speaks and the queen dies", "a crown and a sword at night", "the queen loves the king",
+          "day and night the sword speaks", "a king loves a crown", "the night dies and the day speaks"]
+SENTENCES = ["the king dies", "a queen loves the crown and the sword at night", "day", "the sword speaks"]
+TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(CORPUS, vocab_size=150, min_frequency=1, model_max_length=32)
+
+
+def _save(model, tokenizer, folder):
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tokenizer, tmp_path_factory):
+    """Four saved folders: a masked LM, a classifier, a causal LM and a RoFormer-Sim, each with its tokenizer."""
+    root = tmp_path_factory.mktemp("serving")
+    vocab = len(tokenizer)
+    torch.manual_seed(0)
+    built = {
+        "mlm": RoFormerForMaskedLM(tiny_config(vocab_size=vocab)),
+        "clf": RoFormerForSequenceClassification(tiny_config(vocab_size=vocab, num_labels=3,
+                                                             id2label={0: "comedy", 1: "history", 2: "tragedy"},
+                                                             label2id={"comedy": 0, "history": 1, "tragedy": 2})),
+        "lm": RoFormerForCausalLM(tiny_config(vocab_size=vocab, is_decoder=True, initializer_range=0.3)),
+        "sim": RoFormerForCausalLM(tiny_config(vocab_size=vocab, is_decoder=True, prefix_lm=True,
+                                               add_pooling_layer=True, initializer_range=0.3)),
+    }
+    return {name: _save(model.eval(), tokenizer, root / name) for name, model in built.items()}
+
+
+@pytest.fixture(scope="module")
+def served(folders):
+    return {name: ServedModel(folder) for name, folder in folders.items()}
+
+
+def _greedy(model, tokenizer, prompt, max_new_tokens):
+    """`model.generate` on the prompt alone, up to [SEP]."""
+    with torch.no_grad():
+        out = model.generate(**tokenizer([prompt], return_tensors="pt"), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=tokenizer.sep_token_id,
+                             pad_token_id=tokenizer.pad_token_id)[0, -max_new_tokens:].tolist()
+    return out[:out.index(tokenizer.sep_token_id)] if tokenizer.sep_token_id in out else out
+
+
+# The wrapper, without Ray.
+
+
+def test_routes_follow_the_folder(served):
+    assert served["mlm"].routes == ["/v1/embeddings", "/embed", "/fill-mask"]
+    assert served["clf"].routes == ["/v1/embeddings", "/embed", "/predict"]
+    assert served["lm"].routes == ["/v1/embeddings", "/embed", "/v1/completions"]
+    assert served["sim"].routes == ["/v1/embeddings", "/embed", "/v1/completions", "/similar"]
+    with pytest.raises(RequestError) as refused:
+        served["mlm"].parse("/predict", {"inputs": "the king"})
+    assert refused.value.status == 404 and refused.value.body()["routes"] == served["mlm"].routes
+
+
+@pytest.mark.parametrize("name", ["mlm", "sim"])
+def test_embeddings_are_what_encode_gives(served, name):
+    server = served[name]
+    expected = encode(server.model, server.tokenizer, SENTENCES)  # mean pooling; the pooler for RoFormer-Sim
+    answer = server.answer("/v1/embeddings", {"input": SENTENCES})
+    got = torch.tensor([row["embedding"] for row in answer["data"]])
+    assert [row["index"] for row in answer["data"]] == [0, 1, 2, 3]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert answer["usage"]["prompt_tokens"] == sum(len(ids) for ids in server.tokenizer(SENTENCES)["input_ids"])
+    packed = server.answer("/v1/embeddings", {"input": SENTENCES[1], "encoding_format": "base64"})
+    vector = torch.frombuffer(bytearray(base64.b64decode(packed["data"][0]["embedding"])), dtype=torch.float32)
+    torch.testing.assert_close(vector, expected[1], atol=1e-5, rtol=0)
+    unit = torch.tensor(server.answer("/embed", {"inputs": SENTENCES}))  # text-embeddings-inference normalizes
+    torch.testing.assert_close(unit, encode(server.model, server.tokenizer, SENTENCES, normalize=True), atol=1e-5,
+                               rtol=0)
+
+
+def test_predict_is_the_text_classification_pipeline(served):
+    server = served["clf"]
+    classify = transformers.pipeline("text-classification", model=server.model, tokenizer=server.tokenizer,
+                                     top_k=None)
+    for got, expected in zip(server.answer("/predict", {"inputs": SENTENCES}), classify(SENTENCES)):
+        assert [entry["label"] for entry in got] == [entry["label"] for entry in expected]
+        assert max(abs(a["score"] - b["score"]) for a, b in zip(got, expected)) < 1e-5
+    assert len(server.answer("/predict", {"inputs": "the king"})) == 3  # one input: one list of labels
+
+
+def test_fill_mask_is_the_fill_mask_pipeline(served):
+    server = served["mlm"]
+    fill = transformers.pipeline("fill-mask", model=server.model, tokenizer=server.tokenizer, top_k=3)
+    inputs = ["the king [MASK] a crown", "[MASK] and [MASK]"]  # one mask, then two
+    got = server.answer("/fill-mask", {"inputs": inputs, "top_k": 3})
+    expected = fill(inputs)
+    assert len(got[1]) == 2 and len(got[0]) == 3
+    for got_row, expected_row in zip([got[0], *got[1]], [expected[0], *expected[1]]):
+        assert [(e["token"], e["token_str"], e["sequence"]) for e in got_row] == \
+            [(e["token"], e["token_str"], e["sequence"]) for e in expected_row]
+        assert max(abs(a["score"] - b["score"]) for a, b in zip(got_row, expected_row)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["lm", "sim"])
+def test_completions_batched_equal_each_alone(served, name):
+    server = served[name]
+    prompts = ["the king", "a queen loves the crown and the sword", "day"]
+    ids = server.tokenizer(prompts)["input_ids"]
+    greedy = server.complete([(row, 0) for row in ids], 8, 0.0, 1.0)
+    assert greedy == [_greedy(server.model, server.tokenizer, prompt, 8) for prompt in prompts]
+    rows = [(row, seed) for row in ids for seed in (1, 2)]
+    sampled = server.complete(rows, 8, 1.0, 0.9)
+    assert sampled == [server.complete([row], 8, 1.0, 0.9)[0] for row in rows]
+    assert sampled[0] != sampled[1] or sampled[2] != sampled[3]  # the seed matters
+    answer = server.answer("/v1/completions", {"prompt": prompts[0], "max_tokens": 8, "temperature": 0})
+    assert answer["choices"][0]["text"] == server.tokenizer.decode(greedy[0], skip_special_tokens=True)
+    assert answer["usage"]["completion_tokens"] == len(greedy[0])
+
+
+def test_similar_is_generate_similar(served):
+    server = served["sim"]
+    answer = server.answer("/similar", {"sentences": SENTENCES[:2], "n": 4, "seed": 3, "max_new_tokens": 6})
+    expected = generate_similar(server.model, server.tokenizer, SENTENCES[:2], 4, seed=3, max_new_tokens=6)
+    assert [[(s["text"], round(s["score"], 5)) for s in row["similar"]] for row in answer["data"]] == \
+        [[(s.text, round(s.score, 5)) for s in ranked] for ranked in expected]
+
+
+BAD_REQUESTS = [  # (route, body, status, field)
+    ("/v1/embeddings", {"input": 3}, 422, "input"),
+    ("/v1/embeddings", {"input": []}, 422, "input"),
+    ("/v1/embeddings", {"input": ["the king", "  "]}, 422, "input"),
+    ("/v1/embeddings", {"input": ["day"] * 9}, 413, "input"),
+    ("/v1/embeddings", {"input": "the king " * 20}, 413, "input"),
+    ("/v1/embeddings", {"input": "day", "encoding_format": "int8"}, 422, "encoding_format"),
+    ("/embed", {"inputs": "day", "normalize": "yes"}, 422, "normalize"),
+    ("/v1/completions", {"prompt": "day", "max_tokens": 0}, 422, "max_tokens"),
+    ("/v1/completions", {"prompt": "day", "temperature": "hot"}, 422, "temperature"),
+    ("/similar", {"sentences": "day", "n": 0}, 422, "n"),
+]
+
+
+@pytest.fixture(scope="module")
+def strict(folders):
+    return ServedModel(folders["sim"], max_inputs=8)
+
+
+@pytest.mark.parametrize("route, body, status, param", BAD_REQUESTS)
+def test_bad_requests_are_refused_naming_the_field(strict, route, body, status, param):
+    with pytest.raises(RequestError) as refused:
+        strict.answer(route, body)
+    assert (refused.value.status, refused.value.body()["error"]["param"]) == (status, param)
+    assert "expected" in refused.value.message
+
+
+def test_truncate_cuts_a_long_input(strict):
+    long = "the king " * 20
+    got = strict.answer("/embed", {"inputs": long, "truncate": True, "normalize": False})
+    expected = encode(strict.model, strict.tokenizer, [long])  # encode truncates at model_max_length
+    torch.testing.assert_close(torch.tensor(got), expected, atol=1e-5, rtol=0)
+
+
+# The folders that cannot be served: refused at start by the CLI, before the port opens.
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _unservable(folders, tmp_path):
+    no_tokenizer = tmp_path / "no_tokenizer"
+    RoFormerForMaskedLM.from_pretrained(folders["mlm"]).save_pretrained(no_tokenizer)
+    pickled = tmp_path / "pickled"
+    model = RoFormerForMaskedLM.from_pretrained(folders["mlm"])
+    pickled.mkdir()
+    model.config.save_pretrained(pickled)
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    (pickled / "vocab.txt").write_text((folders["mlm"] / "vocab.txt").read_text())
+    unknown = tmp_path / "unknown"
+    model.save_pretrained(unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "architectures": ["RoFormerForPoetry"]}))
+    (unknown / "vocab.txt").write_text((folders["mlm"] / "vocab.txt").read_text())
+    return [(no_tokenizer, "holds no tokenizer"), (pickled, "only as a pickle"), (unknown, "RoFormerForPoetry")]
+
+
+def test_cli_refuses_an_unservable_folder_before_the_port_opens(folders, tmp_path, capsys):
+    unservable = _unservable(folders, tmp_path)
+    for folder, message in unservable[:-1]:  # in this process: it exits before Ray starts
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", str(folder), "--port", str(_free_port())])
+        assert exited.value.code != 0 and message in capsys.readouterr().err
+    import ray
+
+    assert not ray.is_initialized()
+    folder, message = unservable[-1]  # the command itself
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([PYTHON, "-m", "roformer_hf.cli", "serve", str(folder), "--port", str(port)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens
+
+
+# Over HTTP, on a real Ray Serve.
+
+
+@pytest.fixture(scope="module")
+def server(folders):
+    """Ray Serve on 127.0.0.1, one application per folder under its own route prefix; its base URL."""
+    import ray
+    from ray import serve
+
+    from roformer_hf.serving import build_app
+
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for name in ("mlm", "clf", "sim"):
+            serve.run(build_app({"folder": str(folders[name]), "threads": "1", "num_cpus": "0.25",
+                                 "max_batch_tokens": "64", "batch_wait_ms": "20", "max_inputs": "8"}),
+                      name=name, route_prefix=f"/{name}", blocking=False)
+        # One request at a time and one waiting: the third is Ray Serve's to refuse.
+        serve.run(build_app({"folder": str(folders["sim"]), "threads": "1", "num_cpus": "0.25",
+                             "max_ongoing_requests": "1", "max_queued_requests": "1"}),
+                  name="busy", route_prefix="/busy", blocking=False)
+        for name in ("mlm", "clf", "sim", "busy"):
+            serve.get_app_handle(name)  # waits until the application is running
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _post(url, body, **kwargs):
+    data = body if isinstance(body, str) else json.dumps(body)
+    return requests.post(url, data=data, headers={"content-type": "application/json"}, timeout=TIMEOUT, **kwargs)
+
+
+def test_http_routes_answer_what_the_library_gives(server, served):
+    assert requests.get(f"{server}/sim/health", timeout=TIMEOUT).status_code == 200
+    sim = served["sim"]
+    # Concurrent requests batch together (a budget of 64 tokens) and each gets its own rows back.
+    with ThreadPoolExecutor(8) as pool:
+        embeddings = list(pool.map(lambda s: _post(f"{server}/sim/v1/embeddings", {"input": [s]}), SENTENCES))
+        prompts = [("the king", seed) for seed in (1, 2, 3)] + [("a crown and a sword", 4), ("day", None)]
+        completions = list(pool.map(lambda p: _post(f"{server}/sim/v1/completions", {
+            "prompt": p[0], "max_tokens": 6, **({"seed": p[1], "top_p": 0.9} if p[1] else {"temperature": 0})}),
+            prompts))
+    expected = encode(sim.model, sim.tokenizer, SENTENCES)
+    got = torch.tensor([response.json()["data"][0]["embedding"] for response in embeddings])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    for (prompt, seed), response in zip(prompts, completions):
+        ids = sim.tokenizer(prompt)["input_ids"]
+        tokens = sim.complete([(ids, seed or 0)], 6, 1.0 if seed else 0.0, 0.9 if seed else 1.0)[0]
+        assert response.json()["choices"][0]["text"] == sim.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert completions[-1].json()["choices"][0]["text"] == sim.tokenizer.decode(
+        _greedy(sim.model, sim.tokenizer, "day", 6), skip_special_tokens=True)
+
+    similar = _post(f"{server}/sim/similar", {"sentences": ["the king dies"], "n": 3, "seed": 5, "max_new_tokens": 5})
+    reference = generate_similar(sim.model, sim.tokenizer, ["the king dies"], 3, seed=5, max_new_tokens=5)[0]
+    assert [s["text"] for s in similar.json()["data"][0]["similar"]] == [s.text for s in reference]
+
+    predicted = _post(f"{server}/clf/predict", {"inputs": SENTENCES}).json()
+    for got, expected in zip(predicted, served["clf"].answer("/predict", {"inputs": SENTENCES})):
+        assert [e["label"] for e in got] == [e["label"] for e in expected]
+        assert max(abs(a["score"] - b["score"]) for a, b in zip(got, expected)) < 1e-5
+    filled = _post(f"{server}/mlm/fill-mask", {"inputs": "the king [MASK] a crown", "top_k": 2}).json()
+    assert [e["token"] for e in filled] == \
+        [e["token"] for e in served["mlm"].answer("/fill-mask", {"inputs": "the king [MASK] a crown", "top_k": 2})]
+
+
+def test_http_openai_client_shape(server, served):
+    """What the `openai` client reads: base64 little-endian float32, decoded as it decodes them."""
+    response = _post(f"{server}/mlm/v1/embeddings", {"input": ["the king", "day"], "encoding_format": "base64",
+                                                     "model": "mlm"}).json()
+    vectors = [torch.frombuffer(bytearray(base64.b64decode(row["embedding"])), dtype=torch.float32)
+               for row in response["data"]]
+    mlm = served["mlm"]
+    torch.testing.assert_close(torch.stack(vectors), encode(mlm.model, mlm.tokenizer, ["the king", "day"]),
+                               atol=1e-5, rtol=0)
+    tokens = sum(len(ids) for ids in mlm.tokenizer(["the king", "day"])["input_ids"])
+    assert response["model"] == "mlm" and response["usage"]["prompt_tokens"] == tokens
+
+
+@pytest.mark.parametrize("route, body, status, param", [
+    ("/sim/v1/embeddings", "{not json", 400, None),
+    ("/clf/fill-mask", {"inputs": "the [MASK]"}, 404, "path"),
+    ("/mlm/v1/completions", {"prompt": "day"}, 404, "path"),
+    ("/mlm/fill-mask", {"inputs": "the king"}, 422, "inputs"),
+    *((f"/sim{route}", body, status, param) for route, body, status, param in BAD_REQUESTS),
+])
+def test_http_bad_requests_get_a_json_4xx_and_the_server_keeps_serving(server, route, body, status, param):
+    response = _post(f"{server}{route}", body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and "expected" in error["message"]
+    if status == 404:
+        assert "/v1/embeddings" in response.json()["routes"]
+    assert _post(f"{server}/sim/embed", {"inputs": "day"}).status_code == 200
+
+
+def test_http_overload_answers_503_with_retry_after(server):
+    body = {"prompt": "the king", "max_tokens": 32, "temperature": 0}
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: _post(f"{server}/busy/v1/completions", body), range(8)))
+    statuses = sorted(response.status_code for response in responses)
+    assert statuses[0] == 200 and statuses[-1] == 503, statuses
+    assert set(statuses) == {200, 503}
+    assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 503)
+    assert _post(f"{server}/busy/v1/completions", body).status_code == 200  # and it serves again
+
+
+def test_docstring_example_runs():
+    import doctest
+    import re
+
+    import roformer_hf.serving
+
+    blocks = re.findall(r"```python\n(.*?)```", ServedModel.__doc__, flags=re.DOTALL)
+    test = doctest.DocTestParser().get_doctest("".join(blocks), vars(roformer_hf.serving).copy(), "ServedModel",
+                                               None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
