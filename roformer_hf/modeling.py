@@ -41,7 +41,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .attention import attend
 from .cache import CacheState, cached_cross_attention, generation_cache, past_length, update_layer
 from .configuration import ROPE_TYPES, RoFormerConfig
-from .fused import fused_linear
+from .fused import fused_linear, fused_linears
 from .loading import CheckpointPolicy
 from .masks import AttentionMask
 from .padding import BatchLayout, logits_in_padded_layout
@@ -183,20 +183,25 @@ class RoFormerSelfAttention(nn.Module):
         encoder_hidden_states: torch.Tensor | None = None,  # (B, Lk, H), cross-attention
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query = fused_linear(self.query, hidden_states).unflatten(-1, (self.num_heads, self.head_dim))  # (*T, nh, d)
-        if self.is_cross_attention and cache_state.cross_attention_filled:  # the encoder's, projected once
-            key, value = cached_cross_attention(past_key_values, self.layer_idx)  # (B, Lk, nkv, d)
+        heads, key_value_heads = (self.num_heads, self.head_dim), (self.num_key_value_heads, self.head_dim)
+        if self.is_cross_attention:  # keys and values from the encoder, not rotated
+            query = fused_linear(self.query, hidden_states).unflatten(-1, heads)  # (*T, nh, d)
+            if cache_state.cross_attention_filled:  # projected once per generation
+                key, value = cached_cross_attention(past_key_values, self.layer_idx)  # (B, Lk, nkv, d)
+            else:
+                key, value = (t.unflatten(-1, key_value_heads)
+                              for t in fused_linears((self.key, self.value), encoder_hidden_states))
+                key, value = update_layer(past_key_values, self.layer_idx, key, value, cross_attention=True)
         else:
-            source = encoder_hidden_states if self.is_cross_attention else hidden_states
-            key, value = (fused_linear(proj, source).unflatten(-1, (self.num_key_value_heads, self.head_dim))
-                          for proj in (self.key, self.value))  # (*T, nkv, d)
-            if not self.is_cross_attention:
-                rotary_layout, phases = self.config.rotary_layout, position_embeddings.phases
-                query, key = rotate(query, phases, rotary_layout), rotate(key, phases, rotary_layout)
-                if self.config.rotary_value:
-                    value = rotate(value, phases, rotary_layout)
+            query, key, value = fused_linears((self.query, self.key, self.value), hidden_states)
+            query = query.unflatten(-1, heads)  # (*T, nh, d)
+            key, value = key.unflatten(-1, key_value_heads), value.unflatten(-1, key_value_heads)  # (*T, nkv, d)
+            rotary_layout, phases = self.config.rotary_layout, position_embeddings.phases
+            query, key = rotate(query, phases, rotary_layout), rotate(key, phases, rotary_layout)
+            if self.config.rotary_value:
+                value = rotate(value, phases, rotary_layout)
             # With a cache the layout is padded, (B, L, nkv, d); after the update (B, past + L, nkv, d).
-            key, value = update_layer(past_key_values, self.layer_idx, key, value, self.is_cross_attention)
+            key, value = update_layer(past_key_values, self.layer_idx, key, value)
 
         dropout = self.config.attention_probs_dropout_prob if self.training else 0.0
         # The attention factor scales rotated queries and keys alike, hence the scores by its square; applied here,

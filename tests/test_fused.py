@@ -183,3 +183,24 @@ def test_long_inputs_leave_the_weight_unpacked():
     with torch.inference_mode():
         fused_linear(layer, x)
     assert layer not in fused._PACKED  # no second copy of the weight for bulk inference
+
+
+@pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
+@pytest.mark.parametrize("rows", [1, 2, 16, fused.PACKED_MAX_ROWS, fused.PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layers_on_one_input_give_the_bits_of_each_alone(rows, bias):
+    torch.manual_seed(rows)
+    layers, x = (nn.Linear(32, 32, bias=bias), nn.Linear(32, 16, bias=bias), nn.Linear(32, 16, bias=bias)), \
+        torch.randn(rows, 32)
+    with torch.inference_mode():
+        alone = [fused_linear(layer, x) for layer in layers]
+        together = fused.fused_linears(layers, x)
+        assert all(torch.equal(a, b) for a, b in zip(alone, together))
+        assert (layers[0] in fused._PACKED_SIDE_BY_SIDE) == (1 < rows <= fused.PACKED_MAX_ROWS)
+        with torch.no_grad():
+            layers[2].weight.add_(1.0)  # the side-by-side copy follows each layer's weight
+            if bias:
+                layers[1].bias.sub_(1.0)
+        expected = [reference(layer, x).float() for layer in layers]
+        for output, want in zip(fused.fused_linears(layers, x), expected):
+            torch.testing.assert_close(output, want, atol=1e-5, rtol=1e-5)
