@@ -5,9 +5,13 @@ in a process that imported roformer_hf: importing the package never changes what
 folder names roformer_hf everywhere, so Auto classes, pipelines, sentence-transformers (which loads through the Auto
 classes) and `trust_remote_code=True` users without the package all get roformer_hf:
 
-- the weights, read from safetensors only by roformer_hf's own `from_pretrained` of the head class that the source
-  config's `architectures` names, and written by its `save_pretrained`: config.json with `model_type: "roformer_hf"`
-  and an `auto_map` for every Auto class, and the code files next to the weights;
+- the weights, read by roformer_hf's own `from_pretrained` of the head class that the source config's
+  `architectures` names (V1, RoFormer-V2 and RoFormer-Sim alike: the config says which), and written by its
+  `save_pretrained`: safetensors, config.json with `model_type: "roformer_hf"` and an `auto_map` for every Auto
+  class, and the code files next to the weights. A source with pickled weights only (`pytorch_model.bin`, as older
+  Hub repositories of RoFormer-V2 and RoFormer-Sim hold them) is read here, and only here, with torch's restricted
+  loader (`torch.load(weights_only=True)`: tensors and plain containers, never code), and refused when it holds
+  anything else;
 - the tokenizer, as roformer_hf's `RoFormerHFTokenizer` (a tokenizer of transformers' RoFormer keeps its jieba
   segmentation);
 - every other file of the source (model card, sentence-transformers' modules.json and pooling folders), except
@@ -23,9 +27,13 @@ import fnmatch
 import json
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
+
+import torch
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from .configuration import TRANSFORMERS_MODEL_TYPE, RoFormerConfig
 from .modeling import HEADS
@@ -74,7 +82,11 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, overwr
     src, dst = Path(src), Path(dst)
     head = _head_class(src)
     _check_destination(src, dst, overwrite)
-    model = head.from_pretrained(src)
+    state_dict = _pickled_state_dict(src)
+    if state_dict is None:
+        model = head.from_pretrained(src)
+    else:
+        model = head.from_pretrained(None, config=RoFormerConfig.from_pretrained(src), state_dict=state_dict)
     tokenizer = _tokenizer(src)
     if tokenizer is not None and tokenizer.model_max_length > model.config.max_position_embeddings:
         # Pipelines truncate at the tokenizer's limit: the length the model was trained at, not "no limit".
@@ -117,6 +129,33 @@ def _head_class(src: Path) -> type:
     return heads[architectures[0]]
 
 
+def _pickled_state_dict(src: Path) -> dict[str, torch.Tensor] | None:
+    """The weights of a source that holds them only as a pickle (`pytorch_model.bin`, or its shards), read with
+    torch's restricted loader; None for a source with safetensors weights."""
+    if (src / SAFE_WEIGHTS_NAME).is_file() or (src / SAFE_WEIGHTS_INDEX_NAME).is_file():
+        return None
+    if (src / WEIGHTS_INDEX_NAME).is_file():
+        index = json.loads((src / WEIGHTS_INDEX_NAME).read_text(encoding="utf-8"))
+        files = sorted(set(index.get("weight_map", {}).values()))
+    elif (src / WEIGHTS_NAME).is_file():
+        files = [WEIGHTS_NAME]
+    else:
+        return None
+    state_dict = {}
+    for name in files:
+        try:  # unpickles tensors, numbers, strings and plain containers only: nothing that runs code
+            loaded = torch.load(src / name, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise ValueError(f"{src / name} holds more than tensors ({str(error).splitlines()[0]}): refused, as "
+                             "torch.load(weights_only=True) refuses it; expected a state dict of tensors") from error
+        if not isinstance(loaded, dict) or not all(isinstance(key, str) and isinstance(value, torch.Tensor)
+                                                   for key, value in loaded.items()):
+            raise ValueError(f"{src / name} holds a {type(loaded).__name__}: expected a state dict, names to tensors")
+        state_dict.update(loaded)
+    logger.info("%s holds pickled weights (%s): read with torch.load(weights_only=True)", src, ", ".join(files))
+    return state_dict
+
+
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     source, target = src.resolve(), dst.resolve()
     if source == target or source in target.parents or target in source.parents:
@@ -157,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m roformer_hf.convert",
         description="Convert a checkpoint folder of transformers' RoFormer into a roformer_hf folder (weights, "
                     "config with auto_map, code files, tokenizer), loaded as roformer_hf by the Auto classes.")
-    parser.add_argument("src", help="checkpoint folder of transformers' RoFormer (safetensors weights)")
+    parser.add_argument("src", help="checkpoint folder of transformers' RoFormer, JunnYu's RoFormer-V2 or RoFormer-Sim "
+                                    "(safetensors weights, or pytorch_model.bin read with weights_only=True)")
     parser.add_argument("dst", help="folder to write")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it is not empty")
     args = parser.parse_args(argv)

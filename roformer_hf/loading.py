@@ -141,11 +141,12 @@ class CheckpointPolicy:
             if pickled is None:
                 raise
             raise OSError(
-                f"{name!r} holds its weights only as a pickle ({pickled}), which roformer_hf refuses to load: "
-                "unpickling can run arbitrary code. Convert them to safetensors once, in an environment where you "
-                f"trust the file: `transformers.{cls.__name__}.from_pretrained({name!r}, use_safetensors=False)"
-                ".save_pretrained(new_folder, safe_serialization=True)`, then load new_folder, or make it a "
-                "roformer_hf folder with `python -m roformer_hf.convert new_folder DST`") from error
+                f"{name!r} holds its weights only as a pickle ({pickled}), which from_pretrained refuses to load: "
+                "unpickling can run arbitrary code. Convert the folder once with `python -m roformer_hf.convert "
+                f"{name} DST` (a Hub repository: download it first, `hf download REPO --local-dir SRC`): it reads "
+                "the pickle with torch's restricted loader (torch.load(weights_only=True): tensors and plain "
+                "containers only) into the roformer_hf class its config names (RoFormer, RoFormer-V2 or "
+                "RoFormer-Sim with its pooler) and writes safetensors; then load DST") from error
         missing = sorted(key for key in info["missing_keys"] if model.is_encoder_weight(key))
         fresh = model.warm_started_weights(missing)
         if fresh:

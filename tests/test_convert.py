@@ -197,26 +197,83 @@ def _pickled_only(folder):
     return model
 
 
-def test_pickled_weights_are_refused_with_the_way_out(tmp_path):
+def test_pickled_weights_are_refused_by_from_pretrained_which_names_the_converter(tmp_path):
     _pickled_only(tmp_path / "pickled")
-    advice = r"pickle \(pytorch_model\.bin\), which roformer_hf refuses to load.*use_safetensors=False.*" \
-             r"safe_serialization=True"
-    with pytest.raises(OSError, match=advice) as loading:
+    with pytest.raises(OSError, match=r"pickle \(pytorch_model\.bin\), which from_pretrained refuses to load.*"
+                                      r"python -m roformer_hf\.convert .*weights_only=True") as loading:
         roformer_hf.RoFormerForMaskedLM.from_pretrained(tmp_path / "pickled")
     assert "no file named" not in str(loading.value)
-    with pytest.raises(OSError, match=advice):
-        convert_checkpoint(tmp_path / "pickled", tmp_path / "dst")
-    assert not (tmp_path / "dst").exists()
-    assert [path.name for path in tmp_path.iterdir()] == ["pickled"]  # no staging folder left behind
 
-    # The advice works: transformers' own class converts the pickle (trusted here), then the converter runs.
-    match = re.search(r"`(transformers\.\w+)\.from_pretrained", str(loading.value))
-    assert match and match.group(1) == "transformers.RoFormerForMaskedLM"
-    transformers.RoFormerForMaskedLM.from_pretrained(tmp_path / "pickled", use_safetensors=False).save_pretrained(
-        tmp_path / "safe", safe_serialization=True)
-    transformers.RoFormerTokenizer.from_pretrained(tmp_path / "pickled").save_pretrained(tmp_path / "safe")
-    converted = convert_checkpoint(tmp_path / "safe", tmp_path / "dst")
-    assert type(transformers.AutoModelForMaskedLM.from_pretrained(converted)) is roformer_hf.RoFormerForMaskedLM
+
+def test_the_converter_reads_pickled_weights_into_what_the_safetensors_route_gives(tmp_path, reference_tokenizer):
+    model = _pickled_only(tmp_path / "pickled")
+    model.save_pretrained(tmp_path / "safe")  # the same weights as safetensors
+    transformers.RoFormerTokenizer(vocab=VOCAB).save_pretrained(tmp_path / "safe")
+    from_pickle = convert_checkpoint(tmp_path / "pickled", tmp_path / "from_pickle")
+    from_safetensors = convert_checkpoint(tmp_path / "safe", tmp_path / "from_safetensors")
+    assert (from_pickle / "model.safetensors").is_file() and not (from_pickle / "pytorch_model.bin").exists()
+    batch = _batch(reference_tokenizer)
+    with torch.no_grad():
+        logits = [transformers.AutoModelForMaskedLM.from_pretrained(folder).eval()(**batch).logits
+                  for folder in (from_pickle, from_safetensors)]
+    assert torch.equal(*logits)
+
+
+@pytest.mark.parametrize("fixture, head", [("roformer_v2/RoFormerForMaskedLM", "RoFormerForMaskedLM"),
+                                           ("roformer_sim", "RoFormerForCausalLM")])
+def test_pickled_roformer_v2_and_sim_checkpoints_convert_to_their_own_class(tmp_path, fixture, head):
+    """JunnYu's RoFormer-V2 and RoFormer-Sim weights (tests/fixtures), as older Hub repositories hold them: pickled.
+    The converter builds V2 (no norm weights, no biases) and Sim (prefix-LM, pooler), with the fixture's outputs."""
+    from safetensors.torch import load_file
+
+    source = Path(__file__).resolve().parent / "fixtures" / fixture
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((source / "config.json").read_text())
+    weights = load_file(source / "model.safetensors")
+    half = len(weights) // 2  # sharded, as large checkpoints are
+    shards = {"pytorch_model-00001-of-00002.bin": dict(list(weights.items())[:half]),
+              "pytorch_model-00002-of-00002.bin": dict(list(weights.items())[half:])}
+    for name, shard in shards.items():
+        torch.save(shard, pickled / name)
+    (pickled / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {key: name for name, shard in shards.items() for key in shard}}))
+    converted = getattr(transformers, "AutoModelForCausalLM" if head == "RoFormerForCausalLM" else
+                        "AutoModelForMaskedLM").from_pretrained(convert_checkpoint(pickled, tmp_path / "dst")).eval()
+    original = getattr(roformer_hf, head).from_pretrained(source).eval()
+    assert type(converted) is getattr(roformer_hf, head)
+    assert converted.config.norm_type == original.config.norm_type and \
+        converted.config.prefix_lm == original.config.prefix_lm
+    ids = torch.tensor([[5, 9, 13, 2]])
+    with torch.no_grad():
+        new, old = converted(ids), original(ids)
+    assert torch.equal(new.logits, old.logits)
+    if head == "RoFormerForCausalLM":
+        assert torch.equal(new.pooler_output, old.pooler_output)
+
+
+class RunsCode:
+    """What a malicious pickle carries: unpickling it calls `os.system`."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_a_pickle_that_holds_more_than_tensors_is_refused_unread(tmp_path):
+    folder = tmp_path / "pickled"
+    _pickled_only(folder)
+    ran = tmp_path / "code_ran"
+    torch.save({**torch.load(folder / "pytorch_model.bin", weights_only=True), "payload": RunsCode(ran)},
+               folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin holds more than tensors .*weights_only=True"):
+        convert_checkpoint(folder, tmp_path / "dst")
+    assert not ran.exists() and not (tmp_path / "dst").exists()
+    torch.save([torch.zeros(2)], folder / "pytorch_model.bin")  # tensors, but not a state dict
+    with pytest.raises(ValueError, match="holds a list: expected a state dict"):
+        convert_checkpoint(folder, tmp_path / "dst")
 
 
 def test_a_non_empty_destination_is_replaced_only_with_overwrite(source, tmp_path):
