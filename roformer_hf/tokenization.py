@@ -157,8 +157,9 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
         self.strip_accents = strip_accents
         self.use_jieba = use_jieba
         self._add_sep_token = True if add_sep_token is None else bool(add_sep_token)
-        if add_sep_token is not None:  # recorded by save_pretrained only when chosen
-            kwargs["add_sep_token"] = bool(add_sep_token)
+        # Recorded always, as transformers records every argument: None (unchosen, so that the folder of a causal LM
+        # can default it to False when loaded), True or False.
+        kwargs["add_sep_token"] = None if add_sep_token is None else bool(add_sep_token)
 
         backend = Tokenizer(WordPiece(vocab, unk_token=str(unk_token)))
         backend.normalizer = _normalizer(do_lower_case, strip_accents, tokenize_chinese_chars, use_jieba)
@@ -187,12 +188,28 @@ class RoFormerHFTokenizer(PreTrainedTokenizerFast):
         a causal LM's folder `add_sep_token=False` (prompts to continue) unless it records a choice."""
         if "use_jieba" not in kwargs and _saved_by_transformers_roformer(pretrained_model_name_or_path, kwargs):
             kwargs["use_jieba"] = True
-        if "add_sep_token" not in kwargs and _beside_a_causal_lm(pretrained_model_name_or_path, kwargs):
+        if kwargs.get("add_sep_token") is None and _beside_a_causal_lm(pretrained_model_name_or_path, kwargs):
             logger.info("%s: the tokenizer of a causal LM: single texts encode as [CLS] text, without [SEP], as "
                         "prompts to continue (pass add_sep_token=True to encode training texts)",
                         pretrained_model_name_or_path)
             kwargs["add_sep_token"] = False
         return super().from_pretrained(pretrained_model_name_or_path, *init_inputs, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, filename_prefix: str | None = None, **kwargs):
+        """transformers' `save_pretrained`, with `add_sep_token` written as chosen: null when it never was (transformers
+        writes the value of the attribute of that name, the effective True), so that a causal LM's folder still
+        defaults it to False when loaded."""
+        files = super().save_pretrained(save_directory, *args, filename_prefix=filename_prefix, **kwargs)
+        config_file = os.path.join(save_directory, (filename_prefix + "-" if filename_prefix else "") +
+                                   "tokenizer_config.json")
+        with open(config_file, encoding="utf-8") as handle:
+            saved = json.load(handle)
+        if saved.get("add_sep_token") != self.init_kwargs.get("add_sep_token"):
+            saved["add_sep_token"] = self.init_kwargs.get("add_sep_token")
+            with open(config_file, "w", encoding="utf-8") as handle:
+                json.dump(saved, handle, indent=2, sort_keys=True, ensure_ascii=False)
+                handle.write("\n")
+        return files
 
     @property
     def add_sep_token(self) -> bool:
@@ -301,11 +318,11 @@ def _resolve_vocab(vocab: str | dict[str, int] | None, tokenizer_file: str | Non
 
 def _beside_a_causal_lm(name, kwargs: dict) -> bool:
     """Whether `name` (a folder or a Hub repository) holds a causal LM (config.json: `is_decoder`, no `prefix_lm`)
-    and a tokenizer that records no `add_sep_token`."""
+    and a tokenizer that records no choice of `add_sep_token` (none, or None)."""
     if os.path.isfile(name):
         return False
     download = {key: kwargs[key] for key in DOWNLOAD_ARGS if kwargs.get(key) is not None}
-    if "add_sep_token" in get_tokenizer_config(name, **download):
+    if get_tokenizer_config(name, **download).get("add_sep_token") is not None:  # a choice was recorded
         return False
     config_file = cached_file(name, CONFIG_NAME, **download, _raise_exceptions_for_missing_entries=False,
                               _raise_exceptions_for_connection_errors=False)

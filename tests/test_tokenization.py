@@ -442,3 +442,21 @@ def test_one_name_in_the_docs_the_code_and_the_saved_folder(tokenizer, tmp_path)
     assert "RoFormerTokenizerFast" not in roformer_hf.__all__
     with pytest.warns(FutureWarning, match="now RoFormerHFTokenizer"):
         assert roformer_hf.RoFormerTokenizerFast is RoFormerHFTokenizer  # the former name, still importable
+
+
+def test_every_argument_with_a_default_is_recorded_as_transformers_tests_it(vocab_dir, tmp_path):
+    import inspect
+
+    # transformers' `test_tokenizer_store_full_signature`, with its list of arguments it does not ask for.
+    files = {"vocab_file", "merges_file", "tokenizer_file", "vocab", "merges", "legacy", "_spm_precompiled_charsmap",
+             "additional_special_tokens"}
+    defaults = [name for name, parameter in inspect.signature(RoFormerHFTokenizer.__init__).parameters.items()
+                if parameter.default is not inspect.Parameter.empty and name not in files]
+    for choice in (None, True, False):  # three values, each kept through a save
+        tokenizer = RoFormerHFTokenizer(vocab=str(vocab_dir / "vocab.txt"), add_sep_token=choice)
+        assert [name for name in defaults if name not in tokenizer.init_kwargs] == []
+        tokenizer.save_pretrained(tmp_path / str(choice))
+        saved = json.loads((tmp_path / str(choice) / "tokenizer_config.json").read_text())
+        assert saved["add_sep_token"] == choice
+        reloaded = RoFormerHFTokenizer.from_pretrained(tmp_path / str(choice))
+        assert reloaded.init_kwargs["add_sep_token"] == choice and reloaded.add_sep_token == (choice is not False)
