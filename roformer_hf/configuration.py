@@ -131,50 +131,69 @@ class RoFormerConfig(PreTrainedConfig):
     their position (rotary position embeddings, RoPE) instead of adding absolute position embeddings.
 
     It accepts every field of transformers' `RoFormerConfig`, so the `config.json` of a published RoFormer
-    checkpoint loads unchanged, and adds:
+    checkpoint loads unchanged, and adds the ones after `tie_word_embeddings` below. `docs/reference.md` tabulates
+    these attributes with their types and defaults (generated from this class: `python docs/make_reference.py`).
 
-    - `rope_parameters`: the rotary frequencies, in transformers 5's format (as Llama's): `{"rope_type": "default",
-      "rope_theta": 10000.0}` by default, theta_i = rope_theta ** (-2i / head_dim). Other `rope_type`s stretch them
-      for inputs longer than training (`factor`): `"linear"` (position interpolation), `"dynamic"` (NTK scaling that
-      grows with the longest sequence of each batch beyond `max_position_embeddings`), `"yarn"`, `"longrope"`
-      (`short_factor`, `long_factor`), `"llama3"` (`low_freq_factor`, `high_freq_factor`); `original_max_position_
-      embeddings` (yarn, longrope, llama3) defaults to `max_position_embeddings`. Frequencies and attention factor
-      are those of transformers' `ROPE_INIT_FUNCTIONS`. The legacy `rope_scaling` key is read into it.
-    - `rope_theta`: the frequency base, a view of `rope_parameters["rope_theta"]` (reading and setting it reads and
-      sets that entry; a `rope_theta` key in an older config.json is moved there).
-    - `num_key_value_heads`: grouped-query attention: key/value heads, each shared by `num_attention_heads /
-      num_key_value_heads` query heads (default: `num_attention_heads`, plain multi-head attention; 1: multi-query).
-    - `use_bias`: whether the encoder's dense layers (attention projections, feed-forward) have biases. The
-      embedding projection and the task heads always have them, as in RoFormer-V2.
-    - `norm_type`: `"layer_norm"` (RoFormer), or `"rms_norm"` for RoFormer-V2's parameter-free RMS norm `x /
-      sqrt(mean(x^2) + layer_norm_eps)` (no gain, bias or centring) in the same places. With it, the MLM
-      head is the tied decoder alone (no transform, norm or bias), so `embedding_size` must equal `hidden_size`
-      (`check_mlm_head`, which the MLM head calls; the encoder alone takes any `embedding_size`).
-      RoFormer-V2 is `use_bias=False, norm_type="rms_norm", hidden_act="relu"`, as its config.json says.
-    - `is_decoder`: causal self-attention with a cache of keys and values (`RoFormerForCausalLM`, `generate()`), as
-      in transformers; `use_cache` (default True) lets decoders return the cache outside training.
-    - `add_cross_attention`: decoders only: a cross-attention sublayer in every layer, on an encoder's states
-      (`EncoderDecoderModel`), named as in transformers' RoFormer (`crossattention`).
-    - `prefix_lm`: decoders only: the UniLM mask of RoFormer-Sim: tokens of segment 0 (`token_type_ids`) see each
-      other bidirectionally, tokens of segment 1 the prefix and the tokens before them. A row's segments must go 0
-      then 1. A folder of JunnYu's `RoFormerForCausalLM` (RoFormer-Sim; its config.json has `is_decoder` and
-      `pooler_activation`) loads with it and `add_pooling_layer` on, since that model reads its prompt
-      bidirectionally and generates with the prompt as its prefix.
-    - `add_pooling_layer`: BERT's pooler (`roformer.pooler.dense`): `pooler_output` = `pooler_activation(dense(first
-      token))`, for sentence embeddings (RoFormer-Sim ranks its generations by it).
-    - `rotary_layout`: which dimensions rotate together. `"interleaved"` pairs (2i, 2i+1), the layout of
-      RoFormer and of its published checkpoints; `"half"` pairs (i, i + head_dim/2), the "rotate-half" layout of
-      GPT-NeoX, Llama-HF and ModernBERT.
-    - `norm_position`: `"post"` puts the LayerNorm after each residual add (RoFormer/BERT); `"pre"` puts it
-      before each sublayer and adds a final LayerNorm.
-    - `classifier_pooling`: what `RoFormerForSequenceClassification` classifies: `"cls"`, the first token's state
-      (BERT, transformers' RoFormer), or `"mean"`, the mean of the real tokens' states (ModernBERT's option of the
-      same name): every token then reaches the classifier directly, which fine-tunes faster when the label lies in
-      the whole text rather than in what [CLS] learned to gather.
-    - `unpad_inputs`: run every token-wise layer on the real tokens only when the batch is padded (faster,
-      same results); `False` keeps padded tensors and masks the padding in attention.
-    - `sparse_prediction`: in training with labels, run the MLM head only on labelled tokens (-100 elsewhere)
-      and return only their logits; a large saving with big vocabularies.
+    Attributes:
+        vocab_size: the number of tokens the embeddings and the MLM head know.
+        embedding_size: the width of the token embeddings; a dense layer (`embeddings_project`) maps them to
+            `hidden_size` when they differ. Default: `hidden_size`.
+        hidden_size: the width of the hidden states.
+        num_hidden_layers: the number of encoder layers.
+        num_attention_heads: query heads per attention layer; `head_dim = hidden_size / num_attention_heads`.
+        intermediate_size: the width of the feed-forward's inner layer.
+        hidden_act: the feed-forward's activation, a name of transformers' `ACT2FN` (`"gelu"`; RoFormer-V2 `"relu"`).
+        hidden_dropout_prob: dropout on the embeddings and on each sublayer's output.
+        attention_probs_dropout_prob: dropout on the attention weights (in training).
+        max_position_embeddings: the longest sequence the model was trained on: not a cap (positions are rotated on
+            the fly), but the default truncation length of tokenizers and pipelines and the length `"dynamic"` rope
+            scaling compares with.
+        type_vocab_size: the number of segments (`token_type_ids`).
+        initializer_range: the standard deviation of the initial weights.
+        layer_norm_eps: the epsilon of every norm.
+        pad_token_id: the padding token's id (its embedding row starts at zero).
+        rotary_value: rotate the values too, as some RoFormer checkpoints do (`roformer_small_discriminator`).
+        tie_word_embeddings: the MLM and causal-LM heads' decoder shares the word embeddings.
+        classifier_dropout: dropout before the task heads' classifiers; default `hidden_dropout_prob`.
+        classifier_pooling: what `RoFormerForSequenceClassification` classifies: `"cls"`, the first token's state
+            (BERT, transformers' RoFormer), or `"mean"`, the mean of the real tokens' states (ModernBERT's option of
+            the same name), which fine-tunes faster when the label lies in the whole text.
+        rope_parameters: the rotary frequencies, in transformers 5's format (as Llama's): `{"rope_type": "default",
+            "rope_theta": 10000.0}` by default, theta_i = rope_theta ** (-2i / head_dim). Other `rope_type`s stretch
+            them for inputs longer than training (`factor`): `"linear"`, `"dynamic"` (NTK scaling that grows with
+            the longest sequence of each batch beyond `max_position_embeddings`), `"yarn"`, `"longrope"`
+            (`short_factor`, `long_factor`), `"llama3"` (`low_freq_factor`, `high_freq_factor`);
+            `original_max_position_embeddings` defaults to `max_position_embeddings`. The frequencies are those of
+            transformers' `ROPE_INIT_FUNCTIONS`; the legacy `rope_scaling` key is read into it, and `rope_theta` is
+            a view of `rope_parameters["rope_theta"]`.
+        num_key_value_heads: grouped-query attention: key/value heads, each shared by `num_attention_heads /
+            num_key_value_heads` query heads (default: `num_attention_heads`; 1: multi-query).
+        use_bias: whether the encoder's dense layers (attention projections, feed-forward) have biases. The
+            embedding projection and the task heads always have them, as in RoFormer-V2.
+        norm_type: `"layer_norm"` (RoFormer), or `"rms_norm"`, RoFormer-V2's parameter-free RMS norm `x /
+            sqrt(mean(x^2) + layer_norm_eps)`, in the same places. Its MLM head is the tied decoder alone, so
+            `embedding_size` must equal `hidden_size` there (`check_mlm_head`). RoFormer-V2 is `use_bias=False,
+            norm_type="rms_norm", hidden_act="relu"`, as its config.json says.
+        pooler_activation: the activation of BERT's pooler (`add_pooling_layer`): `"tanh"`; RoFormer-Sim `"linear"`.
+        is_decoder: causal self-attention with a cache of keys and values (`RoFormerForCausalLM`, `generate()`).
+        add_cross_attention: decoders only: a cross-attention sublayer in every layer, on an encoder's states
+            (`EncoderDecoderModel`), named as in transformers' RoFormer (`crossattention`).
+        use_cache: decoders return the cache outside training.
+        prefix_lm: decoders only: the UniLM mask of RoFormer-Sim: tokens of segment 0 (`token_type_ids`) see each
+            other bidirectionally, tokens of segment 1 the prefix and the tokens before them; a row's segments go 0
+            then 1. A folder of JunnYu's RoFormer-Sim (config.json with `is_decoder` and `pooler_activation`) loads
+            with it and `add_pooling_layer` on.
+        add_pooling_layer: BERT's pooler (`roformer.pooler.dense`): `pooler_output = pooler_activation(dense(first
+            token))`, for sentence embeddings (RoFormer-Sim ranks its generations by it).
+        rotary_layout: which dimensions rotate together: `"interleaved"` pairs (2i, 2i+1), RoFormer's layout and
+            that of its published checkpoints; `"half"` pairs (i, i + head_dim/2), the rotate-half layout of GPT-NeoX,
+            Llama-HF and ModernBERT.
+        norm_position: `"post"` normalises after each residual add (RoFormer, BERT); `"pre"` before each sublayer,
+            with a final norm.
+        unpad_inputs: run every token-wise layer on the real tokens only when the batch is padded (faster, the same
+            results); `False` keeps padded tensors and masks the padding in attention.
+        sparse_prediction: in training with labels, run the MLM head on the labelled tokens only (-100 elsewhere)
+            and return only their logits; a large saving with big vocabularies.
 
     Positions are encoded from `position_ids` on the fly, so `max_position_embeddings` does not cap the sequence
     length. It is kept as metadata: the longest sequence the model was trained on, which tokenizers and

@@ -79,3 +79,11 @@ def test_readme_quick_start_runs_as_written(tmp_path, local_hub):
     pushed = local_hub.files("you/roformer-quickstart")
     assert {"model.safetensors", "config.json", "modeling.py", "README.md", "tokenizer.json"} <= set(pushed)
     assert "hub.py" not in pushed
+
+
+def test_the_reference_tables_are_what_the_code_gives():
+    """docs/reference.md is generated (`python docs/make_reference.py`): a field, head or checkpoint kind changed in
+    the code without regenerating it fails here, and so does a config field without a meaning in its docstring."""
+    completed = subprocess.run([PYTHON, str(ROOT / "docs" / "make_reference.py"), "--check"], capture_output=True,
+                               text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout + completed.stderr[-2000:]
