@@ -87,3 +87,53 @@ def test_the_reference_tables_are_what_the_code_gives():
     completed = subprocess.run([PYTHON, str(ROOT / "docs" / "make_reference.py"), "--check"], capture_output=True,
                                text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout + completed.stderr[-2000:]
+
+
+def _faq_errors(tmp_path, monkeypatch) -> list[str]:
+    """The errors docs/faq.md quotes, in its order, as the code raises them."""
+    import builtins
+
+    import torch
+
+    from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerHFTokenizer, RoFormerModel
+
+    def raised(action) -> str:
+        with pytest.raises((ValueError, OSError, ImportError)) as error:
+            action()
+        return str(error.value)
+
+    small = RoFormerConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32)
+    pickled = tmp_path / "pickled"
+    small.save_pretrained(pickled)
+    torch.save(RoFormerModel(small).state_dict(), pickled / "pytorch_model.bin")
+
+    real_import = builtins.__import__
+
+    def without_rjieba(name, *args, **kwargs):
+        if name == "rjieba":
+            raise ImportError("No module named 'rjieba'")
+        return real_import(name, *args, **kwargs)
+
+    def jieba_tokenizer():
+        with monkeypatch.context() as patch:
+            patch.setattr(builtins, "__import__", without_rjieba)
+            RoFormerHFTokenizer(use_jieba=True)
+
+    decoder = RoFormerForCausalLM(decoder_config := RoFormerConfig(**{**small.to_dict(), "is_decoder": True}))
+    assert decoder_config.head_dim == 8
+    cache = decoder(torch.randint(5, 100, (2, 5)), use_cache=True).past_key_values
+    return [
+        raised(lambda: RoFormerModel.from_pretrained(pickled)),
+        raised(jieba_tokenizer),
+        raised(lambda: RoFormerModel(small)(torch.tensor([[2, 500, 3]]))),
+        raised(lambda: decoder(torch.randint(5, 100, (3, 1)), past_key_values=cache)),
+    ]
+
+
+def test_the_troubleshooting_page_quotes_the_errors_users_see(tmp_path, monkeypatch):
+    quotes = re.findall(r"```text\n(.*?)\n```", (ROOT / "docs" / "faq.md").read_text(encoding="utf-8"), re.DOTALL)
+    errors = _faq_errors(tmp_path, monkeypatch)
+    assert len(quotes) == len(errors)
+    for quote, error in zip(quotes, errors):
+        assert quote in error, (quote, error)
