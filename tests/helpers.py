@@ -165,6 +165,14 @@ def save_folder(model, tokenizer, folder: Path) -> Path:
     return folder
 
 
+def embedding_folder(folder: Path):
+    """A tiny `RoFormerModel` (mean pooling) saved with `serving_tokenizer()` in `folder`: (folder, model, tokenizer)."""
+    tokenizer = serving_tokenizer()
+    torch.manual_seed(0)
+    model = roformer_hf.RoFormerModel(tiny_config(vocab_size=len(tokenizer))).eval()
+    return save_folder(model, tokenizer, folder), model, tokenizer
+
+
 def free_port() -> int:
     import socket
 

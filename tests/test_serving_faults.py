@@ -11,20 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import (
-    SERVING_CORPUS,
-    free_port,
-    ray_runtime_env,
-    replica_processes,
-    save_folder,
-    serving_tokenizer,
-    tiny_config,
-)
+from helpers import SERVING_CORPUS, embedding_folder, free_port, ray_runtime_env, replica_processes
 
 pytest.importorskip("ray.serve", reason="serving needs Ray Serve: pip install roformer_hf[serve]")
 requests = pytest.importorskip("requests", reason="the HTTP tests talk to the server with requests")
 
-from roformer_hf import RoFormerModel  # noqa: E402
 from roformer_hf.similarity import encode  # noqa: E402
 
 APP = "faults"
@@ -43,10 +34,7 @@ def deployed(tmp_path_factory):
 
     from roformer_hf.serving import build_app
 
-    tokenizer = serving_tokenizer()
-    torch.manual_seed(0)
-    model = RoFormerModel(tiny_config(vocab_size=len(tokenizer))).eval()
-    folder = save_folder(model, tokenizer, tmp_path_factory.mktemp("faults") / "encoder")
+    folder, model, tokenizer = embedding_folder(tmp_path_factory.mktemp("faults") / "encoder")
     port = free_port()
     ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
