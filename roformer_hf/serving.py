@@ -8,7 +8,7 @@
   method of their kind (`serve.batch`), which Ray Serve fills up to `max_batch_tokens` real tokens (`batch_size_fn`)
   or `batch_wait_ms`; each batch is one forward in the padding-free layout, and every request gets its own rows back.
   Overload is Ray Serve's: `max_ongoing_requests` per replica, then `max_queued_requests`, then 503 with
-  `Retry-After` (`backpressure_config`).
+  `Retry-After` (`backpressure_config`). Every response names its replica in an `X-Replica` header.
 - `build_app`: the application, for the CLI, `serve run` and a Serve config file.
 
 The package does not import this module, so the core install needs no Ray.
@@ -400,6 +400,15 @@ app = FastAPI(title="roformer_hf")
 @app.exception_handler(RequestError)
 async def _refuse(request: Request, error: RequestError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
+
+
+@app.middleware("http")
+async def _name_the_replica(request: Request, call_next):
+    """Every response names the replica that answered (`X-Replica`, Ray Serve's replica id), so a client or a test
+    can tell the replicas apart."""
+    response = await call_next(request)
+    response.headers["X-Replica"] = serve.get_replica_context().replica_id.unique_id
+    return response
 
 
 def _batch_tokens(items: list[Item]) -> int:

@@ -145,3 +145,60 @@ def random_qkv(batch=2, heads=3, length=600, dim=8, seed=0):
     """Query, key and value ``(B, nh, L, d)`` that require grad."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(batch, heads, length, dim, generator=generator, requires_grad=True) for _ in range(3)]
+
+
+# Serving: a tokenizer trained on a few sentences, saved folders, a free port, a real Ray Serve and its replicas.
+
+SERVING_CORPUS = ["the king speaks and the queen dies", "a crown and a sword at night", "the queen loves the king",
+                  "day and night the sword speaks", "a king loves a crown", "the night dies and the day speaks"]
+
+
+def serving_tokenizer():
+    """A WordPiece tokenizer trained on `SERVING_CORPUS` (about 150 ids, inputs of up to 32 tokens)."""
+    return roformer_hf.train_tokenizer(SERVING_CORPUS, vocab_size=150, min_frequency=1, model_max_length=32)
+
+
+def save_folder(model, tokenizer, folder: Path) -> Path:
+    """`folder` holding the model and its tokenizer, as `ServedModel` loads it."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def embedding_folder(folder: Path):
+    """A tiny `RoFormerModel` (mean pooling) saved with `serving_tokenizer()` in `folder`: (folder, model, tokenizer)."""
+    tokenizer = serving_tokenizer()
+    torch.manual_seed(0)
+    model = roformer_hf.RoFormerModel(tiny_config(vocab_size=len(tokenizer))).eval()
+    return save_folder(model, tokenizer, folder), model, tokenizer
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def ray_runtime_env() -> dict:
+    """Ray's `runtime_env` for the replicas: this process's import path, so they import this checkout."""
+    import os
+
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}}
+
+
+def replica_processes(app: str) -> dict[str, tuple[int, str]]:
+    """The live replicas of application `app` on the connected Ray Serve: their replica id (what the `X-Replica`
+    response header names) -> (the worker's PID, its Ray node id). Asked of each replica actor itself."""
+    import os
+
+    import ray
+
+    found = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == "serve" and actor["name"].startswith(f"SERVE_REPLICA::{app}#"):
+            handle = ray.get_actor(actor["name"], namespace="serve")
+            where = handle.__ray_call__.remote(lambda _: (os.getpid(), ray.get_runtime_context().get_node_id()))
+            found[actor["name"].rsplit("#", 1)[1]] = tuple(ray.get(where, timeout=30))
+    return found

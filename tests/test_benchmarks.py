@@ -207,3 +207,22 @@ def test_latency_benchmark_times_every_model_and_the_decoding_step():
         assert all(float(diff) <= 1e-4 for diff in row[7].split(";"))
     assert any(re.match(r"- openvino \d", line) for line in lines)
     assert [line.split("|")[1].strip() for line in lines if re.match(r"\| (8|24) \| \d", line)] == ["8", "24"]
+
+
+def test_serving_benchmark_checks_answers_and_reports_every_measure():
+    """`bench_serving.py --quick`: Ray Serve's answers under concurrency equal `encode` and `generate` alone, and the
+    report has the engine floor, the throughputs and the latencies, each against its reference."""
+    pytest.importorskip("ray.serve", reason="the serving benchmark needs Ray Serve: pip install roformer_hf[serve]")
+    pytest.importorskip("sentence_transformers", reason="the serving benchmark compares with sentence-transformers")
+    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_serving.py"), "--quick", "--max-seconds", "240"],
+                            capture_output=True, text=True, timeout=420, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"lowest cosine [0-9.]+, largest difference \S+ \(yes at", result.stdout), result.stdout
+    assert "identical to `generate` alone: 4/4 (yes)" in result.stdout
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in result.stdout.splitlines() if line.startswith("| ") and not line.startswith("| measure")}
+    assert len(rows) == 8, rows
+    for measure, cells in rows.items():
+        assert float(cells[0].split(" / ")[0]) > 0 and cells[4].endswith("%"), (measure, cells)
+        if cells[3] != "-":
+            assert float(cells[3].rstrip("x")) > 0

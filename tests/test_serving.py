@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import transformers
-from helpers import PYTHON, tiny_config
+from helpers import PYTHON, free_port, ray_runtime_env, save_folder, serving_tokenizer, tiny_config
 
 pytest.importorskip("ray.serve", reason="serving needs Ray Serve: pip install roformer_hf[serve]")
 requests = pytest.importorskip("requests", reason="the HTTP tests talk to the server with requests")
@@ -23,27 +23,18 @@ from roformer_hf import (  # noqa: E402
     RoFormerForCausalLM,
     RoFormerForMaskedLM,
     RoFormerForSequenceClassification,
-    train_tokenizer,
 )
 from roformer_hf.cli import main  # noqa: E402
 from roformer_hf.serving import RequestError, ServedModel  # noqa: E402
 from roformer_hf.similarity import encode, generate_similar  # noqa: E402
 
-CORPUS = ["the king speaks and the queen dies", "a crown and a sword at night", "the queen loves the king",
-          "day and night the sword speaks", "a king loves a crown", "the night dies and the day speaks"]
 SENTENCES = ["the king dies", "a queen loves the crown and the sword at night", "day", "the sword speaks"]
 TIMEOUT = 30
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer(CORPUS, vocab_size=150, min_frequency=1, model_max_length=32)
-
-
-def _save(model, tokenizer, folder):
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return serving_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +52,7 @@ def folders(tokenizer, tmp_path_factory):
         "sim": RoFormerForCausalLM(tiny_config(vocab_size=vocab, is_decoder=True, prefix_lm=True,
                                                add_pooling_layer=True, initializer_range=0.3)),
     }
-    return {name: _save(model.eval(), tokenizer, root / name) for name, model in built.items()}
+    return {name: save_folder(model.eval(), tokenizer, root / name) for name, model in built.items()}
 
 
 @pytest.fixture(scope="module")
@@ -192,12 +183,6 @@ def test_truncate_cuts_a_long_input(strict):
 # The folders that cannot be served: refused at start by the CLI, before the port opens.
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _unservable(folders, tmp_path):
     no_tokenizer = tmp_path / "no_tokenizer"
     RoFormerForMaskedLM.from_pretrained(folders["mlm"]).save_pretrained(no_tokenizer)
@@ -219,13 +204,13 @@ def test_cli_refuses_an_unservable_folder_before_the_port_opens(folders, tmp_pat
     unservable = _unservable(folders, tmp_path)
     for folder, message in unservable[:-1]:  # in this process: it exits before Ray starts
         with pytest.raises(SystemExit) as exited:
-            main(["serve", str(folder), "--port", str(_free_port())])
+            main(["serve", str(folder), "--port", str(free_port())])
         assert exited.value.code != 0 and message in capsys.readouterr().err
     import ray
 
     assert not ray.is_initialized()
     folder, message = unservable[-1]  # the command itself
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([PYTHON, "-m", "roformer_hf.cli", "serve", str(folder), "--port", str(port)],
                           capture_output=True, text=True, timeout=120, env=env)
@@ -245,9 +230,9 @@ def server(folders):
 
     from roformer_hf.serving import build_app
 
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
+             runtime_env=ray_runtime_env())
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for name in ("mlm", "clf", "sim"):

