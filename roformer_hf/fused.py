@@ -32,9 +32,9 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _BF16_GEMMS else (torch.floa
 _PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _KERNEL is not None else None
 PACKING_HINT = 16  # the rows oneDNN lays a packed weight out for; it serves every row count above one
 PACKED_MAX_ROWS = 256  # beyond, the GEMM is bound by its arithmetic, not by reading the weight, and gains little
-# Each layer's weight in oneDNN's blocked layout, with the (storage, version) of the weight it was packed from: made at
-# the layer's first fp32 call of more than one row, made again once the weight changes, dropped with the layer.
-_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple[int, int], Tensor]] = weakref.WeakKeyDictionary()
+# Each layer's weight in oneDNN's blocked layout, with what it was packed from (`_source`): made at the layer's first
+# fp32 call of 2 to PACKED_MAX_ROWS rows, made again once the weight changes, dropped with the layer.
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
 # Layers that read the same input (attention's query, key and value), packed side by side, by their first layer.
 _PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor, Tensor | None]] = \
     weakref.WeakKeyDictionary()
@@ -112,13 +112,12 @@ def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...
     and gives the same bits; the outputs are views of its output."""
     if not _packs_side_by_side(layers, x):
         return tuple(fused_linear(layer, x) for layer in layers)
-    key = tuple((t.untyped_storage().data_ptr(), t._version) for layer in layers
-                for t in (layer.weight, layer.bias) if t is not None)
+    source = tuple(_source(t) for layer in layers for t in (layer.weight, layer.bias) if t is not None)
     cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
-    if cached is None or cached[0] != key:
+    if cached is None or not _same_source(cached[0], source):
         weight = torch.cat([layer.weight.detach() for layer in layers])
         bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
-        cached = _PACKED_SIDE_BY_SIDE[layers[0]] = (key, _PACK(weight, PACKING_HINT), bias)
+        cached = _PACKED_SIDE_BY_SIDE[layers[0]] = (source, _PACK(weight, PACKING_HINT), bias)
     output = _KERNEL(x, cached[1], cached[2], "none", [], "")
     return tuple(output.split([layer.out_features for layer in layers], dim=-1))
 
@@ -144,11 +143,22 @@ def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:
     rows = x.numel() // x.shape[-1]
     if _PACK is None or weight.dtype != torch.float32 or not 1 < rows <= PACKED_MAX_ROWS or weight.is_inference():
         return weight
-    key = (weight.untyped_storage().data_ptr(), weight._version)
     cached = _PACKED.get(layer)
-    if cached is None or cached[0] != key:
-        cached = _PACKED[layer] = (key, _PACK(weight.detach(), PACKING_HINT))
+    if cached is None or not _same_source(cached[0], (_source(weight),)):
+        cached = _PACKED[layer] = ((_source(weight),), _PACK(weight.detach(), PACKING_HINT))
     return cached[1]
+
+
+def _source(tensor: Tensor) -> tuple:
+    """What a packed copy was made from: the tensor itself (held weakly, so a replaced weight is never mistaken for
+    the one it replaced), where its data is, and its count of in-place changes."""
+    return weakref.ref(tensor), tensor.data_ptr(), tensor._version
+
+
+def _same_source(cached: tuple, current: tuple) -> bool:
+    return len(cached) == len(current) and all(
+        old_ref() is new_ref() and old_rest == new_rest
+        for (old_ref, *old_rest), (new_ref, *new_rest) in zip(cached, current))
 
 
 def _fused_activation(activation: nn.Module | None) -> tuple[str, str] | None:

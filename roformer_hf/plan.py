@@ -110,8 +110,8 @@ class ForwardPlan:
         both_offsets = cu_seq_lens_q is not None and cu_seq_lens_k is not None  # to compare on the host
         reads = [check.extremes for check in value_checks]
         reads.append(prefix_segment_check(config, token_type_ids, attention_mask))
-        reads.append(layout := layout_reads(query_mask, packing_positions, offsets, unpad))
-        reads.append(cu_seq_lens_k.long() if both_offsets and layout is not None else None)
+        reads.append(layout_values := layout_reads(query_mask, packing_positions, offsets, unpad))
+        reads.append(cu_seq_lens_k.long() if both_offsets and layout_values is not None else None)
         extremes, goes_back, layout_host, key_offsets = read_on_host(reads, len(value_checks))
         check_values(value_checks, extremes)
         if goes_back is not None:
