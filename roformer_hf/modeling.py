@@ -169,6 +169,8 @@ class RoFormerSelfAttention(nn.Module):
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # query heads per key/value head
         self.head_dim = config.head_dim
         self.scaling = self.head_dim**-0.5
+        self.rotary_layout, self.rotary_value = config.rotary_layout, config.rotary_value
+        self.attention_dropout = config.attention_probs_dropout_prob
         self.query = linear(config, config.hidden_size, config.hidden_size)
         self.key = linear(config, config.hidden_size, self.num_key_value_heads * self.head_dim)
         self.value = linear(config, config.hidden_size, self.num_key_value_heads * self.head_dim)
@@ -196,14 +198,14 @@ class RoFormerSelfAttention(nn.Module):
             query, key, value = fused_linears((self.query, self.key, self.value), hidden_states)
             query = query.unflatten(-1, heads)  # (*T, nh, d)
             key, value = key.unflatten(-1, key_value_heads), value.unflatten(-1, key_value_heads)  # (*T, nkv, d)
-            rotary_layout, phases = self.config.rotary_layout, position_embeddings.phases
+            rotary_layout, phases = self.rotary_layout, position_embeddings.phases
             query, key = rotate(query, phases, rotary_layout), rotate(key, phases, rotary_layout)
-            if self.config.rotary_value:
+            if self.rotary_value:
                 value = rotate(value, phases, rotary_layout)
             # With a cache the layout is padded, (B, L, nkv, d); after the update (B, past + L, nkv, d).
             key, value = update_layer(past_key_values, self.layer_idx, key, value)
 
-        dropout = self.config.attention_probs_dropout_prob if self.training else 0.0
+        dropout = self.attention_dropout if self.training else 0.0
         # The attention factor scales rotated queries and keys alike, hence the scores by its square; applied here,
         # it leaves rotated values (`rotary_value`) unscaled.
         factor = 1.0 if self.is_cross_attention else position_embeddings.attention_factor

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 import torch
-from transformers.utils.import_utils import is_tracing
 
 RotaryLayout = Literal["interleaved", "half"]  # the type of `RoFormerConfig.rotary_layout`
 ROTARY_LAYOUTS = get_args(RotaryLayout)
@@ -79,7 +78,7 @@ def rotate(x: torch.Tensor, phases: torch.Tensor, layout: str = "interleaved") -
         pairs = xf.unflatten(-1, (-1, 2))  # (..., d/2, 2): pairs are adjacent, as in a complex tensor
     else:
         pairs = torch.stack(xf.chunk(2, dim=-1), dim=-1)
-    if is_tracing():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # transformers' is_tracing, without its CUDA checks
         (real, imag), (cos, sin) = pairs.unbind(-1), phases.float().unbind(-1)
         turned = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     elif xf is x:
