@@ -15,7 +15,9 @@ module adds what RoFormer needs besides:
 renders it in the form the attention kernel takes (`AttentionMask.form`), for every layer:
 
 - ``"varlen"``: no tensor; the varlen kernels (flash-attn's, or SDPA sequence by sequence on CPU) read the sequence
-  offsets of the layout. Only where the layout says everything: no cache, no prefix, keys that are the queries.
+  offsets of the layout. Only where the layout says everything: no cache, no prefix, keys that are the queries. A
+  kernel that takes causality as a mask (attention dropout on CPU) gets the longest sequence's causal mask, rendered
+  once, which each sequence slices.
 - ``"flash"``: the keys' padding ``(B, Lk)``, flash-attn's padded interface (causality from ``module.is_causal``).
 - ``"dense"``: ``(B, 1, Lq or 1, Lk)`` bool, True = may attend, or ``None`` when every query may see every key.
 
