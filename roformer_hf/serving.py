@@ -453,7 +453,8 @@ class RoFormerServer:
                                     boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256], tag_keys=("kind",))
         self.refused = Counter("roformer_refused_requests", description="Requests refused with a 4xx.",
                                tag_keys=("status",))
-        logger.info(self.served.describe(threads, max_batch_tokens, batch_wait_ms))
+        # Ray Serve shows its own logger's lines in the replica's log and the driver's output.
+        logging.getLogger("ray.serve").info(self.served.describe(threads, max_batch_tokens, batch_wait_ms))
 
     run_embed, run_classify, run_fill_mask, run_complete, run_similar = (_batched(kind) for kind in KINDS)
 
