@@ -49,7 +49,7 @@ class BatchLayout:
         max_seqlen: the longest sequence, on the host (varlen and packed modes).
         seq_lengths: every sequence's length, on the host (varlen and packed modes): what the varlen kernels split
             the tokens by, read once per forward.
-        row_edges: each row's first and last real column, on the host (varlen mode; ``(-1, -1)`` for a row without
+        row_edges: each row's first and last real column, on the host (varlen mode; ``(L, -1)`` for a row without
             real tokens).
     """
 
