@@ -50,6 +50,8 @@ from common import available_cores, machine_lines, progress, verdict  # noqa: E4
 from workload import REPO_ROOT, add_size_arguments, parse_args, size_of  # noqa: E402
 
 SHORT, PASSAGE = (8, 32), (120, 136)  # tokens, [CLS] and [SEP] included
+SHORT_LABEL, PASSAGE_LABEL = "32 short sentences (8-32 tokens)", "32 passages (~128 tokens)"
+INGRESS = {"proxy": "through Ray's proxy", "direct": "direct ingress"}
 COSINE_TARGET, DIFF_TARGET = 0.99999, 1e-5
 
 
@@ -236,6 +238,77 @@ def greedy(served, prompt: str, max_tokens: int) -> list[int]:
     return tokens[:tokens.index(served.eos_token_id)] if served.eos_token_id in tokens else tokens
 
 
+@dataclass
+class ServedRuns:
+    """The HTTP runs against one Ray Serve instance."""
+
+    floor: list[tuple[str, Run]]  # the no-op deployments
+    singles: Run  # single-sentence /v1/embeddings from --clients clients
+    completions: Run  # greedy /v1/completions
+    batches: list[tuple[str, Run, int]]  # requests of 32 sentences: label, run, sentences
+    half: float  # requests/s of the paced run
+    paced: Run
+    one: Run
+
+
+def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, short: list[str],
+                passages: list[str], prompts: list[str]) -> ServedRuns:
+    """Ray Serve on a fresh local Ray: the no-op floor, then the folder; `ingress` "direct" lets the replica answer
+    HTTP itself (`roformer_hf.serving.direct_ingress_env`), where "proxy" goes through Ray's HTTP proxy."""
+    import ray
+    from ray import serve
+
+    from roformer_hf.serving import build_app, direct_ingress_env
+
+    port = free_port()
+    env = {}
+    if ingress == "direct":  # Ray's processes read it when `ray.init` starts them; the replica takes `first`
+        first = free_port()
+        env = {**direct_ingress_env(first, args.replicas), "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    ray.init(num_cpus=max(available_cores(), args.replicas * threads), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS)])}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        base = f"http://127.0.0.1:{first if ingress == 'direct' else port}"
+        from serving_apps import BatchedNoop, Noop
+
+        constant, floor = [{}] * args.requests, []
+        for name, deployment in (("no-op", Noop), ("no-op, @serve.batch", BatchedNoop)):
+            serve.run(deployment.bind(), name="noop", route_prefix="/noop")
+            client.wait_until_up(f"{base}/noop/health")
+            client.load(f"{base}/noop/", constant[:64], args.clients)
+            floor.append((name, client.load(f"{base}/noop/", constant, args.clients)))
+            serve.delete("noop")
+
+        serve.run(build_app({"folder": str(folder), "replicas": args.replicas, "threads": threads,
+                             "max_batch_tokens": args.max_batch_tokens, "batch_wait_ms": args.batch_wait_ms,
+                             "max_ongoing_requests": max(64, args.clients)}), name="sim", route_prefix="/sim")
+        client.wait_until_up(f"{base}/sim/health")
+        embeddings = f"{base}/sim/v1/embeddings"
+        client.load(embeddings, [{"input": s} for s in short[:64]], args.clients)  # warm-up
+        singles = client.load(embeddings, [{"input": s} for s in short], args.clients)
+        completions = client.load(f"{base}/sim/v1/completions", [
+            {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0} for prompt in prompts], args.clients)
+        batches = []
+        for label, sentences in ((SHORT_LABEL, short), (PASSAGE_LABEL, passages)):
+            bodies = [{"input": sentences[i:i + 32]} for i in range(0, len(sentences), 32)]
+            batches.append((label, client.load(embeddings, bodies, args.clients), len(sentences)))
+        half = singles.rate() / 2
+        paced = client.load(embeddings, [{"input": s} for s in short], args.clients, rate=half)
+        one = client.load(embeddings, [{"input": s} for s in short[:max(16, args.sentences // 4)]], 1)
+        return ServedRuns(floor, singles, completions, batches, half, paced, one)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def timed(fn: Callable[[], object]) -> tuple[object, float]:
     start = time.perf_counter()
     result = fn()
@@ -247,10 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("requests", "sentences", "completions", "clients", "replicas", "max_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: expected a positive integer")
-    import ray
-    from ray import serve
-
-    from roformer_hf.serving import ServedModel, build_app, default_threads
+    from roformer_hf.serving import ServedModel, default_threads
     from roformer_hf.similarity import encode
 
     threads = args.threads or default_threads(args.replicas)
@@ -277,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
             alone.append(vector)
             batch1.append(seconds)
         offline_rate = {}
-        for name, sentences in (("short", short), ("passages", passages)):
+        for name, sentences in ((SHORT_LABEL, short), (PASSAGE_LABEL, passages)):
             batched = lambda s=sentences: encode(offline.model, offline.tokenizer, s, batch_size=32)  # noqa: E731
             batched()
             offline_rate[name] = len(sentences) / min(timed(batched)[1] for _ in range(2))
@@ -290,66 +360,42 @@ def main(argv: list[str] | None = None) -> None:
         client.load(f"{url}/", constant[:64], args.clients)
         plain = client.load(f"{url}/", constant, args.clients)
 
-    progress("Ray Serve")
-    ray.init(num_cpus=max(available_cores(), args.replicas * threads), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS)])}})
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        base = f"http://127.0.0.1:{port}"
-        from serving_apps import BatchedNoop, Noop
-
-        for name, deployment in (("no-op", Noop), ("no-op, @serve.batch", BatchedNoop)):
-            serve.run(deployment.bind(), name="noop", route_prefix="/noop")
-            client.load(f"{base}/noop/", constant[:64], args.clients)
-            run = client.load(f"{base}/noop/", constant, args.clients)
-            rows.append((f"engine floor: Ray Serve {name} (requests/s)", run.rate(), "FastAPI alone on uvicorn",
-                         plain.rate(), run.client_share()))
-            serve.delete("noop")
-        rows.append(("engine floor: FastAPI alone on uvicorn (requests/s)", plain.rate(), "", None,
-                     plain.client_share()))
-
-        progress("the folder on Ray Serve")
-        serve.run(build_app({"folder": str(folder), "replicas": args.replicas, "threads": threads,
-                             "max_batch_tokens": args.max_batch_tokens, "batch_wait_ms": args.batch_wait_ms,
-                             "max_ongoing_requests": max(64, args.clients)}), name="sim", route_prefix="/sim")
-        embeddings = f"{base}/sim/v1/embeddings"
-        client.load(embeddings, [{"input": s} for s in short[:64]], args.clients)  # warm-up
-        singles = client.load(embeddings, [{"input": s} for s in short], args.clients)
-        got = torch.tensor([answer["data"][0]["embedding"] for answer in singles.answers])
-        want = torch.stack(alone)
-        cosine = F.cosine_similarity(got, want, dim=-1).min().item()
-        diff = (got - want).abs().max().item()
-        completions = client.load(f"{base}/sim/v1/completions", [
-            {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0} for prompt in prompts], args.clients)
-        identical = sum(answer["choices"][0]["text"] == offline.tokenizer.decode(tokens, skip_special_tokens=True)
-                        and answer["usage"]["completion_tokens"] == len(tokens)
-                        for answer, tokens in zip(completions.answers, expected_tokens))
-        for name, sentences in (("short", short), ("passages", passages)):
-            bodies = [{"input": sentences[i:i + 32]} for i in range(0, len(sentences), 32)]
-            run = client.load(embeddings, bodies, args.clients)
-            label = "32 short sentences (8-32 tokens)" if name == "short" else "32 passages (~128 tokens)"
-            rows.append((f"requests of {label} (sentences/s)", len(sentences) / run.wall,
-                         "offline encode, batch 32", offline_rate[name], run.client_share()))
-        half = singles.rate() / 2
-        paced = client.load(embeddings, [{"input": s} for s in short], args.clients, rate=half)
-        one = client.load(embeddings, [{"input": s} for s in short[:max(16, args.sentences // 4)]], 1)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    serving = {}
+    for ingress in ("proxy", "direct") if args.replicas == 1 else ("proxy",):
+        progress(f"Ray Serve, {INGRESS[ingress]}")
+        serving[ingress] = served_runs(args, ingress, folder, threads, client, short, passages, prompts)
+    singles = serving["proxy"].singles
+    got = torch.tensor([answer["data"][0]["embedding"] for answer in singles.answers])
+    want = torch.stack(alone)
+    cosine = F.cosine_similarity(got, want, dim=-1).min().item()
+    diff = (got - want).abs().max().item()
+    identical = sum(answer["choices"][0]["text"] == offline.tokenizer.decode(tokens, skip_special_tokens=True)
+                    and answer["usage"]["completion_tokens"] == len(tokens)
+                    for answer, tokens in zip(serving["proxy"].completions.answers, expected_tokens))
 
     progress("SentenceTransformer on FastAPI")
     env = {"SERVING_FOLDER": str(folder), "SERVING_THREADS": str(args.replicas * threads)}
     with uvicorn_app(client, "serving_apps:sentence_transformers_app", env, factory=True) as url:
         client.load(f"{url}/v1/embeddings", [{"input": s} for s in short[:32]], args.clients)
         baseline = client.load(f"{url}/v1/embeddings", [{"input": s} for s in short], args.clients)
-    rows.append((f"single sentences from {args.clients} clients (sentences/s)", singles.rate(),
-                 "SentenceTransformer.encode per request on FastAPI", baseline.rate(), singles.client_share()))
     offline_p = percentiles(batch1)
-    for label, run in ((f"at half saturation ({half:.0f} requests/s, paced)", paced), ("from one client", one)):
-        p50, p99 = percentiles(run.latencies)
-        rows.append((f"latency {label}, p50 / p99 (ms)", (p50, p99), "offline encode, batch 1", offline_p,
-                     run.client_share()))
+    rows.append(("engine floor: FastAPI alone on uvicorn (requests/s)", plain.rate(), "", None, plain.client_share()))
+    for ingress, runs in serving.items():
+        how = f", {INGRESS[ingress]}"
+        for name, run in runs.floor:
+            rows.append((f"engine floor: Ray Serve {name}{how} (requests/s)", run.rate(), "FastAPI alone on uvicorn",
+                         plain.rate(), run.client_share()))
+        for label, run, sentences in runs.batches:
+            rows.append((f"requests of {label}{how} (sentences/s)", sentences / run.wall, "offline encode, batch 32",
+                         offline_rate[label], run.client_share()))
+        rows.append((f"single sentences from {args.clients} clients{how} (sentences/s)", runs.singles.rate(),
+                     "SentenceTransformer.encode per request on FastAPI", baseline.rate(),
+                     runs.singles.client_share()))
+        for label, run in ((f"at half saturation ({runs.half:.0f} requests/s, paced)", runs.paced),
+                           ("from one client", runs.one)):
+            p50, p99 = percentiles(run.latencies)
+            rows.append((f"latency {label}{how}, p50 / p99 (ms)", (p50, p99), "offline encode, batch 1", offline_p,
+                         run.client_share()))
 
     print("\n## roformer_hf on Ray Serve (CPU)\n")
     print(*machine_lines(), sep="\n")

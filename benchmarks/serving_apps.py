@@ -40,6 +40,10 @@ class Noop:
     async def answer(self) -> dict:
         return ANSWER
 
+    @noop_app.get("/health")
+    async def health(self) -> dict:
+        return ANSWER
+
 
 @serve.deployment(max_ongoing_requests=256)
 @serve.ingress(batched_app)
@@ -51,6 +55,10 @@ class BatchedNoop:
     @batched_app.post("/")
     async def answer(self) -> dict:
         return await self.run(0)
+
+    @batched_app.get("/health")
+    async def health(self) -> dict:
+        return ANSWER
 
 
 def sentence_transformers_app() -> FastAPI:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -20,6 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("folder", help="written by save_pretrained, the converter or sentence-transformers")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    serve.add_argument("--direct-port", type=int, default=None,
+                       help="each replica also answers HTTP itself on a port from this one up, without Ray's proxy "
+                            "(Ray Serve's direct ingress; default: off)")
     serve.add_argument("--replicas", type=int, default=1, help="model replicas (default: %(default)s)")
     serve.add_argument("--threads", type=int, default=None,
                        help="torch threads per replica (default: the cores divided among the replicas)")
@@ -35,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
-        from .serving import ServedModel, build_app, default_threads
+        from .serving import ServedModel, build_app, default_threads, direct_ingress_env
     except ImportError as error:
         parser.exit(2, f"roformer-hf serve needs Ray Serve ({error}): pip install roformer_hf[serve]\n")
     for name in ("replicas", "threads", "max_batch_tokens", "max_inputs"):
@@ -50,6 +54,14 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         parser.error(f"--max-batch-tokens={args.max_batch_tokens}: expected at least the model's longest input, "
                      f"{served.max_length} tokens")
     del served
+    if args.direct_port is not None:
+        try:  # Ray's processes, started by `ray.init` below, read these
+            os.environ.update(direct_ingress_env(args.direct_port, args.replicas))
+        except ValueError as error:
+            parser.error(f"--direct-port={args.direct_port}: {error}")
+        if args.direct_port <= args.port < args.direct_port + 2 * args.replicas:
+            parser.error(f"--port={args.port}: expected a port outside the replicas' ports, {args.direct_port} to "
+                         f"{args.direct_port + 2 * args.replicas - 1}")
 
     import ray
     from ray import serve
@@ -60,7 +72,10 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     app = build_app({"folder": args.folder, "replicas": args.replicas, "threads": threads, "int8": args.int8,
                      "max_batch_tokens": args.max_batch_tokens, "batch_wait_ms": args.batch_wait_ms,
                      "max_inputs": args.max_inputs})
-    logging.getLogger(__name__).info("serving %s on http://%s:%d", args.folder, args.host, args.port)
+    log = logging.getLogger(__name__)
+    log.info("serving %s on http://%s:%d", args.folder, args.host, args.port)
+    if args.direct_port is not None:
+        log.info("each replica also on its own port, from http://%s:%d up", args.host, args.direct_port)
     serve.run(app, name="roformer", route_prefix="/", blocking=True)
 
 

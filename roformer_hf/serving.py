@@ -4,9 +4,10 @@
 - `ServedModel`: the folder loaded once (config, tokenizer, the head its `config.architectures` names in
   `modeling.HEADS`), the routes it answers, and each route's requests parsed into items, run on lists of items and
   answered: plain Python, usable without Ray (`answer(route, body)`).
-- `RoFormerServer`: the Ray Serve deployment, a FastAPI ingress. A request's items go one by one to the batched
-  method of their kind (`serve.batch`), which Ray Serve fills up to `max_batch_tokens` real tokens (`batch_size_fn`)
-  or `batch_wait_ms`; each batch is one forward in the padding-free layout, and every request gets its own rows back.
+- `RoFormerServer`: the Ray Serve deployment, a FastAPI ingress. A request's items go to the batched method of their
+  kind (`serve.batch`) together (in chunks of at most `max_batch_tokens` real tokens), and Ray Serve groups the
+  chunks of concurrent requests up to `max_batch_tokens` (`batch_size_fn`) or `batch_wait_ms`; each batch is one
+  forward in the padding-free layout, and every request gets its own rows back.
   Overload is Ray Serve's: `max_ongoing_requests` per replica, then `max_queued_requests`, then 503 with
   `Retry-After` (`backpressure_config`). Every response names its replica in an `X-Replica` header.
 - `build_app`: the application, for the CLI, `serve run` and a Serve config file.
@@ -402,27 +403,62 @@ async def _refuse(request: Request, error: RequestError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-@app.middleware("http")
-async def _name_the_replica(request: Request, call_next):
+class NameTheReplica:
     """Every response names the replica that answered (`X-Replica`, Ray Serve's replica id), so a client or a test
-    can tell the replicas apart."""
-    response = await call_next(request)
-    response.headers["X-Replica"] = serve.get_replica_context().replica_id.unique_id
-    return response
+    can tell the replicas apart. A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` costs a task per request."""
+
+    def __init__(self, app):
+        self.app = app
+        self.header = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.header is None:  # the replica context exists once the replica runs
+            self.header = (b"x-replica", serve.get_replica_context().replica_id.unique_id.encode())
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
 
 
-def _batch_tokens(items: list[Item]) -> int:
-    return sum(item.tokens for item in items)
+app.add_middleware(NameTheReplica)
+
+
+def _batch_tokens(chunks: list[list[Item]]) -> int:
+    return sum(item.tokens for chunk in chunks for item in chunk)
+
+
+def _chunks(items: list[Item], budget: int) -> list[list[Item]]:
+    """A request's items in consecutive chunks of at most `budget` real tokens (each item fits: the parser refuses or
+    truncates longer inputs, and the budget is at least the model's longest input)."""
+    chunks, tokens = [[]], 0
+    for item in items:
+        if tokens + item.tokens > budget and chunks[-1]:
+            chunks.append([])
+            tokens = 0
+        chunks[-1].append(item)
+        tokens += item.tokens
+    return chunks
 
 
 def _batched(kind: str):
-    """The batched method `run_<kind>` of items of `kind`: Ray Serve groups them up to the token budget (the replica
-    sets the budget and the wait), and the batch runs on the replica's model thread."""
+    """The batched method `run_<kind>`: it takes a chunk of one request's items, and Ray Serve groups the chunks of
+    concurrent requests up to the token budget (the replica sets the budget and the wait); the batch runs on the
+    replica's model thread, and each chunk gets its own results back."""
 
-    async def run(self, items: list[Item]) -> list:
-        self.batch_tokens.observe(_batch_tokens(items), tags={"kind": kind})
+    async def run(self, chunks: list[list[Item]]) -> list[list]:
+        items = [item for chunk in chunks for item in chunk]
+        self.batch_tokens.observe(_batch_tokens(chunks), tags={"kind": kind})
         self.batch_size.observe(len(items), tags={"kind": kind})
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self.served.run, items)
+        results = await asyncio.get_running_loop().run_in_executor(self.executor, self.served.run, items)
+        starts = [0]
+        for chunk in chunks:
+            starts.append(starts[-1] + len(chunk))
+        return [results[start:end] for start, end in zip(starts, starts[1:])]
 
     run.__name__ = run.__qualname__ = f"run_{kind}"  # serve.batch finds the method by its name
     return serve.batch(max_batch_size=4096, batch_wait_timeout_s=0.005, batch_size_fn=_batch_tokens)(run)
@@ -443,10 +479,10 @@ class RoFormerServer:
             raise ValueError(f"max_batch_tokens={max_batch_tokens}: expected at least the model's longest input, "
                              f"{self.served.max_length} tokens")
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="roformer")
+        self.max_batch_tokens = max_batch_tokens
+        self.batch_wait_s, self.ongoing = batch_wait_ms / 1000, 0  # requests past parsing, not yet answered
         for kind in KINDS:
-            method = getattr(self, f"run_{kind}")
-            method.set_max_batch_size(max_batch_tokens)
-            method.set_batch_wait_timeout_s(batch_wait_ms / 1000)
+            getattr(self, f"run_{kind}").set_max_batch_size(max_batch_tokens)
         self.batch_tokens = Histogram("roformer_batch_tokens", description="Real tokens per batch.",
                                       boundaries=[16, 64, 256, 1024, 4096, 16384], tag_keys=("kind",))
         self.batch_size = Histogram("roformer_batch_size", description="Inputs per batch.",
@@ -480,7 +516,16 @@ class RoFormerServer:
             self.refused.inc(tags={"status": str(error.status)})
             raise
         batched = getattr(self, f"run_{parsed.items[0].kind}")
-        return parsed.respond(list(await asyncio.gather(*(batched(item) for item in parsed.items))))
+        # The batch wait pays only where other requests can join: a request alone in the replica goes at once.
+        batched.set_batch_wait_timeout_s(self.batch_wait_s if self.ongoing else 0.0)
+        chunks = _chunks(parsed.items, self.max_batch_tokens)
+        self.ongoing += 1
+        try:
+            results = await asyncio.gather(*(batched(chunk) for chunk in chunks))
+        finally:
+            self.ongoing -= 1
+        # JSONResponse renders the answer as it is: FastAPI's own path would first walk every float of it.
+        return JSONResponse(parsed.respond([result for chunk in results for result in chunk]))
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unknown(self, path: str):
@@ -492,6 +537,19 @@ class RoFormerServer:
 def default_threads(replicas: int) -> int:
     """Torch threads per replica so that the replicas together use the machine's cores, no more."""
     return max(1, (os.cpu_count() or 1) // replicas)
+
+
+def direct_ingress_env(port: int, replicas: int = 1) -> dict[str, str]:
+    """The environment of Ray's processes (set before `ray.init`, or for `ray start` on a cluster) under which each
+    replica also answers HTTP itself, on a port from `port` up (Ray Serve's direct ingress): no hop through Ray's
+    proxy, which keeps serving its own port. Ports `port` to `port + 2 * replicas - 1` are Ray Serve's: the replicas
+    take the lowest free ones, the rest are spares for a redeployment's new replicas, and with no quarantine a
+    restarted replica takes its port back."""
+    if not isinstance(port, int) or not 0 < port < 65536 - 2 * replicas:
+        raise ValueError(f"port={port!r}: expected a port number with {2 * replicas} free ports from it")
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 2 * replicas),  # the range's end is excluded
+            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
 
 def deployment_options(replicas: int = 1, threads: int | None = None, num_cpus: float | None = None,

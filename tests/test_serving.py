@@ -269,6 +269,13 @@ def test_http_routes_answer_what_the_library_gives(server, served):
     expected = encode(sim.model, sim.tokenizer, SENTENCES)
     got = torch.tensor([response.json()["data"][0]["embedding"] for response in embeddings])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    # One request of more tokens than a batch takes runs in chunks, its rows in order.
+    many = SENTENCES[1:2] * 6 + SENTENCES[:2]
+    assert sum(len(ids) for ids in sim.tokenizer(many)["input_ids"]) > 64
+    answer = _post(f"{server}/sim/v1/embeddings", {"input": many}).json()
+    assert [row["index"] for row in answer["data"]] == list(range(len(many)))
+    torch.testing.assert_close(torch.tensor([row["embedding"] for row in answer["data"]]), expected[[1] * 6 + [0, 1]],
+                               atol=1e-5, rtol=0)
     for (prompt, seed), response in zip(prompts, completions):
         ids = sim.tokenizer(prompt)["input_ids"]
         tokens = sim.complete([(ids, seed or 0)], 6, 1.0 if seed else 0.0, 0.9 if seed else 1.0)[0]
@@ -328,6 +335,14 @@ def test_http_overload_answers_503_with_retry_after(server):
     assert set(statuses) == {200, 503}
     assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 503)
     assert _post(f"{server}/busy/v1/completions", body).status_code == 200  # and it serves again
+
+
+def test_a_request_is_cut_into_chunks_within_the_budget():
+    from roformer_hf.serving import Item, _chunks
+
+    items = [Item("embed", (), [0] * n, n) for n in (30, 30, 10, 64, 5)]
+    assert [[item.tokens for item in chunk] for chunk in _chunks(items, 64)] == [[30, 30], [10], [64], [5]]
+    assert [[item.tokens for item in chunk] for chunk in _chunks(items, 4096)] == [[30, 30, 10, 64, 5]]
 
 
 def test_docstring_example_runs():

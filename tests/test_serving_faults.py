@@ -1,7 +1,7 @@
 """A replica killed under load: two replicas of an embedding application on a real Ray Serve, a bounded load from a
 few clients, and one replica's worker process killed with SIGKILL. Every answer is the offline embedding; what fails
 fails in a way a client retries (a connection error or a 5xx), and with retries no request is lost; Ray Serve brings
-the second replica back."""
+the second replica back. With direct ingress, the successor of a killed replica answers on the same port again."""
 
 import os
 import signal
@@ -132,3 +132,83 @@ def test_a_killed_replica_loses_no_request(deployed):
             if answering == set(replicas):
                 break
     assert answering == set(replicas)
+
+
+def _free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports on 127.0.0.1."""
+    import socket
+
+    for _ in range(50):
+        first, probes = free_port(), []
+        try:
+            for port in range(first, first + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def test_direct_ingress_replicas_answer_on_their_ports_and_take_them_back(tmp_path, monkeypatch):
+    """`direct_ingress_env`: each of two replicas answers on its own port what `encode` gives, Ray's proxy keeps
+    answering on its port, and a killed replica's successor listens on the same port again; a replica taking one
+    request at a time and queueing one refuses the rest with 503 and `Retry-After`, as through the proxy."""
+    import ray
+    from ray import serve
+
+    from roformer_hf.serving import build_app, direct_ingress_env
+
+    folder, model, tokenizer = embedding_folder(tmp_path / "encoder")
+    first, proxy = _free_ports(6), free_port()
+    for name, value in direct_ingress_env(first, replicas=3).items():
+        monkeypatch.setenv(name, value)  # read by the Ray processes `ray.init` starts
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")  # a quick shutdown
+    sentence = SERVING_CORPUS[0]
+    expected = encode(model, tokenizer, [sentence])[0]
+
+    def answer(port: int) -> str:
+        response = requests.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": sentence}, timeout=10)
+        assert response.status_code == 200, response.text[:500]
+        torch.testing.assert_close(torch.tensor(response.json()["data"][0]["embedding"]), expected, atol=1e-5,
+                                   rtol=0)
+        return response.headers["x-replica"]
+
+    ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": proxy})
+        serve.run(build_app({"folder": str(folder), "replicas": 2, "threads": 1, "num_cpus": 0.25}),
+                  name="direct", route_prefix="/")
+        on_port = {port: answer(port) for port in (first, first + 1)}
+        assert len(set(on_port.values())) == 2
+        assert answer(proxy) in on_port.values()
+
+        pid, _ = replica_processes("direct")[on_port[first]]
+        os.kill(pid, signal.SIGKILL)
+        killed_at, successor = time.monotonic(), None
+        while successor is None and time.monotonic() - killed_at < RESTART_S:
+            time.sleep(0.5)
+            try:
+                successor = answer(first)
+            except requests.RequestException:
+                pass
+        assert successor is not None, f"port {first} not answering again within {RESTART_S} s of the kill"
+        assert successor != on_port[first] and answer(first + 1) == on_port[first + 1]
+
+        # Overload: one request at a time, each waiting 300 ms for its batch to fill, one queued; the rest refused.
+        serve.run(build_app({"folder": str(folder), "threads": 1, "num_cpus": 0.25, "batch_wait_ms": 300,
+                             "max_ongoing_requests": 1, "max_queued_requests": 1}), name="busy", route_prefix="/busy")
+        busy = f"http://127.0.0.1:{first + 2}/busy/v1/embeddings"
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda _: requests.post(busy, json={"input": sentence}, timeout=10), range(8)))
+        statuses = sorted(response.status_code for response in responses)
+        assert statuses[0] == 200 and statuses[-1] == 503, statuses
+        assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 503)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
