@@ -15,7 +15,7 @@ def test_writes_the_plot_and_a_table_with_every_type_and_length(tmp_path):
     assert all(list(by_length) == [16, 32, 64, 128] for by_length in losses.values())
     # At the training length every type is the unscaled rotation (factor 1, or dynamic/longrope within the
     # original length), so the first column is the same for all. (Four steps teach the model too little for the
-    # types to differ beyond it; tests/test_rope_scaling.py tests what each type does.)
+    # types to differ beyond it; tests/features/test_rope_scaling.py tests what each type does.)
     at_training_length = [by_length[16] for by_length in losses.values()]
     assert at_training_length == pytest.approx([losses["none"][16]] * len(losses), abs=1e-4)
     table = (tmp_path / "length_extrapolation.md").read_text().splitlines()

@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers import EXAMPLES, PYTHON, block_imports
+from helpers import BENCHMARKS, PYTHON, block_imports
 
-BENCHMARKS = EXAMPLES.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 from common import bf16_matrix_units, machine_lines  # noqa: E402
 
