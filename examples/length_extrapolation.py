@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from shakespeare import mlm_corpus_splits
+from lib.shakespeare import mlm_corpus_splits
 
 import roformer_hf
 from roformer_hf.configuration import ROPE_TYPES as ROPE_TABLE

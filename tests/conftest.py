@@ -1,5 +1,5 @@
 """Shared set-up: the modules of tests/support/ importable from every folder of tests (`from helpers import ...`),
-the examples' modules importable (`import shakespeare`, `import run_mlm`, ...), as they are for the scripts
+the examples' modules importable (`import run_mlm`, `from lib import shakespeare`, ...), as they are for the scripts
 themselves, a local Hugging Face Hub server for push/load tests without a network, and a stand-in for the flash-attn
 kernel."""
 
