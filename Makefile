@@ -14,7 +14,7 @@ $(STAMP): $(PY) setup.cfg pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
-	-$(PY) tests/transformers_tests.py  # transformers' model tests, from its sdist on PyPI (skipped when unreachable)
+	-$(PY) tests/support/transformers_tests.py  # transformers' model tests, from its sdist on PyPI (skipped when unreachable)
 	touch $(STAMP)
 
 install: $(STAMP)

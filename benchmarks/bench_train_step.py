@@ -85,7 +85,7 @@ class Example:
     """The data side of a step: `batch` random blocks of `length` token ids, masked by the demo's collator."""
 
     def __init__(self, args: argparse.Namespace, tokenizer_vocab: int):
-        from collator import ResumableMLMCollator
+        from lib.collator import ResumableMLMCollator
 
         from roformer_hf import RoFormerHFTokenizer
 

@@ -1,4 +1,4 @@
-"""Writes docs/reference.md from the code, so that its tables cannot drift from it (tests/test_docs.py compares).
+"""Writes docs/reference.md from the code, so that its tables cannot drift from it (tests/examples/test_docs.py compares).
 
     python docs/make_reference.py           # rewrite docs/reference.md
     python docs/make_reference.py --check   # exit 1 if docs/reference.md differs from what the code gives
@@ -111,7 +111,7 @@ def render() -> str:
     lines = [
         "# Reference",
         "",
-        "Generated from the code by `python docs/make_reference.py` (`tests/test_docs.py` fails when they disagree).",
+        "Generated from the code by `python docs/make_reference.py` (`tests/examples/test_docs.py` fails when they disagree).",
         "",
         "## Which class and loader for which checkpoint",
         "",

@@ -28,7 +28,7 @@ from pathlib import Path
 import figures
 import run_classification
 import run_mlm
-from baseline import bag_of_words_baseline
+from lib.baseline import bag_of_words_baseline
 
 import roformer_hf
 

@@ -12,9 +12,10 @@ under each `rope_parameters` (only the rotation frequencies and the attention fa
 - dynamic: one setting, `factor` 2, that adapts to the length of each batch.
 
 At 1x every type is the unscaled rotation, so the first column is the same for all. Writes a plot
-(`<output_dir>/length_extrapolation.png`) and a Markdown table (`length_extrapolation.md`) of the losses.
+(`<output_dir>/length_extrapolation.png`) and prints a Markdown table of the losses (docs/roformer-family.md shows
+both).
 
-    python examples/length_extrapolation.py                 # writes docs/length_extrapolation.{png,md}
+    python examples/length_extrapolation.py                 # writes docs/length_extrapolation.png
     python examples/length_extrapolation.py --steps 200 --output_dir /tmp/extrapolation   # a quick look
 """
 
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from shakespeare import mlm_corpus_splits
+from lib.shakespeare import mlm_corpus_splits
 
 import roformer_hf
 from roformer_hf.configuration import ROPE_TYPES as ROPE_TABLE
@@ -123,7 +124,7 @@ def evaluate(trained, stream: torch.Tensor, tokenizer, args) -> dict[str, dict[i
     return losses
 
 
-def write_table(losses: dict[str, dict[int, float]], args, path: Path) -> None:
+def format_table(losses: dict[str, dict[int, float]], args) -> str:
     lengths = list(next(iter(losses.values())))
     header = "| rope_parameters | " + " | ".join(f"{length} ({length // args.train_length}x)" for length in lengths)
     lines = [header + " |", "|" + " --- |" * (len(lengths) + 1)]
@@ -132,7 +133,7 @@ def write_table(losses: dict[str, dict[int, float]], args, path: Path) -> None:
     lines.append("")
     lines.append(f"Masked-LM loss (cross-entropy, nats) on held-out plays; trained {args.steps} steps at "
                  f"{args.train_length} tokens. Lower is better.")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return "\n".join(lines) + "\n"
 
 
 def plot(losses: dict[str, dict[int, float]], args, path: Path) -> None:
@@ -185,9 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[int, float]]:
     train(model, train_stream, tokenizer, args)
     losses = evaluate(model, validation_stream, tokenizer, args)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    write_table(losses, args, args.output_dir / "length_extrapolation.md")
     plot(losses, args, args.output_dir / "length_extrapolation.png")
-    print((args.output_dir / "length_extrapolation.md").read_text())
+    print(format_table(losses, args))
     return losses
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import transformers
-from config_overrides import parse_overrides
+from lib.config_overrides import parse_overrides
 
 import roformer_hf
 from roformer_hf import RoFormerConfig, summary

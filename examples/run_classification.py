@@ -6,7 +6,7 @@ From a pretrained folder (`--model_name_or_path`, e.g. the output of run_mlm.py)
 into train/validation/test (`--task`): `word_order` (the default: is a passage of consecutive lines as written, or
 were the words within its lines shuffled?) or `genre` (comedy, history or tragedy?); passages of at least
 `--passage_words` words. Accuracy and macro-F1 come from `evaluate` (the offline metric module
-classification_metric.py, or Hub metrics named with --metric_names), printed beside the majority-class baseline.
+lib/classification_metric.py, or Hub metrics named with --metric_names), printed beside the majority-class baseline.
 
     python examples/run_classification.py --model_name_or_path runs/mlm --output_dir runs/cls --num_train_epochs 3
 """
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import datasets
 import numpy as np
 import transformers
-from classification_metric import load_classification_metrics
-from example_utils import (
+from lib.classification_metric import load_classification_metrics
+from lib.example_utils import (
     load_file,
     load_or_train_tokenizer,
     load_text_datasets,
@@ -31,7 +31,7 @@ from example_utils import (
     record_trained_length,
     text_column,
 )
-from shakespeare import genre_classification_splits, word_order_splits
+from lib.shakespeare import genre_classification_splits, word_order_splits
 
 import roformer_hf
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import transformers
-from collator import PackedMLMCollator, ResumableMLMCollator
-from example_utils import (
+from lib.collator import PackedMLMCollator, ResumableMLMCollator
+from lib.example_utils import (
     DataArguments,
     load_or_train_tokenizer,
     load_text_datasets,
@@ -28,7 +28,7 @@ from example_utils import (
     text_column,
     train_and_evaluate,
 )
-from shakespeare import genre_classification_test_plays, mlm_corpus_splits
+from lib.shakespeare import genre_classification_test_plays, mlm_corpus_splits
 
 import roformer_hf
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
-from example_utils import (
+from lib.example_utils import (
     DataArguments,
     load_or_train_tokenizer,
     load_text_datasets,
@@ -32,7 +32,7 @@ from example_utils import (
     parse_arguments,
     train_and_evaluate,
 )
-from shakespeare import next_line_splits
+from lib.shakespeare import next_line_splits
 
 import roformer_hf
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from figures import pyplot, save_figure
-from shakespeare import next_line_splits
+from lib.shakespeare import next_line_splits
 
 import roformer_hf
 from roformer_hf import RoFormerConfig, RoFormerModel, train_tokenizer

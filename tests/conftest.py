@@ -1,15 +1,19 @@
-"""Shared set-up: the examples' modules importable (`import shakespeare`, `import run_mlm`, ...), as they are for the
-scripts themselves, a local Hugging Face Hub server for push/load tests without a network, and a stand-in for the
-flash-attn kernel."""
+"""Shared set-up: the modules of tests/support/ importable from every folder of tests (`from helpers import ...`),
+the examples' modules importable (`import run_mlm`, `from lib import shakespeare`, ...), as they are for the scripts
+themselves, a local Hugging Face Hub server for push/load tests without a network, and a stand-in for the flash-attn
+kernel."""
 
 import sys
+from pathlib import Path
 
-import pytest
-from helpers import EXAMPLES, STAND_IN, stand_in_calls, varlen_stand_in
-from hub_server import HubServer
-from transformers import AttentionInterface
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
-from roformer_hf import attention
+import pytest  # noqa: E402
+from helpers import EXAMPLES, STAND_IN, stand_in_calls, varlen_stand_in  # noqa: E402
+from hub_server import HubServer  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
+
+from roformer_hf import attention  # noqa: E402
 
 sys.path.insert(0, str(EXAMPLES))
 

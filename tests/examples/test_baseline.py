@@ -1,8 +1,8 @@
-"""The demo's bag-of-words baseline (examples/baseline.py): scikit-learn's TF-IDF + logistic regression."""
+"""The demo's bag-of-words baseline (examples/lib/baseline.py): scikit-learn's TF-IDF + logistic regression."""
 
 import random
 
-from baseline import REGULARISATION, bag_of_words_baseline
+from lib.baseline import REGULARISATION, bag_of_words_baseline
 
 WORDS = {0: "merry wedding jest dance song feast".split(), 1: "king crown war battle throne army".split()}
 

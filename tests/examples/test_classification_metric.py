@@ -1,8 +1,8 @@
-"""Tests of examples/classification_metric.py, the offline classification metric, against hand-computed values."""
+"""Tests of examples/lib/classification_metric.py, the offline classification metric, against hand-computed values."""
 
 import evaluate
 import pytest
-from classification_metric import CLASSIFICATION_METRIC_PATH, load_classification_metrics, macro_f1, per_class_f1
+from lib.classification_metric import CLASSIFICATION_METRIC_PATH, load_classification_metrics, macro_f1, per_class_f1
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
-"""examples/collator.py's ResumableMLMCollator: masks are a pure function of (seed, batch), and still vary across
+"""examples/lib/collator.py's ResumableMLMCollator: masks are a pure function of (seed, batch), and still vary across
 batches."""
 
 import torch
-from collator import ResumableMLMCollator
 from helpers import WORDS
+from lib.collator import ResumableMLMCollator
 
 from roformer_hf import RoFormerHFTokenizer
 

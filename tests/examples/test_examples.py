@@ -21,9 +21,9 @@ import run_seq2seq
 import safetensors.torch
 import torch
 import transformers
-from config_overrides import parse_overrides
-from example_utils import vocabulary_hash
 from helpers import BLOCK_ROFORMER_HF, EXAMPLES, PYTHON
+from lib.config_overrides import parse_overrides
+from lib.example_utils import vocabulary_hash
 
 import roformer_hf
 
@@ -395,7 +395,7 @@ def test_demo_command_lines_reach_the_scripts_as_given(tmp_path):
     """The demo's flags (`--mlm_batch_size`, `--mlm_probability`, `--cls_learning_rate`, ...) arrive in the
     arguments run_mlm.py and run_classification.py train with, and its model is built without dropout, classifying
     the mean of the token states."""
-    from example_utils import parse_arguments
+    from lib.example_utils import parse_arguments
 
     args = demo.build_parser().parse_args(["--mlm_steps", "7", "--mlm_batch_size", "3", "--mlm_probability", "0.25",
                                            "--cls_epochs", "1.5", "--cls_learning_rate", "3e-4"])

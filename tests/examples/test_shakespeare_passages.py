@@ -1,7 +1,7 @@
 """The demo's task data: passages of consecutive lines or speeches of one play (word order, genre), split by play."""
 
 import pytest
-from shakespeare import (
+from lib.shakespeare import (
     DEFAULT_GENRES,
     WORD_ORDER_LABELS,
     genre_classification_splits,

@@ -2,8 +2,8 @@
 the demo keeps its promise (at most 10 minutes on a quiet 2-core CPU, test accuracy at least 0.9, the bag-of-words
 baseline at chance) on the machine at hand.
 
-    python benchmarks/demo_runs.py                 # five runs of this repository's HEAD (about 5-10 minutes each)
-    python benchmarks/demo_runs.py --runs 1 --commit main --logs runs/demo_runs
+    python benchmarks/experiments/demo_runs.py     # five runs of this repository's HEAD (about 5-10 minutes each)
+    python benchmarks/experiments/demo_runs.py --runs 1 --commit main --logs runs/demo_runs
 
 Each run clones the repository into a new folder, builds its `.venv` with `make install` (timed apart, as the goal
 leaves it out), runs `make demo`, and reads the demo's own result lines. Run it on a quiet machine: other jobs
@@ -21,8 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine_lines
-from workload import REPO_ROOT
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, workload.py
+from common import machine_lines  # noqa: E402
+from workload import REPO_ROOT  # noqa: E402
 
 MINUTES_GOAL, ACCURACY_GOAL, CHANCE_BAND = 10.0, 0.9, 0.6
 RESULT_LINES = {

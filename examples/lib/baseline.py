@@ -4,7 +4,7 @@ logistic regression, with the regularisation strength chosen on the validation s
 It sees which words a text holds and how often, never their order. Example:
 
 ```python
->>> from baseline import bag_of_words_baseline
+>>> from lib.baseline import bag_of_words_baseline
 >>> texts = ["the king and the crown", "a merry jest and a song"] * 10
 >>> result = bag_of_words_baseline(texts, [0, 1] * 10, texts, [0, 1] * 10, ["the crown"], [0])
 >>> result.test_accuracy

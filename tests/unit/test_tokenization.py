@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import transformers
-from helpers import BLOCK_ROFORMER_HF
+from helpers import BLOCK_ROFORMER_HF, ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -421,11 +421,9 @@ def test_train_tokenizer_rejects_bad_arguments(texts, vocab_size, argument):
 
 
 def test_one_name_in_the_docs_the_code_and_the_saved_folder(tokenizer, tmp_path):
-    from pathlib import Path
 
     import roformer_hf
 
-    root = Path(__file__).resolve().parents[1]
     ours = type(tokenizer).__name__
     assert ours == RoFormerHFTokenizer.__name__ == "RoFormerHFTokenizer"
     assert repr(tokenizer).startswith(ours)
@@ -434,7 +432,7 @@ def test_one_name_in_the_docs_the_code_and_the_saved_folder(tokenizer, tmp_path)
     assert type(transformers.AutoTokenizer.from_pretrained(tmp_path)).__name__ == ours
     # Every tokenizer class the docs name as roformer_hf's is that one (transformers' own are RoFormerTokenizer and,
     # before transformers 5, RoFormerTokenizerFast, named with "transformers'" before them).
-    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for line in page.read_text().splitlines():
             if "roformer_hf.RoFormerTokenizerFast" in line or "from roformer_hf import" in line and \
                     "RoFormerTokenizerFast" in line:

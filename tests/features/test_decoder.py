@@ -4,12 +4,11 @@ generation, cross-attention, and the prefix-LM (UniLM) mask against its definiti
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from helpers import TINY, padded_batch, reference_and_ours, tiny_config
+from helpers import FIXTURES, ROOT, TINY, padded_batch, reference_and_ours, tiny_config
 from safetensors.torch import load_file
 from transformers.cache_utils import DynamicCache
 
@@ -235,11 +234,11 @@ def test_pooler_is_available_to_the_encoder():
     assert RoFormerModel(tiny_config()).forward(ids).pooler_output is None
 
 
-SIM = Path(__file__).resolve().parent / "fixtures" / "roformer_sim"
+SIM = FIXTURES / "roformer_sim"
 
 
 def test_roformer_sim_matches_junnyus_roformer():
-    """A RoFormer-Sim folder written by JunnYu's `RoFormerForCausalLM` (roformer 0.4.3; tests/fixtures/
+    """A RoFormer-Sim folder written by JunnYu's `RoFormerForCausalLM` (roformer 0.4.3; tests/support/fixtures/
     make_sim_fixtures.py) loads as a prefix-LM with a pooler: `pooler_output` and the first pass's logits within
     1e-5 of JunnYu's, and its greedy generations (the prompt read bidirectionally, new tokens as segment 1)."""
     refs = load_file(SIM / "references.safetensors")
@@ -261,9 +260,8 @@ def test_roformer_sim_matches_junnyus_roformer():
 
 def test_the_decoder_page_examples_run(monkeypatch):
     """Every Python block of docs/decoder.md runs as written, from the repository's root."""
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.chdir(root)
-    blocks = re.findall(r"```python\n(.*?)```", (root / "docs" / "decoder.md").read_text(), flags=re.DOTALL)
+    monkeypatch.chdir(ROOT)
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "decoder.md").read_text(), flags=re.DOTALL)
     assert len(blocks) >= 3
     for block in blocks:
         exec(compile(block, "docs/decoder.md", "exec"), {})

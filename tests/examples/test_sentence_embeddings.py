@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from lib.shakespeare import next_line_splits
 from sentence_embeddings import (
     DEV_FRACTION,
     main,
@@ -18,7 +19,6 @@ from sentence_embeddings import (
     tfidf_negatives,
 )
 from sentence_transformers import SentenceTransformer
-from shakespeare import next_line_splits
 
 from roformer_hf import RoFormerModel
 

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-from helpers import EXAMPLES, padded_batch, reference_and_ours
+from helpers import BENCHMARKS, padded_batch, reference_and_ours
 
 import roformer_hf
 
-sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
+sys.path.insert(0, str(BENCHMARKS))
 from bench_gpu import flash_attn_importable  # noqa: E402  (the benchmark's check: one definition)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

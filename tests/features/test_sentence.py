@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from helpers import BLOCK_ROFORMER_HF, PYTHON, TINY, WORDS, tiny_config
+from helpers import BLOCK_ROFORMER_HF, FIXTURES, PYTHON, TINY, WORDS, tiny_config
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 from sentence_transformers.base.modules import Normalize, Transformer
@@ -28,7 +28,7 @@ from roformer_hf.sentence import check_sentence_modules, sentence_pooling, write
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 SENTENCES = ["the king dies", "a queen loves the crown and the sword at night", "day", "the sword speaks"]
-SIM = Path(__file__).resolve().parent / "fixtures" / "roformer_sim"
+SIM = FIXTURES / "roformer_sim"
 
 
 def tokenizer(words=WORDS) -> RoFormerHFTokenizer:
@@ -62,7 +62,7 @@ def masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def sim_folder(tmp_path_factory):
-    """JunnYu's RoFormer-Sim folder (tests/fixtures/roformer_sim) with a tokenizer of its 50 ids, converted."""
+    """JunnYu's RoFormer-Sim folder (tests/support/fixtures/roformer_sim) with a tokenizer of its 50 ids, converted."""
     source = tmp_path_factory.mktemp("sim_source")
     for name in ("config.json", "model.safetensors"):
         shutil.copy(SIM / name, source / name)

@@ -6,12 +6,11 @@ import json
 import os
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from helpers import BLOCK_ROFORMER_HF, PYTHON, TINY
+from helpers import BLOCK_ROFORMER_HF, FIXTURES, PYTHON, TINY
 
 import roformer_hf
 from roformer_hf.convert import convert_checkpoint
@@ -222,11 +221,11 @@ def test_the_converter_reads_pickled_weights_into_what_the_safetensors_route_giv
 @pytest.mark.parametrize("fixture, head", [("roformer_v2/RoFormerForMaskedLM", "RoFormerForMaskedLM"),
                                            ("roformer_sim", "RoFormerForCausalLM")])
 def test_pickled_roformer_v2_and_sim_checkpoints_convert_to_their_own_class(tmp_path, fixture, head):
-    """JunnYu's RoFormer-V2 and RoFormer-Sim weights (tests/fixtures), as older Hub repositories hold them: pickled.
+    """JunnYu's RoFormer-V2 and RoFormer-Sim weights (tests/support/fixtures), as older Hub repositories hold them: pickled.
     The converter builds V2 (no norm weights, no biases) and Sim (prefix-LM, pooler), with the fixture's outputs."""
     from safetensors.torch import load_file
 
-    source = Path(__file__).resolve().parent / "fixtures" / fixture
+    source = FIXTURES / fixture
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_text((source / "config.json").read_text())
@@ -351,9 +350,9 @@ def test_docstring_example_runs():
 
 
 def test_roformer_sim_folder_converts_to_a_causal_lm_with_its_prefix_and_pooler(tmp_path):
-    """JunnYu's RoFormer-Sim folder (tests/fixtures/roformer_sim) becomes a roformer_hf folder that the Auto class
+    """JunnYu's RoFormer-Sim folder (tests/support/fixtures/roformer_sim) becomes a roformer_hf folder that the Auto class
     loads as the same model: prefix-LM, pooler, and the same first-pass logits."""
-    source = Path(__file__).resolve().parent / "fixtures" / "roformer_sim"
+    source = FIXTURES / "roformer_sim"
     destination = convert_checkpoint(source, tmp_path / "sim")
     converted = transformers.AutoModelForCausalLM.from_pretrained(destination).eval()
     original = roformer_hf.RoFormerForCausalLM.from_pretrained(source).eval()

@@ -1,6 +1,6 @@
 """RoFormer-V2 and RoFormer against JunnYu's `roformer` 0.4.3, the port that published the V2 checkpoints.
 
-The fixtures under tests/fixtures/roformer_{v1,v2}/ were written once by that package (tests/fixtures/
+The fixtures under tests/support/fixtures/roformer_{v1,v2}/ were written once by that package (tests/support/fixtures/
 make_v2_fixtures.py): a checkpoint folder per head, as its `save_pretrained` writes them, and its outputs on a padded
 batch, on a padded batch several times longer than `max_position_embeddings`, and on a multiple-choice batch.
 """
@@ -16,20 +16,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FIXTURES
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import roformer_hf
 from roformer_hf import RoFormerConfig
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VARIANTS = ("v1", "v2")
 TOKEN_HEADS = ("RoFormerForMaskedLM", "RoFormerForSequenceClassification", "RoFormerForTokenClassification",
                "RoFormerForQuestionAnswering")
 ALL_HEADS = (*TOKEN_HEADS, "RoFormerForMultipleChoice")
 TOLERANCE = 1e-5
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-# Set to the Python of an environment with JunnYu's package (tests/fixtures/make_v2_fixtures.py says how to make
+# Set to the Python of an environment with JunnYu's package (tests/support/fixtures/make_v2_fixtures.py says how to make
 # one) to check that it loads what roformer_hf saves.
 REFERENCE_PYTHON = os.environ.get("ROFORMER_V2_REFERENCE_PYTHON")
 
@@ -190,7 +190,7 @@ def test_missing_norms_stay_allowed_when_asked_for():
 
 
 @pytest.mark.skipif(not REFERENCE_PYTHON, reason="set ROFORMER_V2_REFERENCE_PYTHON to an environment with JunnYu's "
-                                                 "roformer 0.4.3 (see tests/fixtures/make_v2_fixtures.py)")
+                                                 "roformer 0.4.3 (see tests/support/fixtures/make_v2_fixtures.py)")
 @pytest.mark.parametrize("head", ["RoFormerForMaskedLM", "RoFormerForSequenceClassification"])
 def test_junnyus_package_loads_what_roformer_hf_saves(tmp_path, head):
     model = getattr(roformer_hf, head).from_pretrained(folder("v2", head))

@@ -6,7 +6,7 @@ copy and import it:
 
 ```python
 >>> import evaluate
->>> from classification_metric import CLASSIFICATION_METRIC_PATH
+>>> from lib.classification_metric import CLASSIFICATION_METRIC_PATH
 >>> metric = evaluate.load(CLASSIFICATION_METRIC_PATH)
 >>> metric.compute(predictions=[0, 1, 1], references=[0, 1, 0])
 {'accuracy': 0.6666666666666666, 'macro_f1': 0.6666666666666666}

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import datasets
 import torch
 import transformers
-from config_overrides import parse_overrides
 
 import roformer_hf
+
+from .config_overrides import parse_overrides
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import PYTHON
+from helpers import PYTHON, ROOT
 
 import roformer_hf
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", ROOT / "examples" / "README.md",
          ROOT / "benchmarks" / "RESULTS.md",
          *sorted((ROOT / "docs").glob("*.md"))]

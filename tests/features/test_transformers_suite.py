@@ -1,7 +1,7 @@
 """transformers' own model tests (`ModelTesterMixin`) on every roformer_hf model (`modeling.HEADS`), all built from
 one config, as transformers tests its RoFormer.
 
-`ModelTesterMixin` comes from transformers' source distribution on PyPI (`tests/transformers_tests.py` fetches it once
+`ModelTesterMixin` comes from transformers' source distribution on PyPI (`tests/support/transformers_tests.py` fetches it once
 into `.transformers-tests/`); without it, this module is skipped, saying why. The tests it cannot pass by design are
 skipped by name below, each with its reason (docs/migrating.md lists them).
 """

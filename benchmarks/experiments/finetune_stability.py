@@ -1,9 +1,9 @@
 """Does the demo's fine-tuning take off every time? Its word-order fine-tuning, alone, from one pretrained folder,
 under perturbations that change nothing but float rounding, with the validation accuracy curve of each run.
 
-    python benchmarks/finetune_stability.py --pretrained runs/demo/mlm            # five perturbed runs
-    python benchmarks/finetune_stability.py --pretrained runs/demo/mlm --cls_learning_rate 2e-4 --cls_epochs 2
-    python benchmarks/finetune_stability.py --pretrain --mlm_steps 250            # pretrain a folder first
+    python benchmarks/experiments/finetune_stability.py --pretrained runs/demo/mlm            # five perturbed runs
+    python benchmarks/experiments/finetune_stability.py --pretrained runs/demo/mlm --cls_learning_rate 2e-4 --cls_epochs 2
+    python benchmarks/experiments/finetune_stability.py --pretrain --mlm_steps 250            # pretrain a folder first
 
 Two runs of `make demo` with the same seed can end far apart (test accuracy 0.96 in one, 0.64 in another) because
 thread timing changes the order of float sums. Each run here is `run_classification.main` with the demo's own
@@ -25,7 +25,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from workload import REPO_ROOT
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, workload.py
+from workload import REPO_ROOT  # noqa: E402
 
 EXAMPLES = REPO_ROOT / "examples"
 PERTURBATIONS = ("threads=2", "threads=1", "noise=1e-6:1", "noise=1e-6:2", "noise=1e-6:3")

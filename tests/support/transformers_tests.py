@@ -8,7 +8,7 @@ transformers' `RoFormerForCausalLM` in test_decoder.py).
 
 Run as a script (`make install` does) to fetch them ahead of the tests:
 
-    python tests/transformers_tests.py
+    python tests/support/transformers_tests.py
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import transformers
 
 logger = logging.getLogger(__name__)
 
-CACHE = Path(os.environ.get("ROFORMER_HF_TRANSFORMERS_TESTS", Path(__file__).resolve().parents[1] /
+CACHE = Path(os.environ.get("ROFORMER_HF_TRANSFORMERS_TESTS", Path(__file__).resolve().parents[2] /
                             ".transformers-tests"))
 PACKAGE = "transformers_sdist_tests"  # the name the fetched `tests/` folder is imported under
 WANTED = ("tests/test_modeling_common.py",)

@@ -17,7 +17,7 @@ All split by *play*, so no play (and none of its character names) appears in two
 Example:
 
 ```python
->>> from shakespeare import genre_classification_splits
+>>> from lib.shakespeare import genre_classification_splits
 >>> splits = genre_classification_splits(seed=0)
 >>> splits["train"].features["label"].names
 ['comedies', 'histories', 'tragedies']

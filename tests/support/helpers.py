@@ -64,8 +64,17 @@ BLOCK_ROFORMER_HF = block_imports("roformer_hf")
 
 PYTHON = sys.executable
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-"""The example scripts and their support modules; conftest.py puts this folder on sys.path."""
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository's root."""
+
+EXAMPLES = ROOT / "examples"
+"""The example scripts; conftest.py puts this folder on sys.path."""
+
+BENCHMARKS = ROOT / "benchmarks"
+"""The benchmark scripts and their shared modules."""
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+"""Checkpoints and outputs written by JunnYu's `roformer` 0.4.3 (make_v2_fixtures.py, make_sim_fixtures.py)."""
 
 
 WORDS = "the king queen speaks and dies loves a crown sword night day".split()

@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers import EXAMPLES, PYTHON, block_imports
+from helpers import BENCHMARKS, PYTHON, block_imports
 
-BENCHMARKS = EXAMPLES.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 from common import bf16_matrix_units, machine_lines  # noqa: E402
 
@@ -154,9 +153,10 @@ def test_train_step_benchmark_compares_equal_models():
     assert "GEMM (linear layers, decoder)" in out and "optimizer (AdamW)" in out
 
 
-def test_demo_runs_reads_the_demos_result_lines():
-    """`demo_runs.py` reads each run's figures from the demo's own result lines (the time line as `demo.time_split`
-    writes it), and names a line a run's output lacks."""
+def test_demo_runs_reads_the_demos_result_lines(monkeypatch):
+    """`experiments/demo_runs.py` reads each run's figures from the demo's own result lines (the time line as
+    `demo.time_split` writes it), and names a line a run's output lacks."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "experiments"))
     from demo import time_split
     from demo_runs import parse_demo
 
