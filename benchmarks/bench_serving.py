@@ -3,6 +3,7 @@ the library offline. HTTP to 127.0.0.1 only; every run is a fixed number of requ
 
     python benchmarks/bench_serving.py            # base width, 4 layers (several minutes on 2 cores)
     python benchmarks/bench_serving.py --quick    # tiny model, few requests (about a minute)
+    python benchmarks/bench_serving.py --ingress proxy --ray-env RAY_SERVE_THROUGHPUT_OPTIMIZED=1   # a setting
 
 What it does:
 1. Saves a RoFormer-Sim-like folder (a decoder with a pooler, prefix LM; random weights) with a WordPiece tokenizer
@@ -13,6 +14,9 @@ What it does:
    greedy `model.generate` of each prompt alone.
 3. The engine's floor: a no-op Ray Serve deployment behind FastAPI, without and with `@serve.batch`, against the same
    constant from FastAPI alone on uvicorn (a subprocess), requests/s from `--clients` keep-alive clients.
+   Steps 3 and 4 run once per `--ingress`, each on a fresh local Ray: through Ray's HTTP proxy, and with direct
+   ingress (the replica answers HTTP itself, `roformer_hf.serving.direct_ingress_env`); `--ray-env NAME=VALUE` sets
+   a Ray Serve setting for Ray's processes.
 4. The folder on Ray Serve (`roformer_hf.serving.build_app`): single-sentence /v1/embeddings from `--clients` clients,
    each answer checked against `encode` of that sentence alone (cosine and largest difference), greedy
    /v1/completions against `generate` alone (text and token count); sentences/s for requests of 32 short sentences
@@ -68,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--max-batch-tokens", type=int, default=4096)
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
+    parser.add_argument("--ingress", choices=("both", "proxy", "direct"), default="both",
+                        help="through Ray's HTTP proxy, the replica's direct ingress, or both (direct needs one replica)")
+    parser.add_argument("--ray-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for Ray's processes (a Ray Serve setting), repeatable")
     parser.add_argument("--max-seconds", type=float, default=1800, help="the whole run stops with an error after this")
     return parser
 
@@ -261,10 +269,10 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
     from roformer_hf.serving import build_app, direct_ingress_env
 
     port = free_port()
-    env = {}
+    env = dict(setting.split("=", 1) for setting in args.ray_env)
     if ingress == "direct":  # Ray's processes read it when `ray.init` starts them; the replica takes `first`
         first = free_port()
-        env = {**direct_ingress_env(first, args.replicas), "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+        env.update(direct_ingress_env(first, args.replicas), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     ray.init(num_cpus=max(available_cores(), args.replicas * threads), include_dashboard=False, log_to_driver=False,
@@ -320,6 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("requests", "sentences", "completions", "clients", "replicas", "max_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: expected a positive integer")
+    for setting in args.ray_env:
+        if "=" not in setting or not setting.split("=", 1)[0]:
+            raise SystemExit(f"--ray-env={setting!r}: expected NAME=VALUE")
     from roformer_hf.serving import ServedModel, default_threads
     from roformer_hf.similarity import encode
 
@@ -361,17 +372,21 @@ def main(argv: list[str] | None = None) -> None:
         plain = client.load(f"{url}/", constant, args.clients)
 
     serving = {}
-    for ingress in ("proxy", "direct") if args.replicas == 1 else ("proxy",):
+    if args.ingress != "proxy" and args.replicas > 1:
+        raise SystemExit(f"--ingress={args.ingress} with --replicas={args.replicas}: direct ingress is measured with "
+                         "one replica (its port); use --ingress proxy")
+    for ingress in ("proxy", "direct") if args.ingress == "both" else (args.ingress,):
         progress(f"Ray Serve, {INGRESS[ingress]}")
         serving[ingress] = served_runs(args, ingress, folder, threads, client, short, passages, prompts)
-    singles = serving["proxy"].singles
+    checked = next(iter(serving.values()))
+    singles = checked.singles
     got = torch.tensor([answer["data"][0]["embedding"] for answer in singles.answers])
     want = torch.stack(alone)
     cosine = F.cosine_similarity(got, want, dim=-1).min().item()
     diff = (got - want).abs().max().item()
     identical = sum(answer["choices"][0]["text"] == offline.tokenizer.decode(tokens, skip_special_tokens=True)
                     and answer["usage"]["completion_tokens"] == len(tokens)
-                    for answer, tokens in zip(serving["proxy"].completions.answers, expected_tokens))
+                    for answer, tokens in zip(checked.completions.answers, expected_tokens))
 
     progress("SentenceTransformer on FastAPI")
     env = {"SERVING_FOLDER": str(folder), "SERVING_THREADS": str(args.replicas * threads)}
@@ -405,6 +420,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{size.hidden}, {size.heads} heads, vocab {len(offline.tokenizer)}; {args.replicas} replica(s) x {threads} "
           f"threads, batches of up to {args.max_batch_tokens} tokens or {args.batch_wait_ms:g} ms; {args.clients} "
           f"client threads (requests.Session each) in the benchmark's process, on the same machine")
+    if args.ray_env:
+        print(f"- Ray's processes ran with {' '.join(args.ray_env)}")
     print(f"- correctness: {len(short)} single-sentence /v1/embeddings from {args.clients} clients against `encode` "
           f"of each alone: lowest cosine {cosine:.7f}, largest difference {diff:.2e} "
           f"({verdict(cosine >= COSINE_TARGET and diff <= DIFF_TARGET)} at {COSINE_TARGET} / {DIFF_TARGET:g}); "

@@ -55,13 +55,14 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                      f"{served.max_length} tokens")
     del served
     if args.direct_port is not None:
-        try:  # Ray's processes, started by `ray.init` below, read these
-            os.environ.update(direct_ingress_env(args.direct_port, args.replicas))
+        try:
+            env = direct_ingress_env(args.direct_port, args.replicas)
         except ValueError as error:
             parser.error(f"--direct-port={args.direct_port}: {error}")
         if args.direct_port <= args.port < args.direct_port + 2 * args.replicas:
             parser.error(f"--port={args.port}: expected a port outside the replicas' ports, {args.direct_port} to "
                          f"{args.direct_port + 2 * args.replicas - 1}")
+        os.environ.update(env)  # read by Ray's processes, which `ray.init` below starts
 
     import ray
     from ray import serve

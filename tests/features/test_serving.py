@@ -219,6 +219,24 @@ def test_cli_refuses_an_unservable_folder_before_the_port_opens(folders, tmp_pat
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens
 
 
+def test_direct_ports_are_checked_before_ray_starts(folders, capsys, monkeypatch):
+    from roformer_hf.serving import direct_ingress_env
+
+    assert direct_ingress_env(9000, replicas=2) == {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "9000",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "9004", "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+    for name in direct_ingress_env(9000):
+        monkeypatch.delenv(name, raising=False)  # restored after the test, whatever the command set
+    for argv, message in ((["--port", "9001", "--direct-port", "9000"], "--port=9001: expected a port outside"),
+                          (["--direct-port", "0"], "--direct-port=0: port=0: expected a port number")):
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", str(folders["sim"]), *argv])
+        assert exited.value.code != 0 and message in capsys.readouterr().err
+    import ray
+
+    assert not ray.is_initialized()
+
+
 # Over HTTP, on a real Ray Serve.
 
 
