@@ -3,12 +3,10 @@ generation, cross-attention, and the prefix-LM (UniLM) mask against its definiti
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import transformers
-from helpers import FIXTURES, ROOT, TINY, padded_batch, reference_and_ours, tiny_config
+from helpers import FIXTURES, TINY, padded_batch, reference_and_ours, tiny_config
 from safetensors.torch import load_file
 from transformers.cache_utils import DynamicCache
 
@@ -256,15 +254,6 @@ def test_roformer_sim_matches_junnyus_roformer():
         generated = model.generate(refs["input_ids"][row:row + 1, :n], max_new_tokens=new_tokens,
                                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         assert generated[0].tolist() == expected.tolist()
-
-
-def test_the_decoder_page_examples_run(monkeypatch):
-    """Every Python block of docs/decoder.md runs as written, from the repository's root."""
-    monkeypatch.chdir(ROOT)
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "decoder.md").read_text(), flags=re.DOTALL)
-    assert len(blocks) >= 3
-    for block in blocks:
-        exec(compile(block, "docs/decoder.md", "exec"), {})
 
 
 def test_num_items_in_batch_reaches_the_loss_and_only_the_loss():
