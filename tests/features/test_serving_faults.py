@@ -1,7 +1,7 @@
 """A replica killed under load: two replicas of an embedding application on a real Ray Serve, a bounded load from a
 few clients, and one replica's worker process killed with SIGKILL. Every answer is the offline embedding; what fails
 fails in a way a client retries (a connection error or a 5xx), and with retries no request is lost; Ray Serve brings
-the second replica back. With direct ingress, the successor of a killed replica answers on the same port again."""
+the second replica back; the same behind Ray Serve's HAProxy. With direct ingress, the successor of a killed replica answers on the same port again."""
 
 import os
 import signal
@@ -26,16 +26,25 @@ DEADLINE_S = 45  # the whole load, retries included
 RESTART_S = 30  # the second replica running again, after the kill
 
 
-@pytest.fixture(scope="module")
-def deployed(tmp_path_factory):
-    """Two replicas of a tiny encoder's embeddings on Ray Serve at 127.0.0.1; its URL and the offline model."""
+@pytest.fixture(scope="module", params=["proxy", "haproxy"])
+def deployed(request, tmp_path_factory):
+    """Two replicas of a tiny encoder's embeddings on Ray Serve at 127.0.0.1, behind Ray's Python proxy or its
+    HAProxy (`haproxy_env`); its URL and the offline model."""
     import ray
     from ray import serve
 
-    from roformer_hf.serving import build_app
+    from roformer_hf.serving import build_app, haproxy_env
 
     folder, model, tokenizer = embedding_folder(tmp_path_factory.mktemp("faults") / "encoder")
     port = free_port()
+    env = {}
+    if request.param == "haproxy":
+        try:
+            env = {**haproxy_env(), "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}  # a quick shutdown
+        except ValueError as error:
+            pytest.skip(str(error))
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # read by the Ray processes `ray.init` starts
     ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
     try:
@@ -46,6 +55,11 @@ def deployed(tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _running_replicas() -> int:
