@@ -222,7 +222,7 @@ def test_serving_benchmark_checks_answers_and_reports_every_measure():
     assert "identical to `generate` alone: 4/4 (yes)" in result.stdout
     rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
             for line in result.stdout.splitlines() if line.startswith("| ") and not line.startswith("| measure")}
-    assert len(rows) == 8, rows  # the FastAPI floor, then seven rows with direct ingress
+    assert len(rows) == 9, rows  # the FastAPI floor, then eight rows with direct ingress
     assert all("direct ingress" in measure for measure in list(rows)[1:]), rows
     for measure, cells in rows.items():
         assert float(cells[0].split(" / ")[0]) > 0 and cells[4].endswith("%"), (measure, cells)

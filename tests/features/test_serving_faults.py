@@ -44,22 +44,28 @@ def deployed(request, tmp_path_factory):
         except ValueError as error:
             pytest.skip(str(error))
     saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)  # read by the Ray processes `ray.init` starts
+    os.environ.update(env)  # read by the Ray processes `ray.init` starts, and only then
     ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"folder": str(folder), "replicas": "2", "threads": "1", "num_cpus": "0.25",
-                             "max_batch_tokens": "64", "batch_wait_ms": "50"}), name=APP, route_prefix="/")
-        yield f"http://127.0.0.1:{port}", model, tokenizer
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
     finally:
-        serve.shutdown()
-        ray.shutdown()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"folder": str(folder), "replicas": "2", "threads": "1", "num_cpus": "0.25",
+                             "max_batch_tokens": "64", "batch_wait_ms": "50"}), name=APP, route_prefix="/")
+        if request.param == "haproxy":  # HAProxy, not the Python proxy, holds the port
+            import psutil
+
+            assert any(process.info["name"] == "haproxy" for process in psutil.process_iter(["name"]))
+        yield f"http://127.0.0.1:{port}", model, tokenizer
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def _running_replicas() -> int:
@@ -179,6 +185,7 @@ def test_direct_ingress_replicas_answer_on_their_ports_and_take_them_back(tmp_pa
 
     folder, model, tokenizer = embedding_folder(tmp_path / "encoder")
     first, proxy = _free_ports(6), free_port()
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
     for name, value in direct_ingress_env(first, replicas=3).items():
         monkeypatch.setenv(name, value)  # read by the Ray processes `ray.init` starts
     monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")  # a quick shutdown
