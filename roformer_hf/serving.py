@@ -340,12 +340,12 @@ class ServedModel:
     @torch.no_grad()
     def embed(self, ids: list[list[int]]) -> list[torch.Tensor]:
         """The sentence embeddings `(H,)` of token-id rows, not normalized."""
-        return list(self.embed_batch(self._pad(ids, "right")))
+        return list(_finite(self.embed_batch(self._pad(ids, "right")), "embeddings"))
 
     @torch.no_grad()
     def classify(self, ids: list[list[int]]) -> list[list[dict]]:
         """Every label with its score, best first, as the text-classification pipeline with `top_k=None` gives."""
-        logits = self.model(**self._pad(ids, "right")).logits.float()
+        logits = _finite(self.model(**self._pad(ids, "right")).logits.float(), "logits")
         multi = self.config.problem_type == "multi_label_classification" or self.config.num_labels == 1
         scores = logits.sigmoid() if multi else logits.softmax(-1)
         return [sorted(({"label": self.config.id2label[i], "score": s} for i, s in enumerate(row.tolist())),
@@ -354,7 +354,7 @@ class ServedModel:
     @torch.no_grad()
     def fill_mask(self, ids: list[list[int]], top_k: int) -> list[list]:
         """The fill-mask pipeline's answer for each row: `top_k` predictions, per mask where it holds several."""
-        logits = self.model(**self._pad(ids, "right")).logits
+        logits = _finite(self.model(**self._pad(ids, "right")).logits, "logits")
         results = []
         for row, row_logits in zip(ids, logits):
             where = [i for i, token in enumerate(row) if token == self.tokenizer.mask_token_id]
@@ -395,6 +395,14 @@ class ServedModel:
         """`generate_similar` of the sentences: seeded per sentence, so a batch gives what each gives alone."""
         return generate_similar(self.model, self.tokenizer, sentences, n, seed=seed, top_p=top_p,
                                 temperature=temperature, max_new_tokens=max_new_tokens, pooling=self.pooling)
+
+
+def _finite(values: torch.Tensor, what: str) -> torch.Tensor:
+    """`values`, or an error (the server's 500) where the model gave NaN or infinity: JSON has no such numbers, and
+    orjson would write them as null."""
+    if not torch.isfinite(values).all():
+        raise RuntimeError(f"the model's {what} hold NaN or infinite values: the weights or the dtype are broken")
+    return values
 
 
 app = FastAPI(title="roformer_hf")

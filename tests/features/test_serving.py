@@ -355,6 +355,14 @@ def test_http_overload_answers_503_with_retry_after(server):
     assert _post(f"{server}/busy/v1/completions", body).status_code == 200  # and it serves again
 
 
+def test_non_finite_outputs_are_an_error_not_null(folders):
+    served = ServedModel(folders["sim"])
+    with torch.no_grad():
+        next(served.model.parameters()).fill_(float("nan"))
+    with pytest.raises(RuntimeError, match="NaN or infinite"):
+        served.answer("/v1/embeddings", {"input": "the king"})
+
+
 def test_a_request_is_cut_into_chunks_within_the_budget():
     from roformer_hf.serving import Item, _chunks
 
