@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test: $(STAMP) lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

@@ -280,7 +280,8 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
         env.update(direct_ingress_env(first, args.replicas), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
-    ray.init(num_cpus=max(available_cores(), args.replicas * threads), include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=max(available_cores(), args.replicas * threads), include_dashboard=False,
+             log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS)])}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

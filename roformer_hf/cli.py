@@ -77,7 +77,7 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     from ray import serve
 
     threads = args.threads or default_threads(args.replicas)
-    ray.init(include_dashboard=False)
+    ray.init(address="local", include_dashboard=False)  # its own, even where `ray start` runs one
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_app({"folder": args.folder, "replicas": args.replicas, "threads": threads, "int8": args.int8,
                      "max_batch_tokens": args.max_batch_tokens, "batch_wait_ms": args.batch_wait_ms,

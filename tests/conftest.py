@@ -1,8 +1,14 @@
 """Shared set-up: the modules of tests/support/ importable from every folder of tests (`from helpers import ...`),
 the examples' modules importable (`import run_mlm`, `from lib import shakespeare`, ...), as they are for the scripts
 themselves, a local Hugging Face Hub server for push/load tests without a network, and a stand-in for the flash-attn
-kernel."""
+kernel.
 
+`make test` runs the tests on pytest-xdist workers (`-n auto`: one more than the cores, as a test waiting on Ray's
+replicas leaves its core idle): each test module stays on one worker (its module fixtures are built once), the tests
+that start a Ray go first (they are the longest), each on a Ray of its own, and each worker's torch takes its share of
+the cores."""
+
+import os
 import sys
 from pathlib import Path
 
@@ -39,3 +45,53 @@ def stand_in_flash(monkeypatch):
                         lambda requested_attention_implementation: requested_attention_implementation == STAND_IN)
     stand_in_calls.clear()
     return stand_in_calls
+
+
+def starts_ray(nodeid: str) -> bool:
+    """Tests that start a local Ray (and Ray Serve on it): a module `test_serving*.py`, or a test `test_serving*`."""
+    module, _, name = nodeid.partition("::")
+    return module_starts_ray(module) or name.startswith("test_serving")
+
+
+def module_starts_ray(module: str) -> bool:
+    return Path(module).name.startswith("test_serving")
+
+
+OWN_RAY = {"test_serving_faults.py"}  # modules whose tests each start their own Ray (with the settings they test)
+
+
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:  # one of several workers: its share of the cores, for torch and the subprocesses it starts
+    import torch
+
+    _threads = max(1, len(os.sched_getaffinity(0)) // WORKERS)
+    torch.set_num_threads(_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the tests that start a Ray first: they are the longest units of work, and the short ones
+    left for the end keep both workers busy to the last."""
+    if WORKERS > 1:
+        items.sort(key=lambda item: not starts_ray(item.nodeid))  # stable: every other test keeps its place
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hooks: used only where it is installed
+def pytest_xdist_auto_num_workers(config):
+    return len(os.sched_getaffinity(0)) + 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's `loadscope` by module (not by class), in collection order, except where a test starts a Ray of
+    its own (`OWN_RAY`): that test is a unit of its own, so that two Rays can start on two workers at once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module, _, name = nodeid.partition("::")
+            return nodeid if Path(module).name in OWN_RAY or (starts_ray(nodeid) and not module_starts_ray(module)) \
+                else module
+
+    config.option.loadscopereorder = False
+    return ByModule(config, log)

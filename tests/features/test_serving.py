@@ -249,7 +249,7 @@ def server(folders):
     from roformer_hf.serving import build_app
 
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env=ray_runtime_env())
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -23,7 +23,7 @@ REQUESTS, CLIENTS, RETRIES, BACKOFF_S = 150, 8, 30, 0.2
 KILL_AFTER = 30  # answered requests before the kill
 # Batches wait 50 ms to fill, so that the killed replica holds requests in flight.
 DEADLINE_S = 45  # the whole load, retries included
-RESTART_S = 30  # the second replica running again, after the kill
+RESTART_S = 60  # the second replica running again, after the kill (15 s on a quiet 2-core machine)
 
 
 @pytest.fixture(scope="module", params=["proxy", "haproxy"])
@@ -47,7 +47,8 @@ def deployed(request, tmp_path_factory):
     os.environ.update(env)  # read by the Ray processes `ray.init` starts, and only then
     ray.shutdown()
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env=ray_runtime_env())
     finally:
         for name, value in saved.items():
             if value is None:
@@ -200,7 +201,8 @@ def test_direct_ingress_replicas_answer_on_their_ports_and_take_them_back(tmp_pa
         return response.headers["x-replica"]
 
     ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env=ray_runtime_env())
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": proxy})
         serve.run(build_app({"folder": str(folder), "replicas": 2, "threads": 1, "num_cpus": 0.25}),
