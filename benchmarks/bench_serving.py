@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     client = Client(time.monotonic() + args.max_seconds)
     root = Path(tempfile.mkdtemp(prefix="bench_serving_"))
     folder = root / "sim"
-    lines = text_lines(20000 if not args.quick else 4000, args.seed)
+    lines = text_lines(max(20000, 13 * args.sentences) if not args.quick else 4000, args.seed)  # ~12 lines a passage
     progress(f"model: {size.layers} layers, hidden {size.hidden}; {len(lines)} lines of text; {args.replicas} "
              f"replica(s) x {threads} threads")
     save_sim_folder(folder, size, lines)
