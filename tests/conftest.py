@@ -50,14 +50,19 @@ def stand_in_flash(monkeypatch):
 def starts_ray(nodeid: str) -> bool:
     """Tests that start a local Ray (and Ray Serve on it): a module `test_serving*.py`, or a test `test_serving*`."""
     module, _, name = nodeid.partition("::")
-    return module_starts_ray(module) or name.startswith("test_serving")
-
-
-def module_starts_ray(module: str) -> bool:
-    return Path(module).name.startswith("test_serving")
+    return Path(module).name.startswith("test_serving") or name.startswith("test_serving")
 
 
 OWN_RAY = {"test_serving_faults.py"}  # modules whose tests each start their own Ray (with the settings they test)
+
+
+def work_unit(nodeid: str) -> str:
+    """What one worker runs together: a test module (its module fixtures are built once), or a test alone where it
+    starts a Ray of its own (in `OWN_RAY`, or a Ray test in a module of other tests), so that two Rays can start on
+    two workers at once."""
+    module, _, name = nodeid.partition("::")
+    alone = Path(module).name in OWN_RAY or (name.startswith("test_serving") and not starts_ray(module))
+    return nodeid if alone else module
 
 
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -71,7 +76,7 @@ if WORKERS > 1:  # one of several workers: its share of the cores, for torch and
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist, the tests that start a Ray first: they are the longest units of work, and the short ones
-    left for the end keep both workers busy to the last."""
+    left for the end keep every worker busy to the last."""
     if WORKERS > 1:
         items.sort(key=lambda item: not starts_ray(item.nodeid))  # stable: every other test keeps its place
 
@@ -83,15 +88,13 @@ def pytest_xdist_auto_num_workers(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's `loadscope` by module (not by class), in collection order, except where a test starts a Ray of
-    its own (`OWN_RAY`): that test is a unit of its own, so that two Rays can start on two workers at once."""
+    """pytest-xdist's `loadscope`, by `work_unit` and in collection order. (Its `loadgroup` with `xdist_group` marks
+    would not do: pytest-xdist 3.8 tags `item._nodeid`, which pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByModule(LoadScopeScheduling):
+    class ByWorkUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module, _, name = nodeid.partition("::")
-            return nodeid if Path(module).name in OWN_RAY or (starts_ray(nodeid) and not module_starts_ray(module)) \
-                else module
+            return work_unit(nodeid)
 
     config.option.loadscopereorder = False
-    return ByModule(config, log)
+    return ByWorkUnit(config, log)

@@ -202,7 +202,7 @@ def test_direct_ingress_replicas_answer_on_their_ports_and_take_them_back(tmp_pa
 
     ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env=ray_runtime_env())
+             runtime_env=ray_runtime_env())
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": proxy})
         serve.run(build_app({"folder": str(folder), "replicas": 2, "threads": 1, "num_cpus": 0.25}),
