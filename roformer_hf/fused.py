@@ -13,11 +13,16 @@ without autocast, on CPU. A layer class that applies the activation or the addit
 (`FusesPostOps`: `quantization.Int8Linear` does; this module does not import it, so saved folders carry no
 quantization code). Everywhere else `fused_linear` calls the module and applies the activation and the addition as
 usual; of any other layer it reads nothing but its type.
+
+What holds for every dense layer of a forward alike (the device, the dtype, autograd, autocast, compiling or tracing,
+global hooks) is `fusion_applies`: the model decides it once per forward (`plan.ForwardPlan.fused_dense`) and hands it
+to each call, which then checks only its own layer; a call told nothing decides it itself.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import torch
@@ -79,8 +84,18 @@ def _fuses_post_ops(layer: nn.Module) -> TypeGuard[FusesPostOps]:
     return bool(getattr(type(layer), "fuses_post_ops", False))
 
 
+def fusion_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether dense layers computing in `dtype` on `device` may take oneDNN's kernel here and now: the conditions of
+    the module docstring that hold for a whole forward (each layer's own are checked per call)."""
+    return (_KERNEL is not None and device.type == "cpu" and dtype in _KERNEL_DTYPES and not torch.is_grad_enabled()
+            and torch.backends.mkldnn.enabled
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()  # transformers' is_tracing, on CPU
+            and not torch.is_autocast_enabled("cpu")
+            and not (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks))
+
+
 def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = None,
-                 residual: Tensor | None = None) -> Tensor:
+                 residual: Tensor | None = None, fusion: bool | None = None) -> Tensor:
     """``residual + activation(layer(x))`` (both optional): one oneDNN call where it applies (see above).
 
     Args:
@@ -89,6 +104,7 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
         activation: applied to the layer's output; fused for transformers' ``"gelu"`` (the erf form) and ``"relu"``,
             and nothing to fuse for a dropout that is off.
         residual: ``(*, out_features)``, added last; fused when there is no activation to apply.
+        fusion: `fusion_applies` for `x`, as the forward decided it; ``None``: decided here.
     """
     fused = _fused_activation(activation)
     if fused is not None and (residual is None or fused[0] == "none"):
@@ -96,7 +112,9 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
         if _fuses_post_ops(layer) and not _hooked(layer) and (
                 residual is None or _fits(residual, x, layer.out_features)):
             return layer.fused(x, name, algorithm, residual)
-        if _kernel_applies(layer, x, residual):
+        if fusion is None:
+            fusion = fusion_applies(x.device, x.dtype)
+        if fusion and _kernel_applies(layer, x, residual):
             weight = _packed_weight(layer, x)
             if residual is not None:
                 return _KERNEL.binary(x, residual, weight, layer.bias, "add")
@@ -105,30 +123,41 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
     return output if residual is None else residual + output
 
 
-def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...]:
-    """``tuple(fused_linear(layer, x) for layer in layers)``, for layers that read the same input (attention's query,
-    key and value projections): one GEMM on their weights packed side by side where the weights are packed (fp32,
-    2 to `PACKED_MAX_ROWS` rows of plain `nn.Linear`s, see `_packed_weight`), which reads them faster than three GEMMs
-    and gives the same bits; the outputs are views of its output."""
-    if not _packs_side_by_side(layers, x):
-        return tuple(fused_linear(layer, x) for layer in layers)
-    source = tuple(_source(t) for layer in layers for t in (layer.weight, layer.bias) if t is not None)
-    cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
-    if cached is None or not _same_source(cached[0], source):
-        weight = torch.cat([layer.weight.detach() for layer in layers])
-        bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
-        cached = _PACKED_SIDE_BY_SIDE[layers[0]] = (source, _PACK(weight, PACKING_HINT), bias)
-    output = _KERNEL(x, cached[1], cached[2], "none", [], "")
-    return tuple(output.split([layer.out_features for layer in layers], dim=-1))
+def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor, fusion: bool | None = None) -> tuple[Tensor, ...]:
+    """``tuple(fused_linear(layer, x, fusion=fusion) for layer in layers)``, for layers that read the same input
+    (attention's query, key and value projections): one GEMM on their weights packed side by side where the weights
+    are packed (fp32, 2 to `PACKED_MAX_ROWS` rows of plain `nn.Linear`s, see `_packed_weight`), which reads them
+    faster than three GEMMs and gives the same bits; the outputs are views of its output."""
+    if fusion is None:
+        fusion = fusion_applies(x.device, x.dtype)
+    packed = _side_by_side(layers, x) if fusion else None
+    if packed is None:
+        return tuple(fused_linear(layer, x, fusion=fusion) for layer in layers)
+    output = _KERNEL(x, *packed, "none", [], "")
+    return output.split([layer.out_features for layer in layers], dim=-1)
 
 
-def _packs_side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> bool:
+def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Tensor | None] | None:
+    """The layers' weights packed side by side and their biases concatenated, for `x`; ``None`` where that does not
+    apply: not fp32 rows of the packed range, a layer the kernel cannot compute, biases on some layers only, or a
+    weight made under `torch.inference_mode()` (see `_packed_weight`)."""
     if _PACK is None or x.dtype != torch.float32 or not 1 < x.numel() // x.shape[-1] <= PACKED_MAX_ROWS:
-        return False
-    with_bias = {layer.bias is not None for layer in layers if isinstance(layer, nn.Linear)}
-    return len(with_bias) == 1 and all(
-        _kernel_applies(layer, x, None) and not layer.weight.is_inference()
-        and (layer.bias is None or not layer.bias.is_inference()) for layer in layers)
+        return None
+    tensors = []
+    for layer in layers:
+        if not _kernel_applies(layer, x, None):
+            return None
+        tensors.append(layer.weight)
+        if layer.bias is not None:
+            tensors.append(layer.bias)
+    if len(tensors) not in (len(layers), 2 * len(layers)) or any(tensor.is_inference() for tensor in tensors):
+        return None
+    cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
+    if cached is None or not _same_source(cached[0], tensors):
+        weight = torch.cat([layer.weight.detach() for layer in layers])
+        bias = None if len(tensors) == len(layers) else torch.cat([layer.bias.detach() for layer in layers])
+        cached = _PACKED_SIDE_BY_SIDE[layers[0]] = (_source(tensors), _PACK(weight, PACKING_HINT), bias)
+    return cached[1], cached[2]
 
 
 def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:
@@ -144,21 +173,24 @@ def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:
     if _PACK is None or weight.dtype != torch.float32 or not 1 < rows <= PACKED_MAX_ROWS or weight.is_inference():
         return weight
     cached = _PACKED.get(layer)
-    if cached is None or not _same_source(cached[0], (_source(weight),)):
-        cached = _PACKED[layer] = ((_source(weight),), _PACK(weight.detach(), PACKING_HINT))
+    if cached is None or not _same_source(cached[0], (weight,)):
+        cached = _PACKED[layer] = (_source((weight,)), _PACK(weight.detach(), PACKING_HINT))
     return cached[1]
 
 
-def _source(tensor: Tensor) -> tuple:
-    """What a packed copy was made from: the tensor itself (held weakly, so a replaced weight is never mistaken for
-    the one it replaced), where its data is, and its count of in-place changes."""
-    return weakref.ref(tensor), tensor.data_ptr(), tensor._version
+def _source(tensors: Sequence[Tensor]) -> tuple:
+    """What a packed copy was made from: for each tensor, the tensor itself (held weakly, so a replaced weight is
+    never mistaken for the one it replaced), where its data is, and its count of in-place changes."""
+    return tuple((weakref.ref(tensor), tensor.data_ptr(), tensor._version) for tensor in tensors)
 
 
-def _same_source(cached: tuple, current: tuple) -> bool:
-    return len(cached) == len(current) and all(
-        old_ref() is new_ref() and old_rest == new_rest
-        for (old_ref, *old_rest), (new_ref, *new_rest) in zip(cached, current))
+def _same_source(cached: tuple, tensors: Sequence[Tensor]) -> bool:
+    if len(cached) != len(tensors):
+        return False
+    for (ref, data_ptr, version), tensor in zip(cached, tensors):
+        if ref() is not tensor or data_ptr != tensor.data_ptr() or version != tensor._version:
+            return False
+    return True
 
 
 def _fused_activation(activation: nn.Module | None) -> tuple[str, str] | None:
@@ -176,17 +208,14 @@ def _fused_activation(activation: nn.Module | None) -> tuple[str, str] | None:
 
 
 def _kernel_applies(layer: nn.Module, x: Tensor, residual: Tensor | None) -> bool:
-    # The layer's type first: a replacement (quantized, adapted) may hold anything under `weight`, or nothing. The
-    # cheap tests come first: this runs for every dense layer of every forward.
-    if type(layer) is not nn.Linear or type(layer.weight) is not nn.Parameter or _KERNEL is None:
+    """The layer's own conditions, once `fusion_applies` holds for the forward. The layer's type first: a replacement
+    (quantized, adapted) may hold anything under `weight`, or nothing."""
+    if type(layer) is not nn.Linear:
         return False
-    weight = layer.weight
-    return (x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and weight.dtype == x.dtype
-            and not torch.is_grad_enabled() and torch.backends.mkldnn.enabled
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()  # transformers' is_tracing, on CPU
-            and not torch.is_autocast_enabled("cpu") and not _hooked(layer)
-            and (layer.bias is None or layer.bias.dtype == x.dtype)
-            and (residual is None or _fits(residual, x, weight.shape[0])))
+    parameters = layer._parameters  # what `layer.weight` reads, without `nn.Module.__getattr__`'s cost
+    weight, bias = parameters.get("weight"), parameters.get("bias")
+    return (type(weight) is nn.Parameter and x.is_cpu and x.dtype in _KERNEL_DTYPES and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype) and not _hooked(layer) and (residual is None or _fits(residual, x, weight.shape[0])))
 
 
 def _fits(residual: Tensor, x: Tensor, out_features: int) -> bool:

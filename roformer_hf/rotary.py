@@ -69,7 +69,8 @@ def rotate(x: torch.Tensor, phases: torch.Tensor, layout: str = "interleaved") -
 
     Args:
         x: ``(..., d)``; for attention ``(*tokens, heads, d)``.
-        phases: from `rotary_phases`, broadcastable to ``(..., d/2, 2)`` (e.g. ``(*tokens, 1, d/2, 2)``).
+        phases: from `rotary_phases`, broadcastable to ``(..., d/2, 2)`` (e.g. ``(*tokens, 1, d/2, 2)``); or the same
+            as complex64, ``torch.view_as_complex(phases)``, which spares each call that view.
         layout: ``"interleaved"`` or ``"half"``: which dimensions form a pair.
     """
     check_layout(layout)
@@ -79,12 +80,15 @@ def rotate(x: torch.Tensor, phases: torch.Tensor, layout: str = "interleaved") -
     else:
         pairs = torch.stack(xf.chunk(2, dim=-1), dim=-1)
     if torch.compiler.is_compiling() or torch.jit.is_tracing():  # transformers' is_tracing, without its CUDA checks
-        (real, imag), (cos, sin) = pairs.unbind(-1), phases.float().unbind(-1)
+        phases = torch.view_as_real(phases) if phases.is_complex() else phases.float()
+        (real, imag), (cos, sin) = pairs.unbind(-1), phases.unbind(-1)
         turned = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    elif xf is x:
-        turned = torch.view_as_real(_as_complex(pairs) * _as_complex(phases.float()))
-    else:  # xf is already our float32 copy of a lower-precision x: rotate it in place, no second buffer
-        turned = torch.view_as_real(_as_complex(pairs).mul_(_as_complex(phases.float())))
+    else:
+        turns = phases if phases.is_complex() else _as_complex(phases.float())
+        if xf is x:
+            turned = torch.view_as_real(_as_complex(pairs) * turns)
+        else:  # xf is already our float32 copy of a lower-precision x: rotate it in place, no second buffer
+            turned = torch.view_as_real(_as_complex(pairs).mul_(turns))
     if layout == "interleaved":
         return turned.flatten(-2).to(x.dtype)
     return torch.cat(turned.unbind(-1), dim=-1).to(x.dtype)

@@ -204,3 +204,42 @@ def test_layers_on_one_input_give_the_bits_of_each_alone(rows, bias):
         expected = [reference(layer, x).float() for layer in layers]
         for output, want in zip(fused.fused_linears(layers, x), expected):
             torch.testing.assert_close(output, want, atol=1e-5, rtol=1e-5)
+
+
+def test_layers_with_and_without_bias_are_not_packed_together(kernel):
+    layers, x = (nn.Linear(8, 8), nn.Linear(8, 4, bias=False)), torch.randn(5, 8)
+    with torch.inference_mode():
+        outputs = fused.fused_linears(layers, x)
+    for output, layer in zip(outputs, layers):
+        torch.testing.assert_close(output, reference(layer, x).float(), atol=1e-5, rtol=1e-5)
+    assert layers[0] not in fused._PACKED_SIDE_BY_SIDE and kernel.calls == ["none", "none"]
+
+
+def test_a_forward_decides_fusion_once_and_each_layer_still_checks_itself(kernel, monkeypatch):
+    """The model asks `fusion_applies` once per forward (`ForwardPlan.fused_dense`), not once per dense layer; a
+    layer with a hook of its own is called even so, and the output is the module path's."""
+    import roformer_hf
+    from roformer_hf import plan
+
+    config = roformer_hf.RoFormerConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=24)
+    torch.manual_seed(0)
+    model = roformer_hf.RoFormerModel(config).eval()
+    asked, fusion_applies = [], fused.fusion_applies
+
+    def counted(device, dtype):
+        asked.append(dtype)
+        return fusion_applies(device, dtype)
+
+    monkeypatch.setattr(plan, "fusion_applies", counted)
+    monkeypatch.setattr(fused, "fusion_applies", counted)
+    input_ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        expected = model(input_ids).last_hidden_state
+    assert asked == [torch.float32] and kernel.calls  # once, and the layers took the kernel
+    seen = []
+    model.encoder.layer[1].intermediate.dense.register_forward_hook(lambda *args: seen.append("hooked layer"))
+    calls = len(kernel.calls)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids).last_hidden_state, expected, atol=1e-5, rtol=1e-5)
+    assert seen == ["hooked layer"] and len(kernel.calls) == 2 * calls - 1  # all but the hooked one fused
