@@ -14,7 +14,8 @@ What it does:
    (the CPU targets' 8 x 512..128). On each, checks roformer_hf's and OpenVINO's last hidden state against
    transformers' at the real tokens (max abs difference at most `--tolerance`), then times one forward of each
    (`torch.inference_mode`, fp32), interleaved, rotating which goes first, `--repeats` times after `--warmup`
-   rounds; reports the median and the 90th percentile, and each median over OpenVINO's.
+   rounds (`--block N`: N calls of a model in a row per turn, as a server runs one model, the first of each left
+   out); reports the median and the 90th percentile, and each median over OpenVINO's.
 3. `decode`: one decoding step of roformer_hf's `RoFormerForCausalLM` (batch 1, one token, on the cache it makes)
    after a prompt of P tokens, for each P of `--prefixes`, interleaved the same way; each step adds a token to the
    cache. roformer_hf only (the first step's logits are checked against transformers' first), to follow the step's
@@ -108,7 +109,7 @@ def encoder_latency(models: dict, inputs, args) -> tuple[dict[str, list[float]],
             raise RuntimeError(f"last hidden states differ from transformers' by more than {args.tolerance}: {diffs}")
         runners = {name: (lambda model=model: time_once(lambda: last_hidden_state(model, *inputs)))
                    for name, model in models.items()}
-        return time_interleaved(runners, args.warmup, args.repeats), diffs
+        return time_interleaved(runners, args.warmup, args.repeats, args.block), diffs
 
 
 def decode_latency(folder: str, args) -> tuple[dict[int, list[float]], float]:
@@ -159,7 +160,8 @@ def report(args, size, threads: int, openvino_model: OpenVinoModel | None, rows:
     print(*machine_lines(), sep="\n")
     print(f"- model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}, "
           f"vocab {size.vocab}; fp32, dropout 0 (eval); {threads} threads; repeats {args.repeats}, warm-up rounds "
-          f"{args.warmup}")
+          f"{args.warmup}; " + ("each call interleaved" if args.block == 1 else
+                                f"each model {args.block} calls in a row per repeat, the first left out"))
     if openvino_model is not None:
         print(f"- openvino {openvino_model.version}, CPU plugin {openvino_model.config}; transformers' RoFormerModel "
               f"through openvino.convert_model ({openvino_model.convert_seconds:.1f} s; dynamic batch and length), "
@@ -199,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt lengths before the decoding step")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--block", type=int, default=1,
+                        help="calls of one model in a row per repeat (the first of each left out): 1 interleaves every "
+                             "call; more times each model as a server runs it, back to back")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max abs difference allowed")
     return parser
 

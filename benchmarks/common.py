@@ -17,17 +17,21 @@ def time_once(fn) -> float:
     return time.perf_counter() - start
 
 
-def time_interleaved(runners: dict[str, Callable[[], float]], warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Calls each runner (it returns its own timing) once per repeat, rotating which goes first, so drifting load
-    from other processes hits every runner alike. Returns the seconds of the repeats after `warmup`."""
+def time_interleaved(runners: dict[str, Callable[[], float]], warmup: int, repeats: int,
+                     block: int = 1) -> dict[str, list[float]]:
+    """Calls each runner (it returns its own timing) `block` times in a row per repeat, rotating which goes first, so
+    drifting load from other processes hits every runner alike. Returns the seconds of the repeats after `warmup`.
+    With ``block > 1`` each turn's first call is left out: it pays for the runner before (threads of another
+    runtime still spinning, caches holding its weights), which a process serving one model back to back never does."""
     names = list(runners)
     times = {name: [] for name in names}
     for repeat in range(warmup + repeats):
         shift = repeat % len(names)
         for name in names[shift:] + names[:shift]:
-            seconds = runners[name]()
-            if repeat >= warmup:
-                times[name].append(seconds)
+            for call in range(block):
+                seconds = runners[name]()
+                if repeat >= warmup and (block == 1 or call):
+                    times[name].append(seconds)
     return times
 
 
