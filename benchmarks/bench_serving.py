@@ -274,7 +274,10 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
     from roformer_hf.serving import build_app, direct_ingress_env, haproxy_env
 
     port = free_port()
-    env = dict(setting.split("=", 1) for setting in args.ray_env)
+    # Ray's processes inherit this environment when `ray.init` starts them (a `runtime_env` would start each worker
+    # through a setup process of its own): the replicas import this checkout and `serving_apps`.
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS)]),
+           **dict(setting.split("=", 1) for setting in args.ray_env)}
     if ingress == "haproxy":  # HAProxy on `port`, in place of Ray's Python proxy
         env.update(haproxy_env(), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
     if ingress == "direct":  # Ray's processes read it when `ray.init` starts them; the replica takes `first`
@@ -283,8 +286,7 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     ray.init(address="local", num_cpus=max(available_cores(), args.replicas * threads), include_dashboard=False,
-             log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS)])}})
+             log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         base = f"http://127.0.0.1:{first if ingress == 'direct' else port}"

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import transformers
-from helpers import PYTHON, free_port, ray_runtime_env, save_folder, serving_tokenizer, tiny_config
+from helpers import PYTHON, free_port, ray_environment, save_folder, serving_tokenizer, tiny_config
 
 pytest.importorskip("ray.serve", reason="serving needs Ray Serve: pip install roformer_hf[serve]")
 requests = pytest.importorskip("requests", reason="the HTTP tests talk to the server with requests")
@@ -249,8 +249,8 @@ def server(folders):
     from roformer_hf.serving import build_app
 
     port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env=ray_runtime_env())
+    with ray_environment():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for name in ("mlm", "clf", "sim"):

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import SERVING_CORPUS, embedding_folder, free_port, ray_runtime_env, replica_processes
+from helpers import SERVING_CORPUS, embedding_folder, free_port, ray_environment, replica_processes
 
 pytest.importorskip("ray.serve", reason="serving needs Ray Serve: pip install roformer_hf[serve]")
 requests = pytest.importorskip("requests", reason="the HTTP tests talk to the server with requests")
@@ -33,10 +33,12 @@ def cluster(tmp_path_factory):
 
     folder, model, tokenizer = embedding_folder(tmp_path_factory.mktemp("cluster") / "encoder")
     ray.shutdown()
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    with ray_environment():
+        nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
-        nodes.add_node(num_cpus=1)
-        ray.init(address=nodes.address, log_to_driver=False, runtime_env=ray_runtime_env())
+        with ray_environment():
+            nodes.add_node(num_cpus=1)
+        ray.init(address=nodes.address, log_to_driver=False)
         nodes.wait_for_nodes()
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})

@@ -4,6 +4,8 @@ references, and a stand-in flash-attn kernel."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -190,11 +192,25 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def ray_runtime_env() -> dict:
-    """Ray's `runtime_env` for the replicas: this process's import path, so they import this checkout."""
+@contextmanager
+def ray_environment(**env: str) -> Iterator[None]:
+    """This process's environment plus `env`, and its import path as ``PYTHONPATH`` (so that Ray's workers import
+    this checkout and the tests' helpers), for the Ray processes started inside the block (`ray.init`, a
+    `Cluster`'s nodes): they read it once, when they start. Restored after. Unlike a ``runtime_env``, it starts no
+    setup process for each worker."""
     import os
 
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}}
+    env = {"PYTHONPATH": os.pathsep.join(sys.path), **env}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def replica_processes(app: str) -> dict[str, tuple[int, str]]:
