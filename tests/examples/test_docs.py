@@ -57,16 +57,24 @@ def python_block(page: str, index: int) -> str:
 
 
 NOT_RUN = re.compile(r"<!-- not run by the docs test: (.+?) -->\n```python\n")
-# Runs each block it is given in a fresh namespace and a fresh working folder; stops at the first that fails.
+RESULT = "docs-test-result: "
+# Takes one page's blocks per line of stdin; runs each in a fresh namespace and a fresh working folder, stopping at
+# the first that fails; answers one line (after RESULT) per page. One process for every page: each starts with
+# nothing of the page before it but what importing left behind, as the blocks of one page always have.
 RUN_BLOCKS = """
-import json, os, sys, tempfile, traceback
-for index, block in json.loads(sys.stdin.read()):
-    os.chdir(tempfile.mkdtemp())
-    try:
-        exec(compile(block, f"block {index}", "exec"), {"__name__": "__main__"})
-    except BaseException:
-        sys.exit(f"block {index} failed:\\n{traceback.format_exc()}")
-"""
+import contextlib, io, json, os, sys, tempfile, traceback
+for line in sys.stdin:
+    output, error = io.StringIO(), None
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        for index, block in json.loads(line):
+            os.chdir(tempfile.mkdtemp())
+            try:
+                exec(compile(block, f"block {index}", "exec"), {"__name__": "__main__"})
+            except BaseException:
+                error = f"block {index} failed:\\n{traceback.format_exc()}"
+                break
+    print(RESULT + json.dumps({"error": error, "output": output.getvalue()[-4000:]}), flush=True)
+""".replace("RESULT", repr(RESULT))
 
 
 def page_blocks(page: Path) -> tuple[list[tuple[int, str]], list[str]]:
@@ -80,15 +88,31 @@ def page_blocks(page: Path) -> tuple[list[tuple[int, str]], list[str]]:
 CODE_PAGES = [page for page in PAGES if page.parent == ROOT / "docs" or page == ROOT / "README.md"]
 
 
+@pytest.fixture(scope="module")
+def block_runner():
+    """The process that runs the pages' blocks (`RUN_BLOCKS`), started once for the module."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    runner = subprocess.Popen([PYTHON, "-c", RUN_BLOCKS], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    yield runner
+    runner.stdin.close()
+    runner.wait(timeout=60)
+
+
 @pytest.mark.parametrize("page", [page for page in CODE_PAGES if page_blocks(page)[0]],
                          ids=lambda page: page.relative_to(ROOT).as_posix())
-def test_every_python_block_runs_as_written(page):
+def test_every_python_block_runs_as_written(page, block_runner):
     """Each block on its own: its imports, its data, nothing from the blocks before it."""
     blocks, _ = page_blocks(page)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([PYTHON, "-c", RUN_BLOCKS], input=json.dumps(blocks), env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, f"{page.name}: {result.stderr[-4000:]}"
+    block_runner.stdin.write(json.dumps(blocks) + "\n")
+    block_runner.stdin.flush()
+    for line in block_runner.stdout:  # what a block's subprocesses print to this stdout comes first
+        if line.startswith(RESULT):
+            result = json.loads(line[len(RESULT):])
+            break
+    else:
+        pytest.fail(f"{page.name}: the block runner exited ({block_runner.wait()})")
+    assert result["error"] is None, f"{page.name}: {result['error']}\n{result['output']}"
 
 
 def test_blocks_the_docs_test_does_not_run_say_why():
