@@ -14,6 +14,7 @@ from helpers import BLOCK_ROFORMER_HF, FIXTURES, PYTHON, TINY
 
 import roformer_hf
 from roformer_hf.convert import convert_checkpoint
+from roformer_hf.convert import main as convert_main
 from roformer_hf.modeling import RoFormerPreTrainedModel
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -289,15 +290,16 @@ def test_a_non_empty_destination_is_replaced_only_with_overwrite(source, tmp_pat
     assert sorted(path.name for path in tmp_path.iterdir()) == ["dst"]  # no staging folder left behind
 
 
-def test_command_line(source, tmp_path):
+def test_command_line(source, tmp_path, capsys):
     folder, _ = source
     destination = tmp_path / "dst"
     destination.mkdir()
     (destination / "keep.txt").write_text("mine")
-    command = [PYTHON, "-m", "roformer_hf.convert", str(folder), str(destination)]
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 1 and "is not empty: pass --overwrite" in refused.stderr
+    with pytest.raises(SystemExit) as refused:  # the command's `main`, in this process
+        convert_main([str(folder), str(destination)])
+    assert refused.value.code == 1 and "is not empty: pass --overwrite" in capsys.readouterr().err
     assert (destination / "keep.txt").exists()
+    command = [PYTHON, "-m", "roformer_hf.convert", str(folder), str(destination)]
     done = subprocess.run([*command, "--overwrite"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert type(transformers.AutoModelForMaskedLM.from_pretrained(destination)) is roformer_hf.RoFormerForMaskedLM
