@@ -59,8 +59,9 @@ def python_block(page: str, index: int) -> str:
 NOT_RUN = re.compile(r"<!-- not run by the docs test: (.+?) -->\n```python\n")
 RESULT = "docs-test-result: "
 # Takes one page's blocks per line of stdin; runs each in a fresh namespace and a fresh working folder, stopping at
-# the first that fails; answers one line (after RESULT) per page. One process for every page: each starts with
-# nothing of the page before it but what importing left behind, as the blocks of one page always have.
+# the first that fails; answers one line (after RESULT) per page. One process for every page, to pay the imports
+# once: a page starts from the process state the pages before it left (modules imported, seeds, registrations), as
+# each block of a page always has from the blocks before it; the names a block defines never reach another block.
 RUN_BLOCKS = """
 import contextlib, io, json, os, sys, tempfile, traceback
 for line in sys.stdin:
