@@ -215,7 +215,8 @@ def _kernel_applies(layer: nn.Module, x: Tensor, residual: Tensor | None) -> boo
     parameters = layer._parameters  # what `layer.weight` reads, without `nn.Module.__getattr__`'s cost
     weight, bias = parameters.get("weight"), parameters.get("bias")
     return (type(weight) is nn.Parameter and x.is_cpu and x.dtype in _KERNEL_DTYPES and weight.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype) and not _hooked(layer) and (residual is None or _fits(residual, x, weight.shape[0])))
+            and (bias is None or bias.dtype == x.dtype) and not _hooked(layer)
+            and (residual is None or _fits(residual, x, weight.shape[0])))
 
 
 def _fits(residual: Tensor, x: Tensor, out_features: int) -> bool:

@@ -221,7 +221,8 @@ def test_serving_benchmark_checks_answers_and_reports_every_measure():
         assert float(cells[0].split(" / ")[0]) > 0 and cells[4].endswith("%"), (measure, cells)
         if cells[3] != "-":
             assert float(cells[3].rstrip("x")) > 0
-    bound = re.search(r"latency from one client, direct ingress: p50 ([0-9.]+) ms against the bound ([0-9.]+) \(the "
-                      r"no-op from one client\) \+ 5 \+ ([0-9.]+) \(offline encode, batch 1\) = ([0-9.]+) ms", result.stdout)
+    bound = re.search(r"latency from one client, direct ingress: p50 ([0-9.]+) ms against the bound ([0-9.]+) "
+                      r"\(the no-op from one client\) \+ 5 \+ ([0-9.]+) \(offline encode, batch 1\) = ([0-9.]+) ms",
+                      result.stdout)
     assert bound, result.stdout
     assert float(bound.group(4)) == pytest.approx(float(bound.group(2)) + 5 + float(bound.group(3)), abs=0.15)
