@@ -22,7 +22,8 @@ What it does:
 3. Times roformer_hf's step with each AdamW implementation torch has (`for`-loop, `foreach`, `fused`: Trainer's
    default), without attention dropout (hidden dropout kept: SDPA's fused kernel instead of
    `BlockedDropoutAttention`), and the phases of one step (collator, forward, backward, clipping, optimizer).
-4. With `--compile`, times a `torch.compile`d copy of roformer_hf's model (the same weights) in the same rotation,
+4. With `--compile`, times a `torch.compile`d copy of roformer_hf's model (the same weights; `--compile-backend`,
+   default inductor) in the same rotation,
    and reports what its first calls cost (compiling, and recompiling for the masked-token count that changes from
    batch to batch) against the eager step: the number of steps it needs to pay that back.
 5. Profiles one roformer_hf step and one transformers step and groups self CPU time by part (GEMMs, attention,
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-profile", action="store_true")
     parser.add_argument("--compile", action="store_true", help="also time a torch.compile'd roformer_hf step")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile's backend for --compile (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke configuration (seconds)")
     return parser
 
@@ -209,10 +212,10 @@ def compiled_step(args: argparse.Namespace, folder: str, example: Example, steps
     """Adds a step on a torch.compile'd copy of roformer_hf's model to `steps`; returns its first calls' seconds."""
     import roformer_hf
 
-    progress("compiling roformer_hf's step (torch.compile)")
+    progress(f"compiling roformer_hf's step (torch.compile, {args.compile_backend})")
     dropouts = {"hidden_dropout_prob": args.dropout, "attention_probs_dropout_prob": args.dropout}
     model = roformer_hf.RoFormerForMaskedLM.from_pretrained(folder, sparse_prediction=True, **dropouts).train()
-    steps[COMPILED] = Step(torch.compile(model), example, args.lr)
+    steps[COMPILED] = Step(torch.compile(model, backend=args.compile_backend), example, args.lr)
     return sum(steps[COMPILED]() for _ in range(COMPILE_CALLS))
 
 
