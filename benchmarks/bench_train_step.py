@@ -23,9 +23,9 @@ What it does:
    default), without attention dropout (hidden dropout kept: SDPA's fused kernel instead of
    `BlockedDropoutAttention`), and the phases of one step (collator, forward, backward, clipping, optimizer).
 4. With `--compile`, times a `torch.compile`d copy of roformer_hf's model (the same weights; `--compile-backend`,
-   default inductor) in the same rotation,
-   and reports what its first calls cost (compiling, and recompiling for the masked-token count that changes from
-   batch to batch) against the eager step: the number of steps it needs to pay that back.
+   default inductor) in the same rotation, and reports what its first calls cost (compiling, and recompiling for the
+   masked-token count that changes from batch to batch) against the eager step: the number of steps it needs to pay
+   that back.
 5. Profiles one roformer_hf step and one transformers step and groups self CPU time by part (GEMMs, attention,
    elementwise, optimizer, ...).
 """
