@@ -213,17 +213,28 @@ def ray_environment(**env: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def replica_processes(app: str) -> dict[str, tuple[int, str]]:
+def replica_processes(app: str, wait_s: float = 10.0) -> dict[str, tuple[int, str]]:
     """The live replicas of application `app` on the connected Ray Serve: their replica id (what the `X-Replica`
-    response header names) -> (the worker's PID, its Ray node id). Asked of each replica actor itself."""
+    response header names) -> (the worker's PID, its Ray node id). Asked of each replica actor itself; a replica
+    that is dead, or still being created (its actor cannot answer yet), within `wait_s` is not live."""
     import os
 
     import ray
 
-    found = {}
+    asked = {}
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["namespace"] == "serve" and actor["name"].startswith(f"SERVE_REPLICA::{app}#"):
-            handle = ray.get_actor(actor["name"], namespace="serve")
+            try:
+                handle = ray.get_actor(actor["name"], namespace="serve")
+            except ValueError:  # gone since it was listed
+                continue
             where = handle.__ray_call__.remote(lambda _: (os.getpid(), ray.get_runtime_context().get_node_id()))
-            found[actor["name"].rsplit("#", 1)[1]] = tuple(ray.get(where, timeout=30))
+            asked[where] = actor["name"].rsplit("#", 1)[1]
+    answered, _ = ray.wait(list(asked), num_returns=len(asked), timeout=wait_s) if asked else ([], [])
+    found = {}
+    for where in answered:
+        try:
+            found[asked[where]] = tuple(ray.get(where))
+        except ray.exceptions.RayActorError:
+            pass
     return found
