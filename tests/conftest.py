@@ -65,6 +65,34 @@ def work_unit(nodeid: str) -> str:
     return nodeid if alone else module
 
 
+def machine() -> str:
+    """The machine the suite runs on, to read its timings by: the CPU, its cores, the widest vector ISA it has and
+    the one torch's kernels use (`ATEN_CPU_CAPABILITY` can hold them lower), and whether inductor's cache already
+    held compiled code (the compile tests cost about two minutes more when it is empty)."""
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    info = Path("/proc/cpuinfo").read_text(encoding="utf-8") if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), ()))
+    isa = [flag for flag in ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2") if flag in flags]
+    cache = Path(cache_dir())
+    warm = cache.is_dir() and any(cache.iterdir())
+    return (f"{name}, {len(os.sched_getaffinity(0))} cores, {' '.join(isa) or 'no AVX2'}; torch kernels "
+            f"{torch.backends.cpu.get_cpu_capability()}; inductor cache {'warm' if warm else 'empty'} at the start")
+
+
+MACHINE = machine() if "PYTEST_XDIST_WORKER" not in os.environ else None  # read before any test compiles
+
+
+def pytest_report_header(config):
+    return f"machine: {MACHINE}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"machine: {MACHINE}")
+
+
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:  # one of several workers: its share of the cores, for torch and the subprocesses it starts
     import torch
