@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 
@@ -41,6 +42,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def port_in_use(host: str, port: int) -> OSError | None:
+    """Why `host:port` cannot be listened on (an `OSError`: in use, an address not of this machine, ...), else
+    ``None``. Bound the way a server binds (``SO_REUSEADDR``: connections of an earlier server still closing do not
+    count), then released."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as error:
+        return error
+    return None
+
+
 def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         from .serving import ServedModel, build_app, default_threads, direct_ingress_env, haproxy_env
@@ -58,20 +73,25 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         parser.error(f"--max-batch-tokens={args.max_batch_tokens}: expected at least the model's longest input, "
                      f"{served.max_length} tokens")
     del served
+    env = {}  # for Ray's processes, which `ray.init` below starts: they read it once
     if args.direct_port is not None:
         try:
-            env = direct_ingress_env(args.direct_port, args.replicas)
+            env.update(direct_ingress_env(args.direct_port, args.replicas))
         except ValueError as error:
             parser.error(f"--direct-port={args.direct_port}: {error}")
         if args.direct_port <= args.port < args.direct_port + 2 * args.replicas:
             parser.error(f"--port={args.port}: expected a port outside the replicas' ports, {args.direct_port} to "
                          f"{args.direct_port + 2 * args.replicas - 1}")
-        os.environ.update(env)  # read by Ray's processes, which `ray.init` below starts
     if args.haproxy:
         try:
-            os.environ.update(haproxy_env())
+            env.update(haproxy_env())
         except ValueError as error:
             parser.error(f"--haproxy: {error}")
+    if (error := port_in_use(args.host, args.port)) is not None:  # Ray's proxy would fail on it after Ray started
+        parser.exit(1, f"roformer-hf serve: --port={args.port}: cannot listen on {args.host}:{args.port} "
+                       f"({error.strerror or error}); expected a free port. Another server holds it, or the HAProxy "
+                       f"of a `roformer-hf serve --haproxy` that was killed (`pkill haproxy` stops it)\n")
+    os.environ.update(env)
 
     import ray
     from ray import serve
