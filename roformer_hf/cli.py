@@ -42,17 +42,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def port_in_use(host: str, port: int) -> OSError | None:
-    """Why `host:port` cannot be listened on (an `OSError`: in use, an address not of this machine, ...), else
-    ``None``. Bound the way a server binds (``SO_REUSEADDR``: connections of an earlier server still closing do not
-    count), then released."""
+def port_refusal(host: str, port: int) -> str | None:
+    """Why the server cannot listen on `host:port` (in use, an address not of this machine, ...), as the command
+    says it; ``None`` where it can. Bound the way a server binds (``SO_REUSEADDR``: connections of an earlier server
+    still closing do not count), then released."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
     except OSError as error:
-        return error
+        return (f"--port={port}: cannot listen on {host}:{port} ({error.strerror or error}); expected a free port. "
+                f"Another server holds it, or the HAProxy of a `roformer-hf serve --haproxy` that was killed "
+                f"(`pkill haproxy` stops it)")
     return None
 
 
@@ -87,10 +89,8 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             env.update(haproxy_env())
         except ValueError as error:
             parser.error(f"--haproxy: {error}")
-    if (error := port_in_use(args.host, args.port)) is not None:  # Ray's proxy would fail on it after Ray started
-        parser.exit(1, f"roformer-hf serve: --port={args.port}: cannot listen on {args.host}:{args.port} "
-                       f"({error.strerror or error}); expected a free port. Another server holds it, or the HAProxy "
-                       f"of a `roformer-hf serve --haproxy` that was killed (`pkill haproxy` stops it)\n")
+    if (refusal := port_refusal(args.host, args.port)) is not None:  # Ray's proxy would fail after Ray started
+        parser.exit(1, f"roformer-hf serve: {refusal}\n")
     os.environ.update(env)
 
     import ray

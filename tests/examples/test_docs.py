@@ -5,6 +5,7 @@ import doctest
 import json
 import os
 import re
+import socket
 import subprocess
 from pathlib import Path
 
@@ -153,6 +154,7 @@ def _faq_errors(tmp_path, monkeypatch) -> list[str]:
     import torch
 
     from roformer_hf import RoFormerConfig, RoFormerForCausalLM, RoFormerHFTokenizer, RoFormerModel
+    from roformer_hf.cli import port_refusal
 
     def raised(action) -> str:
         with pytest.raises((ValueError, OSError, ImportError)) as error:
@@ -180,11 +182,17 @@ def _faq_errors(tmp_path, monkeypatch) -> list[str]:
     decoder = RoFormerForCausalLM(decoder_config := RoFormerConfig(**{**small.to_dict(), "is_decoder": True}))
     assert decoder_config.head_dim == 8
     cache = decoder(torch.randint(5, 100, (2, 5)), use_cache=True).past_key_values
+    with socket.socket() as server:  # whatever holds the port the command is told to serve on
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        port_taken = port_refusal("127.0.0.1", port).replace(str(port), "8000")
     return [
         raised(lambda: RoFormerModel.from_pretrained(pickled)),
         raised(jieba_tokenizer),
         raised(lambda: RoFormerModel(small)(torch.tensor([[2, 500, 3]]))),
         raised(lambda: decoder(torch.randint(5, 100, (3, 1)), past_key_values=cache)),
+        port_taken,
     ]
 
 

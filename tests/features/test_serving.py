@@ -238,7 +238,7 @@ def test_direct_ports_are_checked_before_ray_starts(folders, capsys, monkeypatch
 
 
 def test_cli_refuses_a_port_in_use_before_ray_starts(folders, capsys):
-    from roformer_hf.cli import port_in_use
+    from roformer_hf.cli import port_refusal
 
     with socket.socket() as holder:  # a server on the port, as a killed run's HAProxy would be
         holder.bind(("127.0.0.1", 0))
@@ -248,7 +248,7 @@ def test_cli_refuses_a_port_in_use_before_ray_starts(folders, capsys):
             main(["serve", str(folders["sim"]), "--port", str(port)])
         assert exited.value.code == 1
         assert f"--port={port}: cannot listen on 127.0.0.1:{port} (Address already in use)" in capsys.readouterr().err
-    assert port_in_use("127.0.0.1", port) is None  # free again once that server stopped
+    assert port_refusal("127.0.0.1", port) is None  # free again once that server stopped
     import ray
 
     assert not ray.is_initialized()
