@@ -46,6 +46,7 @@ True
 from __future__ import annotations
 
 import math
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -72,7 +73,18 @@ def int8_kernel_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
+# oneDNN's CPU limits (`ONEDNN_MAX_CPU_ISA`, formerly `DNNL_MAX_CPU_ISA`) that keep its int8 kernels off AVX-512
+# VNNI: below it, or AVX-VNNI (VEX), which not every CPU with AVX-512 VNNI has.
+_LIMITS_WITHOUT_VNNI = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE"}
+
+
 def _cpu_has_vnni() -> bool:
+    """Whether oneDNN's int8 kernels accumulate in int32 here: the CPU has AVX-512 VNNI and oneDNN is not held below
+    it. oneDNN reads its limit once, from the environment; held there on a CPU with VNNI, it multiplies with
+    ``vpmaddubsw`` as on a CPU without VNNI (PyTorch's own `torch._int_mm` asks the CPU only, and saturates there)."""
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    if limit.strip().upper() in _LIMITS_WITHOUT_VNNI:
+        return False
     is_vnni_supported = getattr(torch.cpu, "_is_vnni_supported", None)
     return bool(is_vnni_supported and is_vnni_supported())
 
