@@ -133,3 +133,26 @@ def test_a_batch_without_real_tokens_packs_to_nothing():
     assert batch.mode == "varlen" and batch.max_seqlen == 0 and batch.blocks() == []
     assert batch.gather_tokens(torch.randn(2, 3, 4)).shape == (0, 4)
     assert torch.equal(batch.scatter_tokens(torch.randn(0, 4)), torch.zeros(2, 3, 4))
+
+
+def test_a_packed_row_of_a_new_length_does_not_recompile_the_layout():
+    """DataCollatorWithFlattening's batches: one row, the same number of sequences, a new total length each step.
+    Once torch.compile has made the length dynamic (its second change), no new length compiles the layout again; the
+    row-boundary check of several rows specialised the length of one row, one recompile a batch up to dynamo's limit."""
+    import itertools
+
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter)
+    def offsets_of(position_ids):
+        return BatchLayout.from_inputs(1, position_ids.shape[1], None, position_ids).cu_seqlens
+
+    frames = []
+    for lengths in ([9, 4, 7], [5, 3, 12], [11, 2, 6], [8, 6, 3], [10, 10, 10], [3, 4, 5]):
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        assert offsets_of(positions).tolist() == [0, *itertools.accumulate(lengths)]
+        frames.append(counter.frame_count)
+    assert frames[2] == frames[-1], frames  # lengths 19, 17, 30 and 12 after the first two: no frame compiled again
