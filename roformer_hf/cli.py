@@ -76,6 +76,8 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                      f"{served.max_length} tokens")
     del served
     env = {}  # for Ray's processes, which `ray.init` below starts: they read it once
+    if "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S" not in os.environ:  # 5 s by default: on a busy machine Ray Serve
+        env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "30"  # killed a slower proxy, and `serve.start` failed
     if args.direct_port is not None:
         try:
             env.update(direct_ingress_env(args.direct_port, args.replicas))

@@ -237,6 +237,31 @@ def test_direct_ports_are_checked_before_ray_starts(folders, capsys, monkeypatch
     assert not ray.is_initialized()
 
 
+def test_cli_gives_the_proxy_time_to_start(folders, monkeypatch):
+    """Ray's processes read their settings once, when `ray.init` starts them: by then the command has given Ray
+    Serve's proxy 30 s to become ready (with Ray's 5 s, a proxy starting on a busy machine was killed and
+    `serve.start` failed), unless the user chose a value."""
+    import ray
+
+    class Started(Exception):
+        pass
+
+    seen = []
+
+    def init(*args, **kwargs):
+        seen.append(os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"))
+        raise Started
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)  # restored after the test
+    for chosen in (None, "12"):
+        if chosen is not None:
+            monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", chosen)
+        with pytest.raises(Started):
+            main(["serve", str(folders["sim"]), "--port", str(free_port())])
+    assert seen == ["30", "12"]
+
+
 def test_cli_refuses_a_port_in_use_before_ray_starts(folders, capsys):
     from roformer_hf.cli import port_refusal
 
