@@ -137,8 +137,9 @@ def test_a_batch_without_real_tokens_packs_to_nothing():
 
 def test_a_packed_row_of_a_new_length_does_not_recompile_the_layout():
     """DataCollatorWithFlattening's batches: one row, the same number of sequences, a new total length each step.
-    Once torch.compile has made the length dynamic (its second change), no new length compiles the layout again; the
-    row-boundary check of several rows specialised the length of one row, one recompile a batch up to dynamo's limit."""
+    Once torch.compile has made the length dynamic (its second change), no new length compiles the layout again.
+    (The check that every row starts a sequence used to specialise a single row's length: one recompile a batch, up
+    to dynamo's limit.)"""
     import itertools
 
     from torch._dynamo.testing import CompileCounter
