@@ -2,6 +2,7 @@
 
     python benchmarks/bench_latency.py              # 4 layers of base width, every core (a few minutes on 2 cores)
     python benchmarks/bench_latency.py --quick      # tiny smoke configuration (seconds)
+    python benchmarks/bench_latency.py --workloads sentence --block 10 --repeats 10 --compile   # batch 1, back to back
 
 What it does:
 1. Builds transformers' `RoFormerModel` (dropout 0, eager attention, its only kernel), saves it, and loads the folder in
@@ -15,7 +16,8 @@ What it does:
    transformers' at the real tokens (max abs difference at most `--tolerance`), then times one forward of each
    (`torch.inference_mode`, fp32), interleaved, rotating which goes first, `--repeats` times after `--warmup`
    rounds (`--block N`: N calls of a model in a row per turn, as a server runs one model, the first of each left
-   out); reports the median and the 90th percentile, and each median over OpenVINO's.
+   out); reports the median and the 90th percentile, and each median over OpenVINO's. `--compile` adds roformer_hf's
+   model compiled for latency (`compiled_for_latency`, docs/serving.md's recipe) on the one sentence.
 3. `decode`: one decoding step of roformer_hf's `RoFormerForCausalLM` (batch 1, one token, on the cache it makes)
    after a prompt of P tokens, for each P of `--prefixes`, interleaved the same way; each step adds a token to the
    cache. roformer_hf only (the first step's logits are checked against transformers' first), to follow the step's
@@ -43,6 +45,7 @@ import roformer_hf  # after workload, which puts this checkout first on sys.path
 
 WORKLOADS = ("sentence", "short", "padded", "decode")
 MODELS = ("roformer_hf", "transformers", "OpenVINO")
+COMPILED = "roformer_hf compiled"  # `--compile`: `compiled_for_latency`
 SENTENCE_TARGET = 1.0  # roformer_hf's batch-1 latency over OpenVINO's, at most
 
 
@@ -57,6 +60,20 @@ def load_pair(head: str, config, folder: str) -> dict[str, torch.nn.Module]:
     if info["missing_keys"] or info["mismatched_keys"]:
         raise RuntimeError(f"roformer_hf did not load every weight of the checkpoint: {info}")
     return {"roformer_hf": ours.eval(), "transformers": reference}
+
+
+def compiled_for_latency(folder: str) -> torch.nn.Module:
+    """roformer_hf's model of `folder` as docs/performance.md compiles it for latency: the padded layout
+    (``unpad_inputs=False``: nothing depends on the mask's values, so the forward is one graph), dynamic shapes (one
+    compile for every batch and length) and frozen weights (inductor packs them and fuses the activations into its
+    oneDNN GEMMs). It compiles on its first call, which must run without autograd. Freezing is inductor's global
+    setting, read when a graph compiles: `torch.compile`'s ``options={"freezing": True}`` does not reach it (measured
+    with torch 2.13: the GEMMs stayed unpacked, 2.2x slower)."""
+    import torch._inductor.config
+
+    torch._inductor.config.freezing = True
+    model = roformer_hf.RoFormerModel.from_pretrained(folder, unpad_inputs=False).eval()
+    return torch.compile(model, dynamic=True)
 
 
 class OpenVinoModel:
@@ -166,18 +183,32 @@ def report(args, size, threads: int, openvino_model: OpenVinoModel | None, rows:
         print(f"- openvino {openvino_model.version}, CPU plugin {openvino_model.config}; transformers' RoFormerModel "
               f"through openvino.convert_model ({openvino_model.convert_seconds:.1f} s; dynamic batch and length), "
               f"compile_model {openvino_model.compile_seconds:.1f} s")
+    names = [*MODELS, COMPILED] if args.compile else list(MODELS)
+    against = [name for name in names if name != "OpenVINO"]
+    if args.compile:
+        print(f"- {COMPILED}: `compiled_for_latency` (torch.compile, dynamic shapes, frozen weights, the padded layout), "
+              "on the one sentence only (batches run faster in eager mode, which skips padding); compiled on its first "
+              "call, before timing")
     if rows:
-        print("\n| workload | tokens (real / padded) | " + " | ".join(MODELS) + " | roformer_hf / OpenVINO | "
-              "transformers / OpenVINO | max abs diff to transformers: roformer_hf; OpenVINO |")
-        print("|---|---|" + "---|" * (len(MODELS) + 3))
+        print("\n| workload | tokens (real / padded) | " + " | ".join(names) + " | "
+              + " | ".join(f"{name} / OpenVINO" for name in against) + " | max abs diff to transformers: "
+              + "; ".join(name for name in names if name != "transformers") + " |")
+        print("|---|---|" + "---|" * (len(names) + len(against) + 1))
     for label, (inputs, times, diffs) in rows.items():
         attention_mask = inputs[1]
-        ratio = {name: median(times[name]) / median(times["OpenVINO"]) for name in MODELS[:2]}
-        met = f" ({verdict(ratio['roformer_hf'] <= SENTENCE_TARGET)})" if label.startswith("1 sentence") else ""
+        ratios = []
+        for name in against:
+            if name not in times:
+                ratios.append("–")
+                continue
+            ratio = median(times[name]) / median(times["OpenVINO"])
+            met = label.startswith("1 sentence") and name != "transformers"
+            ratios.append(f"{ratio:.2f}x" + (f" ({verdict(ratio <= SENTENCE_TARGET)})" if met else ""))
         print(f"| {label} | {int(attention_mask.sum())} / {attention_mask.numel()} | "
-              + " | ".join(milliseconds(times[name]) for name in MODELS)
-              + f" | {ratio['roformer_hf']:.2f}x{met} | {ratio['transformers']:.2f}x | "
-              f"{diffs['roformer_hf']:.1e}; {diffs['OpenVINO']:.1e} |")
+              + " | ".join(milliseconds(times[name]) if name in times else "–" for name in names) + " | "
+              + " | ".join(ratios) + " | "
+              + "; ".join(f"{diffs[name]:.1e}" if name in diffs else "–" for name in names if name != "transformers")
+              + " |")
     if rows:
         print(f"\nTarget: one sentence (batch 1) at or below OpenVINO's latency (roformer_hf / OpenVINO "
               f"≤ {SENTENCE_TARGET:.2f}x).")
@@ -205,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="calls of one model in a row per repeat (the first of each left out): 1 interleaves every "
                              "call; more times each model as a server runs it, back to back")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max abs difference allowed")
+    parser.add_argument("--compile", action="store_true",
+                        help=f"also time `{COMPILED}`: the model compiled for latency (`compiled_for_latency`)")
     return parser
 
 
@@ -226,10 +259,12 @@ def main(argv: list[str] | None = None) -> None:
             models = load_pair("RoFormerModel", transformers_config(size, max(args.length, *args.lengths)), folder)
             openvino_model = OpenVinoModel(models["transformers"], encoder_inputs("sentence", args), threads)
             models["OpenVINO"] = openvino_model
+            compiled = {COMPILED: compiled_for_latency(folder)} if args.compile else {}
             for workload in encoder_workloads:
                 progress(f"checking and timing: {labels[workload]}")
                 inputs = encoder_inputs(workload, args)
-                rows[labels[workload]] = (inputs, *encoder_latency(models, inputs, args))
+                timed = {**models, **compiled} if workload == "sentence" else models  # the compiled path's use
+                rows[labels[workload]] = (inputs, *encoder_latency(timed, inputs, args))
         if "decode" in args.workloads:
             progress(f"timing roformer_hf's decoding step after {args.prefixes} tokens")
             decode = decode_latency(os.path.join(folder, "causal_lm"), args)

@@ -185,21 +185,29 @@ def test_embedding_benchmark_times_every_model_on_every_set():
 
 
 def test_latency_benchmark_times_every_model_and_the_decoding_step():
-    """`bench_latency.py --quick`: roformer_hf, transformers' RoFormer and OpenVINO (transformers' model converted) on
-    one sentence, 32 short sentences and the padded batch, their last hidden states checked equal first; then
-    roformer_hf's decoding step at each prompt length."""
+    """`bench_latency.py --quick --compile`: roformer_hf, transformers' RoFormer and OpenVINO (transformers' model
+    converted) on one sentence, 32 short sentences and the padded batch, and roformer_hf compiled for latency on the
+    one sentence, their last hidden states checked equal first; then roformer_hf's decoding step at each prompt
+    length."""
     pytest.importorskip("openvino", reason="OpenVINO is the `bench` extra (pip install -e '.[bench]')")
     result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_latency.py"), "--quick", "--repeats", "2", "--warmup",
-                             "0", "--prefixes", "8", "24"], capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+                             "0", "--prefixes", "8", "24", "--compile"],
+                            capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     rows = [line.split("|")[1:-1] for line in lines if re.match(r"\| (1 sentence|32 short|6 x 64\.\.16)", line)]
     assert [row[0].split()[0] for row in rows] == ["1", "32", "6"]
     for row in rows:
-        medians = [float(cell.split()[0]) for cell in row[2:5]]  # ms per call: roformer_hf, transformers, OpenVINO
+        timed = row[5].strip() != "–"  # roformer_hf compiled: the one sentence only
+        assert timed == row[0].startswith(" 1 sentence")
+        # ms per call: roformer_hf, transformers, OpenVINO, roformer_hf compiled
+        medians = [float(cell.split()[0]) for cell in row[2:6 if timed else 5]]
         assert all(ms > 0 for ms in medians)
-        assert float(row[5].split("x")[0]) == pytest.approx(medians[0] / medians[2], rel=0.02, abs=0.01)
-        assert all(float(diff) <= 1e-4 for diff in row[7].split(";"))
+        assert float(row[6].split("x")[0]) == pytest.approx(medians[0] / medians[2], rel=0.02, abs=0.01)
+        if timed:
+            assert float(row[8].split("x")[0]) == pytest.approx(medians[3] / medians[2], rel=0.02, abs=0.01)
+        diffs = [cell for cell in row[9].split(";") if cell.strip() != "–"]
+        assert len(diffs) == (3 if timed else 2) and all(float(diff) <= 1e-4 for diff in diffs)
     assert any(re.match(r"- openvino \d", line) for line in lines)
     assert [line.split("|")[1].strip() for line in lines if re.match(r"\| (8|24) \| \d", line)] == ["8", "24"]
 
