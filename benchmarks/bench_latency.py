@@ -63,9 +63,9 @@ def load_pair(head: str, config, folder: str) -> dict[str, torch.nn.Module]:
 
 
 def compiled_for_latency(folder: str) -> torch.nn.Module:
-    """roformer_hf's model of `folder` as docs/performance.md compiles it for latency: the padded layout
-    (``unpad_inputs=False``: nothing depends on the mask's values, so the forward is one graph), dynamic shapes (one
-    compile for every batch and length) and frozen weights (inductor packs them and fuses the activations into its
+    """roformer_hf's model of `folder` as docs/serving.md compiles it for latency: the padded layout
+    (``unpad_inputs=False``: nothing depends on the mask's values, so the forward is one graph), dynamic shapes (a new
+    length compiles nothing new) and frozen weights (inductor packs them and fuses the activations into its
     oneDNN GEMMs). It compiles on its first call, which must run without autograd. Freezing is inductor's global
     setting, read when a graph compiles: `torch.compile`'s ``options={"freezing": True}`` does not reach it (measured
     with torch 2.13: the GEMMs stayed unpacked, 2.2x slower)."""
