@@ -62,18 +62,18 @@ def load_pair(head: str, config, folder: str) -> dict[str, torch.nn.Module]:
     return {"roformer_hf": ours.eval(), "transformers": reference}
 
 
-def compiled_for_latency(folder: str) -> torch.nn.Module:
+def compiled_for_latency(folder: str, backend: str = "inductor") -> torch.nn.Module:
     """roformer_hf's model of `folder` as docs/serving.md compiles it for latency: the padded layout
     (``unpad_inputs=False``: nothing depends on the mask's values, so the forward is one graph), dynamic shapes (a new
     length compiles nothing new) and frozen weights (inductor packs them and fuses the activations into its
     oneDNN GEMMs). It compiles on its first call, which must run without autograd. Freezing is inductor's global
     setting, read when a graph compiles: `torch.compile`'s ``options={"freezing": True}`` does not reach it (measured
-    with torch 2.13: the GEMMs stayed unpacked, 2.2x slower)."""
+    with torch 2.13: the GEMMs stayed unpacked, 2.2x slower). `backend`: torch.compile's (freezing is inductor's)."""
     import torch._inductor.config
 
     torch._inductor.config.freezing = True
     model = roformer_hf.RoFormerModel.from_pretrained(folder, unpad_inputs=False).eval()
-    return torch.compile(model, dynamic=True)
+    return torch.compile(model, dynamic=True, backend=backend)
 
 
 class OpenVinoModel:
@@ -186,7 +186,9 @@ def report(args, size, threads: int, openvino_model: OpenVinoModel | None, rows:
     names = [*MODELS, COMPILED] if args.compile else list(MODELS)
     against = [name for name in names if name != "OpenVINO"]
     if args.compile:
-        print(f"- {COMPILED}: `compiled_for_latency` (torch.compile, dynamic shapes, frozen weights, the padded layout), "
+        frozen = ", frozen weights" if args.compile_backend == "inductor" else ""
+        print(f"- {COMPILED}: `compiled_for_latency` (torch.compile with {args.compile_backend}, dynamic shapes{frozen}, "
+              "the padded layout), "
               "on the one sentence only (batches run faster in eager mode, which skips padding); compiled on its first "
               "call, before timing")
     if rows:
@@ -238,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max abs difference allowed")
     parser.add_argument("--compile", action="store_true",
                         help=f"also time `{COMPILED}`: the model compiled for latency (`compiled_for_latency`)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile's backend for --compile (default: %(default)s)")
     return parser
 
 
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             models = load_pair("RoFormerModel", transformers_config(size, max(args.length, *args.lengths)), folder)
             openvino_model = OpenVinoModel(models["transformers"], encoder_inputs("sentence", args), threads)
             models["OpenVINO"] = openvino_model
-            compiled = {COMPILED: compiled_for_latency(folder)} if args.compile else {}
+            compiled = {COMPILED: compiled_for_latency(folder, args.compile_backend)} if args.compile else {}
             for workload in encoder_workloads:
                 progress(f"checking and timing: {labels[workload]}")
                 inputs = encoder_inputs(workload, args)
