@@ -574,14 +574,32 @@ def haproxy_env() -> dict[str, str]:
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int] | None:
+    """The first and last port Linux gives outgoing connections (and `bind` to port 0), or None where the system
+    does not say. A listener cannot take such a port while a connection uses it, nor for a minute after it closed."""
+    try:
+        low, high = Path(path).read_text(encoding="ascii").split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return None
+
+
 def direct_ingress_env(port: int, replicas: int = 1) -> dict[str, str]:
     """The environment of Ray's processes (set before `ray.init`, or for `ray start` on a cluster) under which each
     replica also answers HTTP itself, on a port from `port` up (Ray Serve's direct ingress): no hop through Ray's
     proxy, which keeps serving its own port. Ports `port` to `port + 2 * replicas - 1` are Ray Serve's: the replicas
     take the lowest free ones, the rest are spares for a redeployment's new replicas, and with no quarantine a
-    restarted replica takes its port back."""
+    restarted replica takes its port back, provided no outgoing connection holds it meanwhile: below the system's
+    ephemeral ports (`ephemeral_ports`), where Ray Serve's own default range lies, none does; a range overlapping
+    them is allowed, with a warning."""
     if not isinstance(port, int) or not 0 < port < 65536 - 2 * replicas:
         raise ValueError(f"port={port!r}: expected a port number with {2 * replicas} free ports from it")
+    ephemeral = ephemeral_ports()
+    if ephemeral is not None and port <= ephemeral[1] and ephemeral[0] < port + 2 * replicas:
+        logger.warning("ports %d to %d overlap the system's ephemeral ports, %d to %d (net.ipv4.ip_local_port_range): "
+                       "an outgoing connection can hold a replica's port when its successor starts, and Ray Serve "
+                       "then moves the successor to another port; choose ports below %d (Ray Serve's default is "
+                       "30000)", port, port + 2 * replicas - 1, *ephemeral, ephemeral[0])
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 2 * replicas),  # the range's end is excluded
             "RAY_SERVE_PORT_QUARANTINE_S": "0"}

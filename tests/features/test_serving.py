@@ -5,6 +5,7 @@ that cannot be served is refused before the port opens."""
 
 import base64
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -219,12 +220,22 @@ def test_cli_refuses_an_unservable_folder_before_the_port_opens(folders, tmp_pat
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens
 
 
-def test_direct_ports_are_checked_before_ray_starts(folders, capsys, monkeypatch):
-    from roformer_hf.serving import direct_ingress_env
+def test_direct_ports_are_checked_before_ray_starts(folders, capsys, caplog, monkeypatch, tmp_path):
+    from roformer_hf import serving
+    from roformer_hf.serving import direct_ingress_env, ephemeral_ports
 
     assert direct_ingress_env(9000, replicas=2) == {
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "9000",
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "9004", "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+    assert ephemeral_ports(str(tmp_path / "absent")) is None
+    (tmp_path / "range").write_text("32768\t60999\n", encoding="ascii")
+    assert ephemeral_ports(str(tmp_path / "range")) == (32768, 60999)
+    with caplog.at_level(logging.WARNING, logger="roformer_hf.serving"):
+        monkeypatch.setattr(serving, "ephemeral_ports", lambda: (32768, 60999))
+        direct_ingress_env(32760, replicas=4)  # 32760 to 32767: below them
+        assert not caplog.records
+        direct_ingress_env(32762, replicas=4)  # 32762 to 32769
+    assert "ports 32762 to 32769 overlap the system's ephemeral ports, 32768 to 60999" in caplog.text
     for name in direct_ingress_env(9000):
         monkeypatch.delenv(name, raising=False)  # restored after the test, whatever the command set
     for argv, message in ((["--port", "9001", "--direct-port", "9000"], "--port=9001: expected a port outside"),

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import SERVING_CORPUS, embedding_folder, free_port, ray_environment, replica_processes
+from helpers import SERVING_CORPUS, embedding_folder, free_port, free_ports, ray_environment, replica_processes
 
 pytest.importorskip("ray.serve", reason="serving needs Ray Serve: pip install roformer_hf[serve]")
 requests = pytest.importorskip("requests", reason="the HTTP tests talk to the server with requests")
@@ -146,24 +146,12 @@ def test_a_killed_replica_loses_no_request(deployed):
     assert answering == set(replicas)
 
 
-def _free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports on 127.0.0.1."""
-    import socket
-
-    for _ in range(50):
-        first, probes = free_port(), []
-        try:
-            for port in range(first, first + count):
-                probe = socket.socket()
-                probes.append(probe)
-                probe.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for probe in probes:
-                probe.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
+def _replica_on(port: int) -> str | None:
+    """The replica answering on `port`, or what keeps it from answering."""
+    try:
+        return requests.get(f"http://127.0.0.1:{port}/health", timeout=5).headers.get("x-replica")
+    except requests.RequestException as error:
+        return type(error).__name__
 
 
 def test_direct_ingress_replicas_answer_on_their_ports_and_take_them_back(tmp_path, monkeypatch):
@@ -176,7 +164,7 @@ def test_direct_ingress_replicas_answer_on_their_ports_and_take_them_back(tmp_pa
     from roformer_hf.serving import build_app, direct_ingress_env
 
     folder, model, tokenizer = embedding_folder(tmp_path / "encoder")
-    first, proxy = _free_ports(6), free_port()
+    first, proxy = free_ports(6), free_port()
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
     for name, value in direct_ingress_env(first, replicas=3).items():
         monkeypatch.setenv(name, value)  # read by the Ray processes `ray.init` starts
@@ -211,7 +199,10 @@ def test_direct_ingress_replicas_answer_on_their_ports_and_take_them_back(tmp_pa
                 successor = answer(first)
             except requests.RequestException:
                 pass
-        assert successor is not None, f"port {first} not answering again within {RESTART_S} s of the kill"
+        if successor is None:
+            elsewhere = {port: _replica_on(port) for port in range(first + 2, first + 6)}
+            pytest.fail(f"port {first} not answering again within {RESTART_S} s of the kill; the spares answer as "
+                        f"{elsewhere}")
         assert successor != on_port[first] and answer(first + 1) == on_port[first + 1]
 
         # Overload: one request at a time, each waiting 300 ms for its batch to fill, one queued; the rest refused.
