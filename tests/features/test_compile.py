@@ -1,6 +1,6 @@
-"""torch.compile: compiled training with batch shapes that change from step to step gives the eager losses; with
-`unpad_inputs=False` the whole model compiles as one graph (fullgraph=True); a compiled forward under `generate()`
-gives the eager tokens."""
+"""torch.compile: compiled training with batch shapes that change from step to step gives the eager losses, and
+new lengths run on the graphs already compiled; with `unpad_inputs=False` the whole model compiles as one graph
+(fullgraph=True), for every batch size; a compiled forward under `generate()` gives the eager tokens."""
 
 from __future__ import annotations
 
@@ -11,22 +11,28 @@ import sys
 import pytest
 import torch
 from helpers import padded_batch, tiny_config
+from torch._dynamo.utils import counters
 
 from roformer_hf import RoFormerForMaskedLM
 
-BATCHES = [[9, 4, 7], [5, 3], [12, 11, 2, 6], [7, 7, 1]]
+# Three sequences of new lengths at every step: the first two steps compile (static shapes, then dynamic ones), the
+# next run on those graphs. Each new number of sequences would compile again (the step reads it on the host).
+NEW_LENGTHS = [[9, 4, 7], [5, 3, 8], [12, 11, 2], [6, 7, 10]]
+NEW_BATCH_SIZES = [[9, 4, 7], [5, 3], [12, 11, 2, 6], [7, 7, 1]]
 
 
-def losses(model, step) -> list[float]:
+def losses(model, step, batches) -> tuple[list[float], list[int]]:
+    """The loss of each training step, and the number of graphs compiled so far after each."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    values = []
-    for seed, lengths in enumerate(BATCHES):
+    values, graphs = [], []
+    for seed, lengths in enumerate(batches):
         loss = step(lengths, seed)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         values.append(loss.item())
-    return values
+        graphs.append(counters["stats"]["unique_graphs"])
+    return values, graphs
 
 
 def padded_step(model):
@@ -45,20 +51,24 @@ def packed_step(model):
     return step
 
 
-@pytest.mark.parametrize("make_step, overrides, fullgraph", [
-    (padded_step, {"sparse_prediction": True}, False),
-    (packed_step, {}, False),
-    (padded_step, {"unpad_inputs": False}, True),  # one graph: nothing depends on the mask's values
+@pytest.mark.parametrize("make_step, overrides, batches, fullgraph", [
+    (padded_step, {"sparse_prediction": True}, NEW_LENGTHS, False),
+    (packed_step, {}, NEW_LENGTHS, False),
+    (padded_step, {"unpad_inputs": False}, NEW_BATCH_SIZES, True),  # one graph: nothing depends on the mask's values
 ], ids=["padded", "packed", "padded-layout-fullgraph"])
-def test_compiled_training_with_varying_shapes_gives_the_eager_losses(make_step, overrides, fullgraph):
+def test_compiled_training_with_varying_shapes_gives_the_eager_losses(make_step, overrides, batches, fullgraph):
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = RoFormerForMaskedLM(tiny_config(**overrides)).train()
     compiled = RoFormerForMaskedLM(tiny_config(**overrides)).train()
     compiled.load_state_dict(eager.state_dict())
-    expected = losses(eager, make_step(eager))
-    actual = losses(compiled, make_step(torch.compile(compiled, fullgraph=fullgraph)))
+    expected, _ = losses(eager, make_step(eager), batches)
+    counters.clear()
+    actual, graphs = losses(compiled, make_step(torch.compile(compiled, fullgraph=fullgraph)), batches)
     assert actual == pytest.approx(expected, abs=1e-5)
+    assert graphs[1] > graphs[0] > 0 and graphs[1:] == [graphs[1]] * (len(batches) - 1), graphs
+    if fullgraph:
+        assert graphs == [1, 2, 2, 2]
 
 
 GENERATE_COMPILED = """
