@@ -275,7 +275,7 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
     import ray
     from ray import serve
 
-    from roformer_hf.serving import build_app, direct_ingress_env, haproxy_env
+    from roformer_hf.serving import build_app, direct_ingress_env, free_ports, haproxy_env
 
     port = free_port()
     # Ray's processes inherit this environment when `ray.init` starts them (a `runtime_env` would start each worker
@@ -285,7 +285,7 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
     if ingress == "haproxy":  # HAProxy on `port`, in place of Ray's Python proxy
         env.update(haproxy_env(), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
     if ingress == "direct":  # Ray's processes read it when `ray.init` starts them; the replica takes `first`
-        first = free_port()
+        first = free_ports(2 * args.replicas)  # below the ephemeral ports: see `direct_ingress_env`
         env.update(direct_ingress_env(first, args.replicas), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)

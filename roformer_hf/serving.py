@@ -584,14 +584,37 @@ def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tup
         return None
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """The first of `count` consecutive ports free on `host` below the system's ephemeral ports and above Ray's
+    worker ports (10002-19999): a range for `direct_ingress_env(port, replicas)` with `count = 2 * replicas`."""
+    import random
+    import socket
+
+    below = (ephemeral_ports() or (32768, 60999))[0]
+    for _ in range(100):
+        first, probes = random.randrange(20000, below - count), []
+        try:
+            for port in range(first, first + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind((host, port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no {count} consecutive free ports on {host} between 20000 and {below}")
+
+
 def direct_ingress_env(port: int, replicas: int = 1) -> dict[str, str]:
     """The environment of Ray's processes (set before `ray.init`, or for `ray start` on a cluster) under which each
     replica also answers HTTP itself, on a port from `port` up (Ray Serve's direct ingress): no hop through Ray's
     proxy, which keeps serving its own port. Ports `port` to `port + 2 * replicas - 1` are Ray Serve's: the replicas
     take the lowest free ones, the rest are spares for a redeployment's new replicas, and with no quarantine a
     restarted replica takes its port back, provided no outgoing connection holds it meanwhile: below the system's
-    ephemeral ports (`ephemeral_ports`), where Ray Serve's own default range lies, none does; a range overlapping
-    them is allowed, with a warning."""
+    ephemeral ports (`ephemeral_ports`), where Ray Serve's own default range lies and `free_ports(2 * replicas)`
+    finds one, none does; a range overlapping them is allowed, with a warning."""
     if not isinstance(port, int) or not 0 < port < 65536 - 2 * replicas:
         raise ValueError(f"port={port!r}: expected a port number with {2 * replicas} free ports from it")
     ephemeral = ephemeral_ports()

@@ -236,6 +236,11 @@ def test_direct_ports_are_checked_before_ray_starts(folders, capsys, caplog, mon
         assert not caplog.records
         direct_ingress_env(32762, replicas=4)  # 32762 to 32769
     assert "ports 32762 to 32769 overlap the system's ephemeral ports, 32768 to 60999" in caplog.text
+    first = serving.free_ports(6)  # below the (patched) ephemeral ports, all six free
+    assert 20000 <= first and first + 6 <= 32768
+    for port in range(first, first + 6):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))
     for name in direct_ingress_env(9000):
         monkeypatch.delenv(name, raising=False)  # restored after the test, whatever the command set
     for argv, message in ((["--port", "9001", "--direct-port", "9000"], "--port=9001: expected a port outside"),

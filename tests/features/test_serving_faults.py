@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import SERVING_CORPUS, embedding_folder, free_port, free_ports, ray_environment, replica_processes
+from helpers import SERVING_CORPUS, embedding_folder, free_port, ray_environment, replica_processes
 
 pytest.importorskip("ray.serve", reason="serving needs Ray Serve: pip install roformer_hf[serve]")
 requests = pytest.importorskip("requests", reason="the HTTP tests talk to the server with requests")
@@ -161,7 +161,7 @@ def test_direct_ingress_replicas_answer_on_their_ports_and_take_them_back(tmp_pa
     import ray
     from ray import serve
 
-    from roformer_hf.serving import build_app, direct_ingress_env
+    from roformer_hf.serving import build_app, direct_ingress_env, free_ports
 
     folder, model, tokenizer = embedding_folder(tmp_path / "encoder")
     first, proxy = free_ports(6), free_port()

@@ -192,31 +192,6 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports on 127.0.0.1, below the system's ephemeral ports (where an
-    outgoing connection could take one before a server binds it) and above Ray's worker ports (10002-19999)."""
-    import random
-    import socket
-
-    from roformer_hf.serving import ephemeral_ports
-
-    below = (ephemeral_ports() or (32768, 60999))[0]
-    for _ in range(100):
-        first, probes = random.randrange(20000, below - count), []
-        try:
-            for port in range(first, first + count):
-                probe = socket.socket()
-                probes.append(probe)
-                probe.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for probe in probes:
-                probe.close()
-    raise RuntimeError(f"no {count} consecutive free ports between 20000 and {below}")
-
-
 @contextmanager
 def ray_environment(**env: str) -> Iterator[None]:
     """This process's environment plus `env`, and its import path as ``PYTHONPATH`` (so that Ray's workers import
