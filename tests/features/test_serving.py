@@ -237,7 +237,7 @@ def test_direct_ports_are_checked_before_ray_starts(folders, capsys, caplog, mon
         direct_ingress_env(32762, replicas=4)  # 32762 to 32769
     assert "ports 32762 to 32769 overlap the system's ephemeral ports, 32768 to 60999" in caplog.text
     first = serving.free_ports(6)  # below the (patched) ephemeral ports, all six free
-    assert 20000 <= first and first + 6 <= 32768
+    assert 20000 <= first <= 32768 - 6
     for port in range(first, first + 6):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", port))
