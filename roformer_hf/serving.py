@@ -591,6 +591,9 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
     import socket
 
     below = (ephemeral_ports() or (32768, 60999))[0]
+    if below - count <= 20000:
+        raise RuntimeError(f"count={count}: no range of that many ports between Ray's worker ports (up to 19999) and "
+                           f"the system's ephemeral ports (from {below}, net.ipv4.ip_local_port_range)")
     for _ in range(100):
         first, probes = random.randrange(20000, below - count), []
         try:

@@ -241,6 +241,9 @@ def test_direct_ports_are_checked_before_ray_starts(folders, capsys, caplog, mon
     for port in range(first, first + 6):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", port))
+    monkeypatch.setattr(serving, "ephemeral_ports", lambda: (1024, 65535))  # a system that gives out every port
+    with pytest.raises(RuntimeError, match="count=6: no range of that many ports between Ray's worker ports"):
+        serving.free_ports(6)
     for name in direct_ingress_env(9000):
         monkeypatch.delenv(name, raising=False)  # restored after the test, whatever the command set
     for argv, message in ((["--port", "9001", "--direct-port", "9000"], "--port=9001: expected a port outside"),
