@@ -230,8 +230,9 @@ def test_direct_ports_are_checked_before_ray_starts(folders, capsys, caplog, mon
     assert ephemeral_ports(str(tmp_path / "absent")) is None
     (tmp_path / "range").write_text("32768\t60999\n", encoding="ascii")
     assert ephemeral_ports(str(tmp_path / "range")) == (32768, 60999)
+    monkeypatch.setattr(serving, "ephemeral_ports", lambda: (32768, 60999))
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="roformer_hf.serving"):
-        monkeypatch.setattr(serving, "ephemeral_ports", lambda: (32768, 60999))
         direct_ingress_env(32760, replicas=4)  # 32760 to 32767: below them
         assert not caplog.records
         direct_ingress_env(32762, replicas=4)  # 32762 to 32769
