@@ -164,7 +164,10 @@ def test_direct_ingress_replicas_answer_on_their_ports_and_take_them_back(tmp_pa
     from roformer_hf.serving import build_app, direct_ingress_env, free_ports
 
     folder, model, tokenizer = embedding_folder(tmp_path / "encoder")
-    first, proxy = free_ports(6), free_port()
+    try:
+        first, proxy = free_ports(6), free_port()
+    except RuntimeError as error:  # the system gives every port to outgoing connections: none is safe to take back
+        pytest.skip(str(error))
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
     for name, value in direct_ingress_env(first, replicas=3).items():
         monkeypatch.setenv(name, value)  # read by the Ray processes `ray.init` starts
