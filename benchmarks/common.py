@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from statistics import median
 
 import torch
@@ -114,6 +116,22 @@ def machine_lines() -> list[str]:
         f"Python {platform.python_version()}",
         f"- load average (1/5/15 min) at the end: {load}",
     ]
+
+
+def fresh_clone(source: str, commit: str, folder: Path) -> float:
+    """Clones `source` (a path or URL) into `folder`, checks out `commit` and builds its `.venv` with `make install`;
+    the seconds the build took."""
+    subprocess.run(["git", "clone", "--quiet", source, str(folder)], check=True)
+    subprocess.run(["git", "checkout", "--quiet", commit], cwd=folder, check=True)
+    start = time.perf_counter()
+    subprocess.run(["make", "install"], cwd=folder, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def short_head(folder: Path) -> str:
+    """The abbreviated commit checked out in `folder`."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder, capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 def progress(message: str, _start=time.perf_counter()) -> None:

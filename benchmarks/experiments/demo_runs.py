@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, workload.py
-from common import machine_lines  # noqa: E402
+from common import fresh_clone, machine_lines, short_head  # noqa: E402
 from workload import REPO_ROOT  # noqa: E402
 
 MINUTES_GOAL, ACCURACY_GOAL, CHANCE_BAND = 10.0, 0.9, 0.6
@@ -49,19 +49,15 @@ def parse_demo(output: str) -> dict[str, str]:
 
 
 def one_run(source: str, commit: str, folder: Path, log: Path | None) -> dict[str, str]:
-    subprocess.run(["git", "clone", "--quiet", source, str(folder)], check=True)
-    subprocess.run(["git", "checkout", "--quiet", commit], cwd=folder, check=True)
+    install = fresh_clone(source, commit, folder)
     start = time.perf_counter()
-    subprocess.run(["make", "install"], cwd=folder, check=True, capture_output=True)
-    install = time.perf_counter() - start
     demo = subprocess.run(["make", "demo"], cwd=folder, capture_output=True, text=True)
-    wall = time.perf_counter() - start - install
+    wall = time.perf_counter() - start
     if log is not None:
         log.write_text(demo.stdout + demo.stderr)
     if demo.returncode:
         raise SystemExit(f"`make demo` failed in {folder} (exit {demo.returncode}):\n{demo.stderr[-2000:]}")
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder, capture_output=True, text=True)
-    return {**parse_demo(demo.stdout), "commit": head.stdout.strip(), "install": f"{install:.0f}",
+    return {**parse_demo(demo.stdout), "commit": short_head(folder), "install": f"{install:.0f}",
             "wall": f"{wall / 60:.1f}"}
 
 

@@ -3,6 +3,7 @@ Runtime section skipped cleanly where onnxruntime is not installed."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -164,6 +165,32 @@ def test_demo_runs_reads_the_demos_result_lines(monkeypatch):
                                   "parts": "2.1 / 1.2 / 0.6 / 0.1", "minutes": "4.0"}
     with pytest.raises(ValueError, match="test accuracy: model"):
         parse_demo(output.replace("test accuracy", "accuracy"))
+
+
+def test_suite_runs_reads_pytests_summary_and_the_busy_cpu(tmp_path, monkeypatch):
+    """`experiments/suite_runs.py` reads pytest's last summary line (a failed run's too), the machine line and the
+    slowest tests, names a missing summary, and counts busy CPU time from /proc/stat's first line."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "experiments"))
+    from suite_runs import busy_cpu_seconds, parse_pytest
+
+    output = ("machine: AMD EPYC, 2 cores, avx2; torch kernels AVX2; inductor cache empty at the start\n"
+              "===== 3 passed in 0.10s =====\n"  # printed by a test of its own
+              "============================= slowest 10 durations =============================\n"
+              "28.52s call     tests/features/test_serving_faults.py::test_a_killed_replica_loses_no_request[proxy]\n"
+              "26.81s setup    tests/features/test_serving_cluster.py::test_one_replica_per_node_both_answering\n"
+              "===== 1 failed, 1138 passed, 91 skipped, 99 warnings, 3 errors in 313.50s (0:05:13) =====\n")
+    parsed = parse_pytest(output)
+    assert (parsed["passed"], parsed["failed"], parsed["skipped"], parsed["errors"], parsed["seconds"]) == \
+        (1138, 1, 91, 3, 313.5)
+    assert parsed["machine"].startswith("AMD EPYC, 2 cores") and len(parsed["slowest"]) == 2
+    assert parsed["slowest"][1].endswith("test_one_replica_per_node_both_answering")
+    with pytest.raises(ValueError, match="no summary line"):
+        parse_pytest(output.replace(" in ", " after "))
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1000 20 300 9000 50 7 3 10 0 0\ncpu0 500 10 150 4500 25 3 2 5 0 0\n", encoding="ascii")
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert busy_cpu_seconds(str(stat)) == pytest.approx((1000 + 20 + 300 + 7 + 3 + 10) / ticks)
+    assert busy_cpu_seconds(str(tmp_path / "absent")) is None
 
 
 def test_embedding_benchmark_times_every_model_on_every_set():

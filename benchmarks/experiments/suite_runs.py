@@ -1,0 +1,117 @@
+"""`make test` on fresh clones, with pytest's time, the CPU-seconds the machine was busy and the slowest tests: the
+check that the test suite keeps its goal (pytest under 8 minutes on a 2-core CPU) on the machine at hand.
+
+    python benchmarks/experiments/suite_runs.py                # one run of HEAD, inductor's cache as the machine has it
+    python benchmarks/experiments/suite_runs.py --empty-cache  # as on a machine where torch.compile never ran
+    python benchmarks/experiments/suite_runs.py --runs 2 --commit main --logs runs/suite_runs
+
+Each run clones the repository into a new folder, builds its `.venv` with `make install` (timed apart), runs `make
+test`, and reads pytest's summary line, the machine line the suite prints and its slowest tests. The busy CPU-seconds
+(machine-wide, from /proc/stat, Linux only) compare machines better than the wall time where both are busy throughout:
+the suite keeps every core working. Run it on a quiet machine: other jobs count in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, workload.py
+from common import fresh_clone, machine_lines, short_head  # noqa: E402
+from workload import REPO_ROOT  # noqa: E402
+
+GOAL_S = 480.0  # pytest's own time, on a 2-core CPU
+SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[\d.]+)s\b.*=+$", re.MULTILINE)
+SLOW = re.compile(r"^[\d.]+s (?:call|setup|teardown) +\S+$", re.MULTILINE)
+
+
+def parse_pytest(output: str) -> dict:
+    """pytest's counts (passed, failed, skipped, errors), its seconds, the machine line of tests/conftest.py and the
+    slowest tests from `--durations`; raises where the output has no summary line."""
+    summary = None
+    for summary in SUMMARY.finditer(output):
+        pass  # the last one: pytest's own, after any the tests printed
+    if summary is None:
+        raise ValueError("pytest's output has no summary line ('N passed ... in S s'): did it run to the end?")
+    counts = dict.fromkeys(("passed", "failed", "skipped", "errors"), 0)
+    for number, kind in re.findall(r"(\d+) (\w+)", summary["counts"]):
+        kind = "errors" if kind == "error" else kind
+        if kind in counts:
+            counts[kind] = int(number)
+    machine = re.search(r"^machine: (.*)$", output, re.MULTILINE)
+    return {**counts, "seconds": float(summary["seconds"]), "machine": machine.group(1) if machine else "?",
+            "slowest": SLOW.findall(output)}
+
+
+def busy_cpu_seconds(stat: str = "/proc/stat") -> float | None:
+    """The seconds all CPUs have spent busy (user, nice, system, irq, softirq, steal) since boot, or None where the
+    system has no /proc/stat."""
+    try:
+        fields = Path(stat).read_text(encoding="ascii").splitlines()[0].split()
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(value) for value in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def one_run(source: str, commit: str, folder: Path, empty_cache: bool, log: Path | None) -> dict:
+    install = fresh_clone(source, commit, folder)
+    env = dict(os.environ)
+    if empty_cache:
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor_")
+    busy, start = busy_cpu_seconds(), time.perf_counter()
+    test = subprocess.run(["make", "test"], cwd=folder, capture_output=True, text=True, env=env)
+    wall, busy_after = time.perf_counter() - start, busy_cpu_seconds()
+    if empty_cache:
+        shutil.rmtree(env["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    if log is not None:
+        log.write_text(test.stdout + test.stderr)
+    result = parse_pytest(test.stdout)
+    return {**result, "commit": short_head(folder), "install": install, "wall": wall, "exit": test.returncode,
+            "cpu": None if busy is None or busy_after is None else busy_after - busy}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--source", default=str(REPO_ROOT), help="the repository to clone (a path or URL)")
+    parser.add_argument("--commit", default="HEAD", help="what each clone checks out")
+    parser.add_argument("--empty-cache", action="store_true",
+                        help="run with an empty TORCHINDUCTOR_CACHE_DIR of its own, as on a new machine")
+    parser.add_argument("--logs", type=Path, default=None, help="keep each run's output here")
+    args = parser.parse_args(argv)
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    print("| run | commit | venv build (s) | `make test` (s) | pytest (s) | busy CPU-s | passed | skipped | failed "
+          "| errors | pytest within the goal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    results = []
+    for run in range(1, args.runs + 1):
+        folder = Path(tempfile.mkdtemp(prefix=f"suite_run{run}_"))
+        try:
+            log = args.logs / f"suite_run{run}.log" if args.logs else None
+            result = one_run(args.source, args.commit, folder / "repo", args.empty_cache, log)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        results.append(result)
+        cpu = "n/a" if result["cpu"] is None else f"{result['cpu']:.0f}"
+        within = result["exit"] == 0 and result["seconds"] <= GOAL_S
+        print(f"| {run} | {result['commit']} | {result['install']:.0f} | {result['wall']:.0f} | "
+              f"{result['seconds']:.1f} | {cpu} | {result['passed']} | {result['skipped']} | {result['failed']} | "
+              f"{result['errors']} | {'yes' if within else 'no'} |", flush=True)
+    print(f"\nThe goal: `make test` passes and pytest takes at most {GOAL_S / 60:g} min on a 2-core CPU.")
+    print("\nThe last run's slowest tests:\n\n" + "\n".join(f"    {line}" for line in results[-1]["slowest"]))
+    print(f"\nMachine (tests/conftest.py): {results[-1]['machine']}\n\n" + "\n".join(machine_lines()))
+    if not all(result["exit"] == 0 and result["seconds"] <= GOAL_S for result in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
