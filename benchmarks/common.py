@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+import shutil
 import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from statistics import median
 
@@ -126,6 +129,30 @@ def fresh_clone(source: str, commit: str, folder: Path) -> float:
     start = time.perf_counter()
     subprocess.run(["make", "install"], cwd=folder, check=True, capture_output=True)
     return time.perf_counter() - start
+
+
+def add_clone_arguments(parser: argparse.ArgumentParser, runs: int, what: str) -> None:
+    """The options of a script that runs a job on fresh clones (`each_fresh_clone`): how many, of which repository
+    and commit, and where to keep `what` each run printed."""
+    parser.add_argument("--runs", type=int, default=runs)
+    parser.add_argument("--source", default=str(Path(__file__).resolve().parents[1]),
+                        help="the repository to clone (a path or URL; default: this one)")
+    parser.add_argument("--commit", default="HEAD", help="what each clone checks out")
+    parser.add_argument("--logs", type=Path, default=None, help=f"keep each run's {what} here")
+
+
+def each_fresh_clone(args: argparse.Namespace, prefix: str,
+                     run: Callable[[Path, Path | None], dict]) -> Iterator[tuple[int, dict]]:
+    """For each of `args.runs` runs, `run(folder, log)` with a new folder to clone into and the file to keep its
+    output in (None without `--logs`); yields the run's number and result, and removes the folder after."""
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    for number in range(1, args.runs + 1):
+        folder = Path(tempfile.mkdtemp(prefix=f"{prefix}{number}_"))
+        try:
+            yield number, run(folder / "repo", args.logs / f"{prefix}{number}.log" if args.logs else None)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def short_head(folder: Path) -> str:

@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, workload.py
-from common import fresh_clone, machine_lines, short_head  # noqa: E402
-from workload import REPO_ROOT  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import add_clone_arguments, each_fresh_clone, fresh_clone, machine_lines, short_head  # noqa: E402
 
 MINUTES_GOAL, ACCURACY_GOAL, CHANCE_BAND = 10.0, 0.9, 0.6
 RESULT_LINES = {
@@ -63,24 +60,14 @@ def one_run(source: str, commit: str, folder: Path, log: Path | None) -> dict[st
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--source", default=str(REPO_ROOT), help="the repository to clone (a path or URL)")
-    parser.add_argument("--commit", default="HEAD", help="what each clone checks out")
-    parser.add_argument("--logs", type=Path, default=None, help="keep each run's demo output here")
+    add_clone_arguments(parser, runs=5, what="demo output")
     args = parser.parse_args(argv)
-    if args.logs:
-        args.logs.mkdir(parents=True, exist_ok=True)
     print("| run | commit | venv build (s) | `make demo` (min) | the demo's time (min) | pretraining / fine-tuning / "
           "evaluation / rest (min) | MLM perplexity | test accuracy | macro-F1 | bag of words |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     results = []
-    for run in range(1, args.runs + 1):
-        folder = Path(tempfile.mkdtemp(prefix=f"demo_run{run}_"))
-        try:
-            log = args.logs / f"demo_run{run}.log" if args.logs else None
-            result = one_run(args.source, args.commit, folder / "repo", log)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+    for run, result in each_fresh_clone(args, "demo_run", lambda folder, log: one_run(args.source, args.commit,
+                                                                                       folder, log)):
         results.append(result)
         print(f"| {run} | {result['commit']} | {result['install']} | {result['wall']} | {result['minutes']} | "
               f"{result['parts']} | {result['perplexity']} | {result['accuracy']} | {result['macro_f1']} | "

@@ -23,9 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, workload.py
-from common import fresh_clone, machine_lines, short_head  # noqa: E402
-from workload import REPO_ROOT  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import add_clone_arguments, each_fresh_clone, fresh_clone, machine_lines, short_head  # noqa: E402
 
 GOAL_S = 480.0  # pytest's own time, on a 2-core CPU
 SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[\d.]+)s\b.*=+$", re.MULTILINE)
@@ -80,26 +79,16 @@ def one_run(source: str, commit: str, folder: Path, empty_cache: bool, log: Path
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--source", default=str(REPO_ROOT), help="the repository to clone (a path or URL)")
-    parser.add_argument("--commit", default="HEAD", help="what each clone checks out")
+    add_clone_arguments(parser, runs=1, what="output of `make test`")
     parser.add_argument("--empty-cache", action="store_true",
                         help="run with an empty TORCHINDUCTOR_CACHE_DIR of its own, as on a new machine")
-    parser.add_argument("--logs", type=Path, default=None, help="keep each run's output here")
     args = parser.parse_args(argv)
-    if args.logs:
-        args.logs.mkdir(parents=True, exist_ok=True)
     print("| run | commit | venv build (s) | `make test` (s) | pytest (s) | busy CPU-s | passed | skipped | failed "
           "| errors | pytest within the goal |")
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     results = []
-    for run in range(1, args.runs + 1):
-        folder = Path(tempfile.mkdtemp(prefix=f"suite_run{run}_"))
-        try:
-            log = args.logs / f"suite_run{run}.log" if args.logs else None
-            result = one_run(args.source, args.commit, folder / "repo", args.empty_cache, log)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+    for run, result in each_fresh_clone(args, "suite_run", lambda folder, log: one_run(
+            args.source, args.commit, folder, args.empty_cache, log)):
         results.append(result)
         cpu = "n/a" if result["cpu"] is None else f"{result['cpu']:.0f}"
         within = result["exit"] == 0 and result["seconds"] <= GOAL_S

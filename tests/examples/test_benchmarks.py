@@ -3,6 +3,7 @@ Runtime section skipped cleanly where onnxruntime is not installed."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -169,7 +170,8 @@ def test_demo_runs_reads_the_demos_result_lines(monkeypatch):
 
 def test_suite_runs_reads_pytests_summary_and_the_busy_cpu(tmp_path, monkeypatch):
     """`experiments/suite_runs.py` reads pytest's last summary line (a failed run's too), the machine line and the
-    slowest tests, names a missing summary, and counts busy CPU time from /proc/stat's first line."""
+    slowest tests, names a missing summary, and counts busy CPU time from /proc/stat's first line; it and
+    `demo_runs.py` run each clone in a new folder, removed after."""
     monkeypatch.syspath_prepend(str(BENCHMARKS / "experiments"))
     from suite_runs import busy_cpu_seconds, parse_pytest
 
@@ -191,6 +193,18 @@ def test_suite_runs_reads_pytests_summary_and_the_busy_cpu(tmp_path, monkeypatch
     ticks = os.sysconf("SC_CLK_TCK")
     assert busy_cpu_seconds(str(stat)) == pytest.approx((1000 + 20 + 300 + 7 + 3 + 10) / ticks)
     assert busy_cpu_seconds(str(tmp_path / "absent")) is None
+
+    from common import add_clone_arguments, each_fresh_clone  # each run in a folder of its own, removed after
+
+    parser = argparse.ArgumentParser()
+    add_clone_arguments(parser, runs=1, what="output")
+    args = parser.parse_args(["--runs", "2", "--logs", str(tmp_path / "logs")])
+    folders = []
+    for number, (folder, log) in each_fresh_clone(args, "x_run", lambda folder, log: (folder, log)):
+        assert folder.parent.is_dir() and not folder.exists() and log == tmp_path / "logs" / f"x_run{number}.log"
+        folders.append(folder.parent)
+    assert len(set(folders)) == 2 and not any(folder.exists() for folder in folders)
+    assert (tmp_path / "logs").is_dir() and args.source == str(BENCHMARKS.parent) and args.commit == "HEAD"
 
 
 def test_embedding_benchmark_times_every_model_on_every_set():
