@@ -205,18 +205,12 @@ class Client:
         raise TimeoutError(f"{url} did not answer within {seconds} s")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextmanager
 def uvicorn_app(client: Client, app: str, env: dict | None = None, factory: bool = False):
     """`app` (in serving_apps.py) on uvicorn in a subprocess, one worker; yields its base URL, stops it after."""
-    port = free_port()
+    from roformer_hf.serving import free_ports
+
+    port = free_ports(1)  # below the ephemeral ports: no outgoing connection takes it before uvicorn listens
     command = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), "--log-level",
                "warning", *(["--factory"] if factory else [])]
     path = os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS), os.environ.get("PYTHONPATH", "")])
@@ -277,7 +271,9 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
 
     from roformer_hf.serving import build_app, direct_ingress_env, free_ports, haproxy_env
 
-    port = free_port()
+    # Ports below the ephemeral ones (`direct_ingress_env`): the proxy's, then the replicas' with direct ingress.
+    first = free_ports(1 + 2 * args.replicas)
+    port = first + 2 * args.replicas
     # Ray's processes inherit this environment when `ray.init` starts them (a `runtime_env` would start each worker
     # through a setup process of its own): the replicas import this checkout and `serving_apps`.
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS)]),
@@ -285,7 +281,6 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
     if ingress == "haproxy":  # HAProxy on `port`, in place of Ray's Python proxy
         env.update(haproxy_env(), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
     if ingress == "direct":  # Ray's processes read it when `ray.init` starts them; the replica takes `first`
-        first = free_ports(2 * args.replicas)  # below the ephemeral ports: see `direct_ingress_env`
         env.update(direct_ingress_env(first, args.replicas), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)

@@ -585,17 +585,20 @@ def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tup
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> int:
-    """The first of `count` consecutive ports free on `host` below the system's ephemeral ports and above Ray's
-    worker ports (10002-19999): a range for `direct_ingress_env(port, replicas)` with `count = 2 * replicas`."""
+    """The first of `count` consecutive ports free on `host` below the system's ephemeral ports, above Ray's worker
+    ports (10002-19999) and outside Ray Serve's own direct-ingress ports (30000-30999, where its replicas listen
+    unless told otherwise): a range for `direct_ingress_env(port, replicas)` with `count = 2 * replicas`, or a port
+    for a server that starts later (no outgoing connection can take it meanwhile)."""
     import random
     import socket
 
     below = (ephemeral_ports() or (32768, 60999))[0]
-    if below - count <= 20000:
+    starts = [port for low, high in ((20000, min(30000, below)), (31000, below)) for port in range(low, high - count)]
+    if not starts:
         raise RuntimeError(f"count={count}: no range of that many ports between Ray's worker ports (up to 19999) and "
                            f"the system's ephemeral ports (from {below}, net.ipv4.ip_local_port_range)")
     for _ in range(100):
-        first, probes = random.randrange(20000, below - count), []
+        first, probes = random.choice(starts), []
         try:
             for port in range(first, first + count):
                 probe = socket.socket()

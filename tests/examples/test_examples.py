@@ -9,7 +9,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import time
 
@@ -21,7 +20,7 @@ import run_seq2seq
 import safetensors.torch
 import torch
 import transformers
-from helpers import BLOCK_ROFORMER_HF, EXAMPLES, PYTHON
+from helpers import BLOCK_ROFORMER_HF, EXAMPLES, PYTHON, free_port
 from lib.config_overrides import parse_overrides
 from lib.example_utils import vocabulary_hash
 
@@ -166,13 +165,6 @@ def test_run_classification_from_scratch_rejects_a_missing_label_column(text_fil
     with pytest.raises(ValueError, match="--label_column_name 'nope'"):
         run_classification.main(_common(tmp_path, train_file=text_files / "train.csv",
                                         label_column_name="nope", config_overrides=TINY_MODEL))
-
-
-def free_port() -> int:
-    """A port nothing listens on now (a fixed one can still be held by an earlier run, or a parallel one)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _launch_two_processes(script_args: list[str], env: dict) -> subprocess.CompletedProcess:

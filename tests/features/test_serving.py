@@ -237,8 +237,10 @@ def test_direct_ports_are_checked_before_ray_starts(folders, capsys, caplog, mon
         assert not caplog.records
         direct_ingress_env(32762, replicas=4)  # 32762 to 32769
     assert "ports 32762 to 32769 overlap the system's ephemeral ports, 32768 to 60999" in caplog.text
-    first = serving.free_ports(6)  # below the (patched) ephemeral ports, all six free
-    assert 20000 <= first <= 32768 - 6
+    first = serving.free_ports(6)  # below the (patched) ephemeral ports, outside Ray Serve's own, all six free
+    assert 20000 <= first <= 32768 - 6 and not 30000 - 6 < first < 31000
+    monkeypatch.setattr(serving, "ephemeral_ports", lambda: (30010, 60999))  # room only below Ray Serve's ports
+    assert all(20000 <= serving.free_ports(6) < 30000 - 6 for _ in range(20))
     for port in range(first, first + 6):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", port))

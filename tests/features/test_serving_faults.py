@@ -167,7 +167,8 @@ def test_direct_ingress_replicas_answer_on_their_ports_and_take_them_back(tmp_pa
 
     folder, model, tokenizer = embedding_folder(tmp_path / "encoder")
     try:
-        first, proxy = free_ports(6), free_port()
+        first = free_ports(7)  # the replicas' six, then the proxy's
+        proxy = first + 6
     except RuntimeError as error:  # the system gives every port to outgoing connections: none is safe to take back
         pytest.skip(str(error))
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)

@@ -185,11 +185,19 @@ def embedding_folder(folder: Path):
 
 
 def free_port() -> int:
+    """A port nothing listens on now. Below the system's ephemeral ports where Ray Serve is installed
+    (`roformer_hf.serving.free_ports`): there no outgoing connection, of which Ray opens many while it starts, can
+    take the port before the test's server listens on it."""
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    try:
+        from roformer_hf.serving import free_ports
+
+        return free_ports(1)
+    except (ImportError, RuntimeError):  # no Ray Serve, or no room below the ephemeral ports
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
 
 
 @contextmanager
