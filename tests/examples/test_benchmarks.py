@@ -4,6 +4,7 @@ Runtime section skipped cleanly where onnxruntime is not installed."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import subprocess
@@ -11,9 +12,73 @@ import sys
 
 import pytest
 from helpers import BENCHMARKS, PYTHON, block_imports
+from script_runs import ScriptRun, run_scripts
 
 sys.path.insert(0, str(BENCHMARKS))
 from common import bf16_matrix_units, machine_lines  # noqa: E402
+
+# The benchmark scripts the tests below run: script, arguments, seconds allowed, and the packages it needs with where
+# they come from. One Python process runs those of the tests selected, one after the other (`script_runs`), so that
+# torch and transformers are imported once, not once a script.
+SCRIPTS = {
+    "test_attention_benchmark_reports_both_kernels_in_both_dtypes": ("bench_attention.py", ["--quick"], 300, {}),
+    "test_generation_benchmark_reports_throughput_and_step_cost": ("bench_generate.py", ["--quick"], 300, {}),
+    "test_quantization_benchmark_times_every_path_and_judges_the_targets": (
+        "bench_quant.py", ["--quick", "--skip-compile", "--no-torchao", "--repeats", "1", "--warmup", "0"], 600,
+        {"onnxruntime": "ONNX Runtime is the `onnx` extra (pip install -e '.[onnx]')"}),
+    # the compiled step through `aot_eager`, for the reason the bench_cpu test gives
+    "test_train_step_benchmark_compares_equal_models": (
+        "bench_train_step.py", ["--quick", "--repeats", "1", "--warmup", "0", "--dropout", "0.1", "--compile",
+                                "--compile-backend", "aot_eager"], 600, {}),
+    "test_embedding_benchmark_times_every_model_on_every_set": (
+        "bench_embeddings.py", ["--quick", "--count", "8", "--single", "2", "--repeats", "1", "--warmup", "0"], 600,
+        {}),
+    "test_latency_benchmark_times_every_model_and_the_decoding_step": (
+        "bench_latency.py", ["--quick", "--repeats", "2", "--warmup", "0", "--prefixes", "8", "24", "--compile",
+                             "--compile-backend", "aot_eager"], 600,
+        {"openvino": "OpenVINO is the `bench` extra (pip install -e '.[bench]')"}),
+}
+
+
+@pytest.fixture(scope="module")
+def script_results(request, tmp_path_factory) -> dict[str, ScriptRun]:
+    """What each script of `SCRIPTS` printed, for the tests of this session that run one and have what it needs."""
+    selected = {item.originalname for item in request.session.items}
+    runs = {name: (BENCHMARKS / script, args, seconds) for name, (script, args, seconds, needs) in SCRIPTS.items()
+            if name in selected and all(importlib.util.find_spec(package) for package in needs)}
+    return run_scripts(runs, tmp_path_factory.mktemp("benchmarks"), cwd=BENCHMARKS)
+
+
+@pytest.fixture
+def script_result(request, script_results) -> ScriptRun:
+    """What the script of this test (`SCRIPTS`) printed, and its exit code; the test skipped without a package it
+    needs."""
+    for package, reason in SCRIPTS[request.node.originalname][3].items():
+        pytest.importorskip(package, reason=reason)
+    return script_results[request.node.originalname]
+
+
+def test_scripts_in_one_process_run_as_each_would_alone(tmp_path):
+    """`run_scripts`: each script gets its own arguments, its folder on the path and its own output (C code's too);
+    one that fails or runs past its time fails alone; what a script set for the process is put back for the next."""
+    import torch
+
+    (tmp_path / "helper_module.py").write_text("NAME = 'helper'\n")
+    (tmp_path / "first.py").write_text(
+        "import os, sys, torch, helper_module\n"
+        "torch.set_num_threads(1)\nos.environ['SCRIPT_RUNS_MARK'] = '1'\n"
+        "print(helper_module.NAME, sys.argv[1:])\nos.write(1, b'from C\\n')\nprint('warned', file=sys.stderr)\n")
+    (tmp_path / "failing.py").write_text("raise SystemExit('no model folder given')\n")
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(30)\n")
+    (tmp_path / "last.py").write_text("import os, torch\nprint(torch.get_num_threads(), os.environ.get('SCRIPT_RUNS_MARK'))\n")
+    runs = {name: (tmp_path / f"{name}.py", ["--quick", name], 1 if name == "slow" else 60)
+            for name in ("first", "failing", "slow", "last")}
+    results = run_scripts(runs, tmp_path, cwd=tmp_path)
+    assert results["first"] == ScriptRun(0, "helper ['--quick', 'first']\nfrom C\n", "warned\n")
+    assert results["failing"].returncode == 1 and "no model folder given" in results["failing"].stderr
+    assert results["slow"].returncode == 1 and "ran past its 1 s" in results["slow"].stderr
+    assert results["last"] == ScriptRun(0, f"{torch.get_num_threads()} None\n", ""), results["last"]
+
 
 # Abridged /proc/cpuinfo flags lines of the CPUs these machines have had.
 XEON_SAPPHIRE_RAPIDS = "fpu vme sse2 avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8 arch_lbr"
@@ -57,11 +122,10 @@ def test_onnx_section_knows_what_is_missing():
     assert result.stdout.split() == ["onnxruntime"]
 
 
-def test_attention_benchmark_reports_both_kernels_in_both_dtypes():
+def test_attention_benchmark_reports_both_kernels_in_both_dtypes(script_result):
     """`bench_attention.py --quick` times SDPA and the explicit form in fp32 and bf16; in fp32 both agree with the
     float64 computation to fp32 rounding, in bf16 both are off by bf16 rounding (so the error column is measured)."""
-    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_attention.py"), "--quick"], capture_output=True,
-                            text=True, timeout=300, cwd=BENCHMARKS)
+    result = script_result
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): float(line.split("|")[6])
             for line in result.stdout.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))}
@@ -89,12 +153,11 @@ def test_quick_benchmark_times_the_compiled_model_and_skips_a_missing_onnxruntim
     assert "speed-up bound" in result.stdout  # what transformers' time in this run allowed at 100% of the GEMM rate
 
 
-def test_generation_benchmark_reports_throughput_and_step_cost():
+def test_generation_benchmark_reports_throughput_and_step_cost(script_result):
     """`bench_generate.py --quick`: both models generate on the same weights; the report has their tokens per second,
     the ratio, and the step cost at each prefix length; with oneDNN's int8 kernel, roformer_hf in int8 too, with how
     many of its tokens are fp32's."""
-    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_generate.py"), "--quick"], capture_output=True,
-                            text=True, timeout=300, cwd=BENCHMARKS)
+    result = script_result
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith(("| transformers |", "| roformer_hf |"))]
     assert len(rows) == 2 and all(float(row.split("|")[3]) > 0 for row in rows)
@@ -110,13 +173,10 @@ def test_generation_benchmark_reports_throughput_and_step_cost():
         assert agreement and 0 <= float(agreement.group(1)) <= 100
 
 
-def test_quantization_benchmark_times_every_path_and_judges_the_targets():
+def test_quantization_benchmark_times_every_path_and_judges_the_targets(script_result):
     """`bench_quant.py --quick`: roformer_hf's int8 paths and ONNX Runtime's fp32 and int8 graphs of transformers'
     RoFormer, timed in one run, each with its accuracy against transformers' fp32 logits and its set-up cost."""
-    pytest.importorskip("onnxruntime")
-    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_quant.py"), "--quick", "--skip-compile", "--no-torchao",
-                             "--repeats", "1", "--warmup", "0"],
-                            capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    result = script_result
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
             for line in result.stdout.splitlines() if line.startswith("| ")}
@@ -132,13 +192,11 @@ def test_quantization_benchmark_times_every_path_and_judges_the_targets():
     assert "int8 matrix units: " in result.stdout
 
 
-def test_train_step_benchmark_compares_equal_models():
+def test_train_step_benchmark_compares_equal_models(script_result):
     """`bench_train_step.py --quick`: both libraries' steps on the same weights (loss and gradients checked equal
     first), every variant timed (with dropout, so the variant without attention dropout runs too), and the step's
-    parts profiled; the compiled step through `aot_eager`, for the reason the bench_cpu test gives."""
-    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_train_step.py"), "--quick", "--repeats", "1",
-                             "--warmup", "0", "--dropout", "0.1", "--compile", "--compile-backend", "aot_eager"],
-                            capture_output=True, text=True, timeout=600)
+    parts profiled; the compiled step through `aot_eager`."""
+    result = script_result
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     loss_diff, grad_diff = map(float, re.search(r"loss diff (\S+), largest gradient diff (\S+)", out).groups())
@@ -207,12 +265,10 @@ def test_suite_runs_reads_pytests_summary_and_the_busy_cpu(tmp_path, monkeypatch
     assert (tmp_path / "logs").is_dir() and args.source == str(BENCHMARKS.parent) and args.commit == "HEAD"
 
 
-def test_embedding_benchmark_times_every_model_on_every_set():
+def test_embedding_benchmark_times_every_model_on_every_set(script_result):
     """`bench_embeddings.py --quick`: transformers' RoFormer, roformer_hf (fp32 and int8) and ModernBERT timed on
     short, ~128-token and mixed sentences at batch 32 and 1; roformer_hf's embeddings checked against transformers'."""
-    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_embeddings.py"), "--quick", "--count", "8", "--single",
-                             "2", "--repeats", "1", "--warmup", "0"],
-                            capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    result = script_result
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if re.match(r"\| (short|~128|mixed) \|", line)]
     assert [(row[0].strip(), row[1].strip()) for row in rows] == [
@@ -225,16 +281,13 @@ def test_embedding_benchmark_times_every_model_on_every_set():
     assert "scaled_dot_product" in result.stdout or "linear" in result.stdout  # the operator table
 
 
-def test_latency_benchmark_times_every_model_and_the_decoding_step():
+def test_latency_benchmark_times_every_model_and_the_decoding_step(script_result):
     """`bench_latency.py --quick --compile`: roformer_hf, transformers' RoFormer and OpenVINO (transformers' model
     converted) on one sentence, 32 short sentences and the padded batch, and roformer_hf compiled for latency on the
     one sentence (with `aot_eager`: inductor's cold compile would double the test's time; docs/serving.md's recipe,
     run by the docs test, compiles with inductor), their last hidden states checked equal first; then roformer_hf's
     decoding step at each prompt length."""
-    pytest.importorskip("openvino", reason="OpenVINO is the `bench` extra (pip install -e '.[bench]')")
-    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_latency.py"), "--quick", "--repeats", "2", "--warmup",
-                             "0", "--prefixes", "8", "24", "--compile", "--compile-backend", "aot_eager"],
-                            capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    result = script_result
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     rows = [line.split("|")[1:-1] for line in lines if re.match(r"\| (1 sentence|32 short|6 x 64\.\.16)", line)]
