@@ -66,18 +66,19 @@ def test_scripts_in_one_process_run_as_each_would_alone(tmp_path):
     (tmp_path / "helper_module.py").write_text("NAME = 'helper'\n")
     (tmp_path / "first.py").write_text(
         "import os, sys, torch, helper_module\n"
-        "torch.set_num_threads(1)\nos.environ['SCRIPT_RUNS_MARK'] = '1'\n"
+        "torch.set_num_threads(1)\nos.environ['SCRIPT_RUNS_MARK'] = '1'\nos.chdir('/')\n"
         "print(helper_module.NAME, sys.argv[1:])\nos.write(1, b'from C\\n')\nprint('warned', file=sys.stderr)\n")
     (tmp_path / "failing.py").write_text("raise SystemExit('no model folder given')\n")
     (tmp_path / "slow.py").write_text("import time\ntime.sleep(30)\n")
-    (tmp_path / "last.py").write_text("import os, torch\nprint(torch.get_num_threads(), os.environ.get('SCRIPT_RUNS_MARK'))\n")
-    runs = {name: (tmp_path / f"{name}.py", ["--quick", name], 1 if name == "slow" else 60)
+    (tmp_path / "last.py").write_text(
+        "import os, torch\nprint(torch.get_num_threads(), os.environ.get('SCRIPT_RUNS_MARK'), os.getcwd())\n")
+    runs = {name: (tmp_path / f"{name}.py", ["--quick", name], 0.5 if name == "slow" else 60)
             for name in ("first", "failing", "slow", "last")}
     results = run_scripts(runs, tmp_path, cwd=tmp_path)
     assert results["first"] == ScriptRun(0, "helper ['--quick', 'first']\nfrom C\n", "warned\n")
     assert results["failing"].returncode == 1 and "no model folder given" in results["failing"].stderr
-    assert results["slow"].returncode == 1 and "ran past its 1 s" in results["slow"].stderr
-    assert results["last"] == ScriptRun(0, f"{torch.get_num_threads()} None\n", ""), results["last"]
+    assert results["slow"].returncode == 1 and "ran past its 0.5 s" in results["slow"].stderr
+    assert results["last"] == ScriptRun(0, f"{torch.get_num_threads()} None {tmp_path}\n", ""), results["last"]
 
 
 # Abridged /proc/cpuinfo flags lines of the CPUs these machines have had.

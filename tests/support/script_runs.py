@@ -3,7 +3,7 @@ own `sys.argv`, its folder first on `sys.path`, its output (Python's and C code'
 code; so that torch and transformers are imported once for all of them, not once a script.
 
 Between scripts, what a script may set for the whole process is put back: torch's threads, dynamo's compiled code and
-settings, inductor's settings, the environment. A script that raises, exits with an error or runs past its time limit
+settings, inductor's settings, the environment, the working folder. A script that raises, exits with an error or runs past its time limit
 fails alone; the next one still runs.
 
 `run_scripts(runs, folder)` from a test (it starts the process and waits); `python script_runs.py SPEC` in the
@@ -62,7 +62,7 @@ def _run_one(script: str, args: list[str], seconds: float, out: str, err: str) -
     import torch._dynamo
     import torch._inductor.config
 
-    saved = (sys.argv, list(sys.path), dict(os.environ), torch.get_num_threads(),
+    saved = (sys.argv, list(sys.path), dict(os.environ), os.getcwd(), torch.get_num_threads(),
              torch._dynamo.config.get_config_copy(), torch._inductor.config.get_config_copy())
     sys.argv, sys.path[:0] = [script, *args], [str(Path(script).parent)]
     sys.stdout.flush()
@@ -73,10 +73,10 @@ def _run_one(script: str, args: list[str], seconds: float, out: str, err: str) -
         os.dup2(err_file.fileno(), 2)
 
         def stop(signum, frame):
-            raise TimeLimit(f"{script} ran past its {seconds:.0f} s")
+            raise TimeLimit(f"{script} ran past its {seconds:g} s")
 
         signal.signal(signal.SIGALRM, stop)
-        signal.alarm(int(seconds))
+        signal.setitimer(signal.ITIMER_REAL, seconds)
         try:
             runpy.run_path(script, run_name="__main__")
             code = 0
@@ -88,7 +88,7 @@ def _run_one(script: str, args: list[str], seconds: float, out: str, err: str) -
             traceback.print_exc()
             code = 1
         finally:
-            signal.alarm(0)
+            signal.setitimer(signal.ITIMER_REAL, 0)
             sys.stdout.flush()
             sys.stderr.flush()
             os.dup2(streams[0], 1)
@@ -98,10 +98,11 @@ def _run_one(script: str, args: list[str], seconds: float, out: str, err: str) -
     sys.argv, sys.path[:] = saved[0], saved[1]
     os.environ.clear()
     os.environ.update(saved[2])
-    torch.set_num_threads(saved[3])
+    os.chdir(saved[3])
+    torch.set_num_threads(saved[4])
     torch._dynamo.reset()
-    torch._dynamo.config.load_config(saved[4])
-    torch._inductor.config.load_config(saved[5])
+    torch._dynamo.config.load_config(saved[5])
+    torch._inductor.config.load_config(saved[6])
     return code
 
 
