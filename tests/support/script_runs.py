@@ -3,10 +3,10 @@ own `sys.argv`, its folder first on `sys.path`, its output (Python's and C code'
 code; so that torch and transformers are imported once for all of them, not once a script.
 
 Between scripts, what a script may set for the whole process is put back: torch's threads, dynamo's compiled code and
-settings, inductor's settings, the environment, the working folder. A script that raises, exits with an error or runs past its time limit
-fails alone; the next one still runs.
+settings, inductor's settings, the environment, the working folder. A script that raises, exits with an error or runs
+past its time limit fails alone; the next one still runs.
 
-`run_scripts(runs, folder)` from a test (it starts the process and waits); `python script_runs.py SPEC` in the
+`run_scripts(runs, folder, cwd)` from a test (it starts the process and waits); `python script_runs.py SPEC` in the
 process itself."""
 
 from __future__ import annotations
