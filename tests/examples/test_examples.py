@@ -257,15 +257,16 @@ def test_two_process_fsdp2_training_matches_one_process(tmp_path):
         torch.testing.assert_close(fsdp[name], value, atol=1e-6, rtol=0, msg=name)
 
 
-def test_independent_cpu_processes_are_refused(text_files, tmp_path):
-    """Without --use_cpu on a machine without GPUs the two processes would each train alone, both writing
-    tmp_path: the script stops before training, naming the flag."""
+def test_independent_cpu_processes_are_refused(text_files, tmp_path, monkeypatch):
+    """Two processes launched (`WORLD_SIZE=2`, as `accelerate launch` and torchrun set it; the DDP test above launches
+    real ranks) without --use_cpu on a machine without GPUs would each train alone, both writing tmp_path: the script
+    stops before training, naming the flag."""
     if torch.cuda.is_available():
         pytest.skip("with GPUs the processes form one job")
-    env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
-    result = _launch_two_processes(_mlm_args(text_files, tmp_path, max_steps=3, use_cpu="false"), env)
-    assert result.returncode != 0
-    assert "WORLD_SIZE=2 processes were launched on a machine without GPUs, and --use_cpu is not set" in result.stderr
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=2 processes were launched on a machine without GPUs, and "
+                                         r"--use_cpu is not set"):
+        run_mlm.main(_mlm_args(text_files, tmp_path, max_steps=3, use_cpu="false"))
     assert not (tmp_path / "model.safetensors").exists()
 
 
