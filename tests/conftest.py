@@ -4,9 +4,9 @@ themselves, a local Hugging Face Hub server for push/load tests without a networ
 kernel.
 
 `make test` runs the tests on pytest-xdist workers (`-n auto`: one more than the cores, as a test waiting on Ray's
-replicas leaves its core idle): each test module stays on one worker (its module fixtures are built once), the tests
-that start a Ray go first (they are the longest), each on a Ray of its own, and each worker's torch takes its share of
-the cores."""
+replicas leaves its core idle): each test module stays on one worker (its module fixtures are built once), the long
+tests go first (those that start a Ray, each on a Ray of its own, and those that compile with inductor), each worker
+takes one unit of work at a time, and each worker's torch takes its share of the cores."""
 
 import os
 import sys
@@ -53,15 +53,27 @@ def starts_ray(nodeid: str) -> bool:
     return Path(module).name.startswith("test_serving") or name.startswith("test_serving")
 
 
-OWN_RAY = {"test_serving_faults.py"}  # modules whose tests each start their own Ray (with the settings they test)
+# Modules of long tests that share no module fixture, each test a unit of work of its own: each test of
+# test_serving_faults.py starts a Ray with the settings it tests; each of test_compile.py compiles for a minute or more
+# (as one unit, the four ran on one worker for two minutes after the others had finished).
+ALONE = {"test_serving_faults.py", "test_compile.py"}
+
+
+def rank(nodeid: str) -> int:
+    """When a test starts under pytest-xdist: the tests that start a Ray first, then the compile tests, each taking a
+    worker that a Ray test left, then the others (the short ones left for the end keep every worker busy to the
+    last)."""
+    if starts_ray(nodeid):
+        return 0
+    return 1 if Path(nodeid.partition("::")[0]).name in ALONE else 2
 
 
 def work_unit(nodeid: str) -> str:
     """What one worker runs together: a test module (its module fixtures are built once), or a test alone where it
-    starts a Ray of its own (in `OWN_RAY`, or a Ray test in a module of other tests), so that two Rays can start on
-    two workers at once."""
+    is long and shares no module fixture (in `ALONE`, or a Ray test in a module of other tests), so that two long
+    tests of one module can run on two workers at once."""
     module, _, name = nodeid.partition("::")
-    alone = Path(module).name in OWN_RAY or (name.startswith("test_serving") and not starts_ray(module))
+    alone = Path(module).name in ALONE or (name.startswith("test_serving") and not starts_ray(module))
     return nodeid if alone else module
 
 
@@ -103,10 +115,9 @@ if WORKERS > 1:  # one of several workers: its share of the cores, for torch and
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the tests that start a Ray first: they are the longest units of work, and the short ones
-    left for the end keep every worker busy to the last."""
+    """Under pytest-xdist, the tests in the order of `rank`."""
     if WORKERS > 1:
-        items.sort(key=lambda item: not starts_ray(item.nodeid))  # stable: every other test keeps its place
+        items.sort(key=lambda item: rank(item.nodeid))  # stable: the tests of one rank keep their order
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hooks: used only where it is installed
@@ -116,13 +127,21 @@ def pytest_xdist_auto_num_workers(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's `loadscope`, by `work_unit` and in collection order. (Its `loadgroup` with `xdist_group` marks
-    would not do: pytest-xdist 3.8 tags `item._nodeid`, which pytest 9 no longer reads.)"""
+    """pytest-xdist's `loadscope`, by `work_unit` and in collection order, a worker taking its next unit only when it
+    has one test left to run (`loadscope` sends more at three, so that one worker took three long tests in a row
+    while the others ran short ones). A worker runs a test once it holds the next one (pytest tears down by the next
+    item), so each worker holds its running test and one more. (Its `loadgroup` with `xdist_group` marks would not
+    do: pytest-xdist 3.8 tags `item._nodeid`, which pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByWorkUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
+
+        def _reschedule(self, node) -> None:
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) >= 2:
+                return
+            super()._reschedule(node)
 
     config.option.loadscopereorder = False
     return ByWorkUnit(config, log)

@@ -315,7 +315,8 @@ def test_serving_benchmark_checks_answers_and_reports_every_measure():
     pytest.importorskip("sentence_transformers", reason="the serving benchmark compares with sentence-transformers")
     result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_serving.py"), "--quick", "--max-seconds", "240",
                              "--ingress", "direct",  # the proxy's routes: tests/features/test_serving.py
-                             "--ray-env", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30"],  # as `helpers.ray_environment`
+                             # as `helpers.ray_environment` sets them
+                             "--ray-env", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30", "--ray-env", "RAY_worker_niceness=0"],
                             capture_output=True, text=True, timeout=420, cwd=BENCHMARKS)
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"lowest cosine [0-9.]+, largest difference \S+ \(yes at", result.stdout), result.stdout

@@ -23,8 +23,9 @@ REQUESTS, CLIENTS, RETRIES, BACKOFF_S = 150, 8, 30, 0.2
 KILL_AFTER = 30  # answered requests before the kill
 # Batches wait 50 ms to fill, so that the killed replica holds requests in flight.
 DEADLINE_S = 45  # the whole load, retries included
-# The second replica running again, after the kill: about 7 s on a quiet 2-core machine, 70 s within a full
-# `pytest -n auto` on a busy one (Ray took 47 s to start the new worker process, the replica 22 s to load).
+# The second replica running again, after the kill: about 10 s on a quiet 2-core machine, 70 s within a full
+# `pytest -n auto` on a busy one while Ray ran its workers at niceness 15 (47 s to start the new worker process, 22 s
+# for the replica to load); `helpers.ray_environment` now runs them at the tests' priority.
 RESTART_S = 180
 
 

@@ -205,11 +205,14 @@ def ray_environment(**env: str) -> Iterator[None]:
     """This process's environment plus `env`, and its import path as ``PYTHONPATH`` (so that Ray's workers import
     this checkout and the tests' helpers), for the Ray processes started inside the block (`ray.init`, a
     `Cluster`'s nodes): they read it once, when they start. Restored after. Unlike a ``runtime_env``, it starts no
-    setup process for each worker. Ray Serve's proxy gets 30 s to start, not 5: on a machine busy with other tests
-    (other workers' Rays starting), a proxy slower than that was killed and `serve.start` failed."""
+    setup process for each worker. Ray's workers (the replicas, Ray Serve's controller and proxy) run at the tests'
+    own priority, where Ray starts them at niceness 15: beside other workers' compiles, a replica's start (mostly
+    importing torch and transformers, 8 CPU-s) took two minutes. Ray Serve's proxy gets 30 s to start, not 5: on a
+    machine busy with other tests, a proxy slower than that was killed and `serve.start` failed."""
     import os
 
-    env = {"PYTHONPATH": os.pathsep.join(sys.path), "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", **env}
+    env = {"PYTHONPATH": os.pathsep.join(sys.path), "RAY_worker_niceness": "0",
+           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", **env}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
