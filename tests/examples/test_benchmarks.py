@@ -313,11 +313,12 @@ def test_serving_benchmark_checks_answers_and_reports_every_measure():
     report has the engine floor, the throughputs and the latencies, each against its reference."""
     pytest.importorskip("ray.serve", reason="the serving benchmark needs Ray Serve: pip install roformer_hf[serve]")
     pytest.importorskip("sentence_transformers", reason="the serving benchmark compares with sentence-transformers")
-    # The test took 90-108 s within a full run, and 202 s on the same 2-core Xeon when it ran twice as slowly (2026-11-28).
+    # 90-108 s within a full run on a 2-core Xeon, 202 s there when it ran twice as slowly (2026-11-28).
     result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_serving.py"), "--quick", "--max-seconds", "360",
                              "--ingress", "direct",  # the proxy's routes: tests/features/test_serving.py
                              # as `helpers.ray_environment` sets them
-                             "--ray-env", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30", "--ray-env", "RAY_worker_niceness=0"],
+                             "--ray-env", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30",
+                             "--ray-env", "RAY_worker_niceness=0"],
                             capture_output=True, text=True, timeout=540, cwd=BENCHMARKS)
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"lowest cosine [0-9.]+, largest difference \S+ \(yes at", result.stdout), result.stdout
