@@ -60,16 +60,24 @@ def busy_cpu_seconds(stat: str = "/proc/stat") -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def new_machine_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with a new, empty temporary folder (``TMPDIR``) and no ``TORCHINDUCTOR_CACHE_DIR``: inductor's cache,
+    its checks of the CPU's vector ISAs and its precompiled headers all start empty, as on a machine where
+    torch.compile never ran. The headers live in the temporary folder whatever ``TORCHINDUCTOR_CACHE_DIR`` says
+    (torch 2.13: `torch._inductor.codecache._HEADER_DIR`, from `default_cache_dir()`), so that variable alone left
+    them built."""
+    env = {name: value for name, value in env.items() if name != "TORCHINDUCTOR_CACHE_DIR"}
+    return {**env, "TMPDIR": tempfile.mkdtemp(prefix="suite_tmp_")}
+
+
 def one_run(source: str, commit: str, folder: Path, empty_cache: bool, log: Path | None) -> dict:
     install = fresh_clone(source, commit, folder)
-    env = dict(os.environ)
-    if empty_cache:
-        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor_")
+    env = new_machine_env(dict(os.environ)) if empty_cache else dict(os.environ)
     busy, start = busy_cpu_seconds(), time.perf_counter()
     test = subprocess.run(["make", "test"], cwd=folder, capture_output=True, text=True, env=env)
     wall, busy_after = time.perf_counter() - start, busy_cpu_seconds()
     if empty_cache:
-        shutil.rmtree(env["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+        shutil.rmtree(env["TMPDIR"], ignore_errors=True)
     if log is not None:
         log.write_text(test.stdout + test.stderr)
     result = parse_pytest(test.stdout)
@@ -81,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_clone_arguments(parser, runs=1, what="output of `make test`")
     parser.add_argument("--empty-cache", action="store_true",
-                        help="run with an empty TORCHINDUCTOR_CACHE_DIR of its own, as on a new machine")
+                        help="run with an empty temporary folder of its own (inductor's cache and precompiled "
+                             "headers in it), as on a new machine")
     args = parser.parse_args(argv)
     print("| run | commit | venv build (s) | `make test` (s) | pytest (s) | busy CPU-s | passed | skipped | failed "
           "| errors | pytest within the goal |")

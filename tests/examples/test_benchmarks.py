@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from helpers import BENCHMARKS, PYTHON, block_imports
@@ -232,7 +234,7 @@ def test_suite_runs_reads_pytests_summary_and_the_busy_cpu(tmp_path, monkeypatch
     slowest tests, names a missing summary, and counts busy CPU time from /proc/stat's first line; it and
     `demo_runs.py` run each clone in a new folder, removed after."""
     monkeypatch.syspath_prepend(str(BENCHMARKS / "experiments"))
-    from suite_runs import busy_cpu_seconds, parse_pytest
+    from suite_runs import busy_cpu_seconds, new_machine_env, parse_pytest
 
     output = ("machine: AMD EPYC, 2 cores, avx2; torch kernels AVX2; inductor cache empty at the start\n"
               "===== 3 passed in 0.10s =====\n"  # printed by a test of its own
@@ -252,6 +254,16 @@ def test_suite_runs_reads_pytests_summary_and_the_busy_cpu(tmp_path, monkeypatch
     ticks = os.sysconf("SC_CLK_TCK")
     assert busy_cpu_seconds(str(stat)) == pytest.approx((1000 + 20 + 300 + 7 + 3 + 10) / ticks)
     assert busy_cpu_seconds(str(tmp_path / "absent")) is None
+
+    # --empty-cache: inductor's cache folder and the one its precompiled headers go to are in a new temporary folder
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the new folder inside this test's
+    env = new_machine_env({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "warm"), "PATH": "/bin"})
+    assert set(env) == {"PATH", "TMPDIR"} and not any(Path(env["TMPDIR"]).iterdir())
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", env["TMPDIR"])  # what `tempfile.gettempdir()` gives under that TMPDIR
+    assert Path(cache_dir()).parent == Path(default_cache_dir()).parent == Path(env["TMPDIR"])
 
     from common import add_clone_arguments, each_fresh_clone  # each run in a folder of its own, removed after
 
