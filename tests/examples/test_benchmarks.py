@@ -231,8 +231,9 @@ def test_demo_runs_reads_the_demos_result_lines(monkeypatch):
 
 def test_suite_runs_reads_pytests_summary_and_the_busy_cpu(tmp_path, monkeypatch):
     """`experiments/suite_runs.py` reads pytest's last summary line (a failed run's too), the machine line and the
-    slowest tests, names a missing summary, and counts busy CPU time from /proc/stat's first line; it and
-    `demo_runs.py` run each clone in a new folder, removed after."""
+    slowest tests, names a missing summary, counts busy CPU time from /proc/stat's first line, and gives
+    `--empty-cache` runs a temporary folder of their own; it and `demo_runs.py` run each clone in a new folder, removed
+    after."""
     monkeypatch.syspath_prepend(str(BENCHMARKS / "experiments"))
     from suite_runs import busy_cpu_seconds, new_machine_env, parse_pytest
 
