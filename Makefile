@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test demo bench clean
+.PHONY: install lint test test-quick demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -n auto
+
+# The loop while changing code: the tests not marked slow (setup.cfg's markers). `make test`, which CI runs, runs all.
+test-quick: $(STAMP) lint
+	$(PY) -m pytest -n auto -m "not slow"
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

@@ -321,6 +321,7 @@ def test_latency_benchmark_times_every_model_and_the_decoding_step(script_result
     assert [line.split("|")[1].strip() for line in lines if re.match(r"\| (8|24) \| \d", line)] == ["8", "24"]
 
 
+@pytest.mark.slow
 def test_serving_benchmark_checks_answers_and_reports_every_measure():
     """`bench_serving.py --quick`: Ray Serve's answers under concurrency equal `encode` and `generate` alone, and the
     report has the engine floor, the throughputs and the latencies, each against its reference."""

@@ -101,7 +101,11 @@ def block_runner():
     runner.wait(timeout=60)
 
 
-@pytest.mark.parametrize("page", [page for page in CODE_PAGES if page_blocks(page)[0]],
+SLOW_PAGES = {"serving.md"}  # its blocks compile with inductor
+
+
+@pytest.mark.parametrize("page", [pytest.param(page, marks=[pytest.mark.slow] if page.name in SLOW_PAGES else [])
+                                  for page in CODE_PAGES if page_blocks(page)[0]],
                          ids=lambda page: page.relative_to(ROOT).as_posix())
 def test_every_python_block_runs_as_written(page, block_runner):
     """Each block on its own: its imports, its data, nothing from the blocks before it."""

@@ -15,6 +15,8 @@ from torch._dynamo.utils import counters
 
 from roformer_hf import RoFormerForMaskedLM
 
+pytestmark = pytest.mark.slow  # each test compiles with inductor for a minute or more on an empty cache
+
 # Three sequences of new lengths at every step: the first two steps compile (static shapes, then dynamic ones), the
 # next run on those graphs. Each new number of sequences would compile again (the step reads it on the host).
 NEW_LENGTHS = [[9, 4, 7], [5, 3, 8], [12, 11, 2], [6, 7, 10]]

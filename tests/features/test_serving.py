@@ -338,6 +338,7 @@ def _post(url, body, **kwargs):
     return requests.post(url, data=data, headers={"content-type": "application/json"}, timeout=TIMEOUT, **kwargs)
 
 
+@pytest.mark.slow
 def test_http_routes_answer_what_the_library_gives(server, served):
     assert requests.get(f"{server}/sim/health", timeout=TIMEOUT).status_code == 200
     sim = served["sim"]
@@ -378,6 +379,7 @@ def test_http_routes_answer_what_the_library_gives(server, served):
         [e["token"] for e in served["mlm"].answer("/fill-mask", {"inputs": "the king [MASK] a crown", "top_k": 2})]
 
 
+@pytest.mark.slow
 def test_http_openai_client_shape(server, served):
     """What the `openai` client reads: base64 little-endian float32, decoded as it decodes them."""
     response = _post(f"{server}/mlm/v1/embeddings", {"input": ["the king", "day"], "encoding_format": "base64",
@@ -391,6 +393,7 @@ def test_http_openai_client_shape(server, served):
     assert response["model"] == "mlm" and response["usage"]["prompt_tokens"] == tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route, body, status, param", [
     ("/sim/v1/embeddings", "{not json", 400, None),
     ("/clf/fill-mask", {"inputs": "the [MASK]"}, 404, "path"),
@@ -408,6 +411,7 @@ def test_http_bad_requests_get_a_json_4xx_and_the_server_keeps_serving(server, r
     assert _post(f"{server}/sim/embed", {"inputs": "day"}).status_code == 200
 
 
+@pytest.mark.slow
 def test_http_overload_answers_503_with_retry_after(server):
     body = {"prompt": "the king", "max_tokens": 32, "temperature": 0}
     with ThreadPoolExecutor(8) as pool:

@@ -13,6 +13,8 @@ requests = pytest.importorskip("requests", reason="the HTTP tests talk to the se
 
 from roformer_hf.similarity import encode  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a Ray cluster of two nodes
+
 APP = "cluster"
 DEADLINE_S = 30  # both replicas seen answering
 CLIENTS = 4

@@ -18,6 +18,8 @@ requests = pytest.importorskip("requests", reason="the HTTP tests talk to the se
 
 from roformer_hf.similarity import encode  # noqa: E402
 
+pytestmark = pytest.mark.slow  # each test starts a Ray of its own
+
 APP = "faults"
 REQUESTS, CLIENTS, RETRIES, BACKOFF_S = 150, 8, 30, 0.2
 KILL_AFTER = 30  # answered requests before the kill
