@@ -98,6 +98,46 @@ def sentence_normalize(config, normalize: bool | None = None) -> bool:
     return value
 
 
+def sentence_dimensions(config) -> tuple[int, ...]:
+    """The sizes the sentence embedding was trained to be cut to (Matryoshka: its first `d` values are an embedding
+    of their own), from `config.sentence_dimensions`, an optional field saved in config.json; () where the config
+    names none, for a model whose embedding only works whole.
+
+    Example:
+
+    ```python
+    >>> from roformer_hf import RoFormerConfig
+    >>> from roformer_hf.sentence import sentence_dimensions
+    >>> sentence_dimensions(RoFormerConfig(hidden_size=64, num_attention_heads=4, sentence_dimensions=[64, 32, 16]))
+    (64, 32, 16)
+    >>> sentence_dimensions(RoFormerConfig())
+    ()
+    ```
+    """
+    sizes = getattr(config, "sentence_dimensions", None)
+    if sizes is None:
+        return ()
+    if (not isinstance(sizes, (list, tuple)) or not sizes
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= config.hidden_size for d in sizes)):
+        raise ValueError(f"config.sentence_dimensions={sizes!r}: expected a list of sizes from 1 to hidden_size="
+                         f"{config.hidden_size} that the embedding was trained to be cut to")
+    return tuple(sizes)
+
+
+def sentence_prompts(folder: str | os.PathLike) -> tuple[dict[str, str], str | None]:
+    """The prompts a sentence-transformers folder names (`config_sentence_transformers.json`: name -> the text put
+    before each input) and its default prompt's name; ({}, None) where it names none."""
+    config = _read_json(Path(folder) / SENTENCE_CONFIG_FILE) or {}
+    prompts = config.get("prompts") or {}
+    default = config.get("default_prompt_name")
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        raise ValueError(f"{Path(folder) / SENTENCE_CONFIG_FILE}: prompts={prompts!r}: expected names -> strings")
+    if default is not None and default not in prompts:
+        raise ValueError(f"{Path(folder) / SENTENCE_CONFIG_FILE}: default_prompt_name={default!r}: expected one of "
+                         f"its prompts, {sorted(prompts)}")
+    return dict(prompts), default
+
+
 def sentence_module_files(config, pooling: str | None = None, normalize: bool | None = None) -> dict[str, dict | list]:
     """The JSON files (relative path -> content) that make a folder holding a model with `config` a
     sentence-transformers model with `sentence_pooling(config, pooling)`, as sentence-transformers writes them."""
@@ -245,5 +285,6 @@ def _read_json(path: Path):
 register_hook("save", write_sentence_modules)
 register_hook("load", _check_loaded_folder)
 
-__all__ = ["POOLINGS", "check_sentence_modules", "folder_pooling", "is_roformer_sim", "sentence_module_files",
-           "sentence_normalize", "sentence_pooling", "write_sentence_modules"]
+__all__ = ["POOLINGS", "check_sentence_modules", "folder_pooling", "is_roformer_sim", "sentence_dimensions",
+           "sentence_module_files", "sentence_normalize", "sentence_pooling", "sentence_prompts",
+           "write_sentence_modules"]

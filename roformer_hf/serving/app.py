@@ -1,0 +1,378 @@
+"""The Ray Serve deployment: a FastAPI ingress whose routes come from `protocol.ROUTES`, a request's items batched
+with other requests' on the replica's model thread, the guards in front (API key, body size), every error in OpenAI's
+shape, and a health check that runs the model.
+
+A request's items go to the batched method of their kind (`serve.batch`) in chunks of at most `max_batch_tokens`,
+counted as a chunk will cost (a completion: its prompt plus the tokens it may generate), and Ray Serve groups the
+chunks of concurrent requests up to `max_batch_tokens` or `batch_wait_ms`; a batch is one forward (or one
+`generate`), and every request gets its own rows back.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations at run time.
+import asyncio
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import orjson
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from ray import serve
+from ray.serve.metrics import Counter, Histogram
+from starlette.exceptions import HTTPException
+
+from .errors import RequestError, RowError, error_body
+from .protocol import ROUTES, Parsed, Route
+from .served import ServedModel, raise_row_errors
+from .tasks import KINDS, Item
+
+logger = logging.getLogger("ray.serve")  # Ray Serve shows its logger's lines in the replica's log and the driver's
+
+OPEN_PATHS = ("/health",)  # answered without the API key, as a load balancer's probe asks
+
+
+@dataclass
+class Guard:
+    """What the ASGI layer checks before a request reaches a route (set by the replica from its arguments): the
+    bearer token (`api_key`) and the body's size in bytes (`payload_limit`)."""
+
+    api_key: str | None = None
+    payload_limit: int = 2_000_000
+    replica: bytes | None = None
+
+
+GUARD = Guard()
+
+
+def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+class Guarded:
+    """A plain ASGI middleware (Starlette's `BaseHTTPMiddleware` costs a task per request): refuses a request without
+    the API key (401) or with a body over the limit (413, from its Content-Length before the body is read, else as the
+    bytes arrive), and names the replica that answered in `X-Replica` (Ray Serve's replica id)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if GUARD.replica is None:  # the replica context exists once the replica runs
+            GUARD.replica = serve.get_replica_context().replica_id.unique_id.encode()
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-replica", GUARD.replica)]}
+            await send(message)
+
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            return await refusal(scope, receive, send_named)
+        received = 0
+
+        async def receive_limited():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > GUARD.payload_limit:  # FastAPI passes an HTTPException on, where it reads the body
+                    raise HTTPException(413, f"the body is over --payload-limit={GUARD.payload_limit} bytes: "
+                                        "expected a smaller request")
+            return message
+
+        await self.app(scope, receive_limited, send_named)
+
+    @staticmethod
+    def _refusal(scope) -> Response | None:
+        headers = dict(scope.get("headers", []))
+        if GUARD.api_key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            token = given[7:] if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), GUARD.api_key.encode()):
+                what = "no API key" if not given else "a wrong API key"
+                return _json(401, error_body(401, f"the request carries {what}: expected the header "
+                                                  "'Authorization: Bearer <key>' with the server's --api-key",
+                                             code="invalid_api_key"), {"www-authenticate": "Bearer"})
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > GUARD.payload_limit:
+            return _json(413, error_body(413, f"the body is {int(length)} bytes: expected at most --payload-limit="
+                                              f"{GUARD.payload_limit}", code="payload_too_large"))
+        return None
+
+
+app = FastAPI(title="roformer_hf", description="OpenAI's and text-embeddings-inference's APIs for a RoFormer folder.")
+app.add_middleware(Guarded)
+
+
+@app.exception_handler(RequestError)
+async def _refused(request: Request, error: RequestError) -> Response:
+    return _json(error.status, error.body(), error.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(request: Request, error: RequestValidationError) -> Response:
+    first = error.errors()[0] if error.errors() else {"loc": (), "msg": "a JSON object", "type": ""}
+    location = [str(part) for part in first["loc"] if part != "body"]
+    param = location[0] if location else None
+    if first["type"] == "json_invalid":
+        return _json(400, error_body(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', '')}): "
+                                          "expected a JSON object"))
+    if first["type"] == "extra_forbidden":
+        message = f"{param}: not a field of {request.url.path}: expected only the fields of its schema (/docs)"
+    else:
+        message = f"{'.'.join(location) or 'the body'}={first.get('input')!r:.60}: expected {first['msg'].lower()}"
+    return _json(422, error_body(422, message, param))
+
+
+@app.exception_handler(HTTPException)
+async def _http(request: Request, error: HTTPException) -> Response:
+    return _json(error.status_code, error_body(error.status_code, f"{request.method} {request.url.path}: "
+                                                                  f"{error.detail}"), getattr(error, "headers", None))
+
+
+@app.exception_handler(Exception)
+async def _failed(request: Request, error: Exception) -> Response:
+    if not isinstance(error, RowError):
+        logger.exception("%s %s failed", request.method, request.url.path)
+    return _json(500, error_body(500, f"the server failed on this request: {error}"))
+
+
+class Chunk(NamedTuple):
+    """Consecutive items of one request, and what they cost a batch (at most the budget)."""
+
+    items: list[Item]
+    tokens: int
+
+
+def chunks(items: list[Item], budget: int) -> list[Chunk]:
+    """A request's items in consecutive chunks of at most `budget` tokens; an item costing more than the budget goes
+    alone (the parsers keep inputs within the model's length, and the budget is at least that)."""
+    out, current, tokens = [], [], 0
+    for item in items:
+        if current and tokens + item.tokens > budget:
+            out.append(Chunk(current, min(tokens, budget)))
+            current, tokens = [], 0
+        current.append(item)
+        tokens += item.tokens
+    out.append(Chunk(current, min(tokens, budget)))
+    return out
+
+
+def _batch_tokens(batch: list[Chunk]) -> int:
+    return sum(chunk.tokens for chunk in batch)
+
+
+def _batched(kind: str):
+    """The batched method `run_<kind>`: it takes one chunk, and Ray Serve groups the chunks of concurrent requests up
+    to the token budget (the replica sets the budget and the wait); the batch runs on the model thread, and each chunk
+    gets its results back with the batch's start and end."""
+
+    async def run(self, batch: list[Chunk]) -> list[tuple[float, float, list]]:
+        items = [item for chunk in batch for item in chunk.items]
+        self.batch_tokens.observe(_batch_tokens(batch), tags={"kind": kind})
+        self.batch_size.observe(len(items), tags={"kind": kind})
+        start = time.perf_counter()
+        results = await self.thread.call(self.served.run, items)
+        end = time.perf_counter()
+        out, offset = [], 0
+        for chunk in batch:
+            out.append((start, end, results[offset:offset + len(chunk.items)]))
+            offset += len(chunk.items)
+        return out
+
+    run.__name__ = run.__qualname__ = f"run_{kind}"  # serve.batch finds the method by its name
+    return serve.batch(max_batch_size=4096, batch_wait_timeout_s=0.005, batch_size_fn=_batch_tokens)(run)
+
+
+class ModelThread:
+    """The replica's one thread for forwards (so the event loop keeps taking requests), and whether it still makes
+    progress: busy with no forward or generation step ended for `stall_s`, it is wedged; idle, it must run a tiny
+    forward within `stall_s`."""
+
+    def __init__(self, served: ServedModel, stall_s: float):
+        self.served, self.stall_s = served, stall_s
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="roformer")
+        self.pending = 0
+
+    async def call(self, function, *args):
+        self.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
+        finally:
+            self.pending -= 1
+
+    async def check(self) -> None:
+        """Raises where the model thread is wedged or its forward fails."""
+        if self.pending:
+            stalled = time.monotonic() - self.served.beat
+            if stalled > self.stall_s:
+                raise RuntimeError(f"the model thread made no progress for {stalled:.0f} s with {self.pending} batches "
+                                   "waiting: wedged")
+            return
+        tokenizer = self.served.tokenizer
+        ids = [tokenizer.cls_token_id or 0, tokenizer.sep_token_id or 0]
+        probe = Item("embed", (), ids, len(ids))
+        try:
+            results = await asyncio.wait_for(self.call(self.served.run, [probe]), self.stall_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"a forward of 2 tokens took over {self.stall_s} s: the model thread is wedged") from None
+        raise_row_errors(results)
+
+
+@dataclass
+class Timing:
+    """Where a request's time went, for text-embeddings-inference's headers (milliseconds)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    parsed: float = 0.0
+    batch_start: float = 0.0
+    batch_end: float = 0.0
+
+    def headers(self, tokens: int) -> dict[str, str]:
+        now = time.perf_counter()
+        queue = max(0.0, self.batch_start - self.parsed) if self.batch_start else 0.0
+        inference = self.batch_end - self.batch_start if self.batch_start else 0.0
+        return {"x-compute-type": "cpu" if not torch.cuda.is_available() else "gpu",
+                "x-compute-time": f"{(now - self.start) * 1000:.0f}", "x-compute-tokens": str(tokens),
+                "x-total-time": f"{(now - self.start) * 1000:.0f}",
+                "x-tokenization-time": f"{(self.parsed - self.start) * 1000:.0f}",
+                "x-queue-time": f"{queue * 1000:.0f}", "x-inference-time": f"{inference * 1000:.0f}"}
+
+
+class RoFormerServer:
+    """The Ray Serve deployment of a `ServedModel`, one per replica, its forwards on a `ModelThread` with `threads`
+    torch threads. The remaining arguments are `build_app`'s."""
+
+    def __init__(self, folder: str, *, threads: int = 1, int8: bool = False, max_batch_tokens: int = 4096,
+                 batch_wait_ms: float = 5.0, max_inputs: int = 256, device: str = "cpu", name: str | None = None,
+                 api_key: str | None = None, payload_limit: int = 2_000_000, request_timeout_s: float | None = None,
+                 stall_s: float = 30.0, max_ongoing_requests: int | None = None):
+        torch.set_num_threads(threads)
+        self.served = ServedModel(folder, int8=int8, max_inputs=max_inputs, device=device, name=name,
+                                  settings={"max_batch_tokens": max_batch_tokens,
+                                            "max_ongoing_requests": max_ongoing_requests})
+        if max_batch_tokens < self.served.loaded.max_length:
+            raise ValueError(f"max_batch_tokens={max_batch_tokens}: expected at least the model's longest input, "
+                             f"{self.served.loaded.max_length} tokens")
+        GUARD.api_key, GUARD.payload_limit = api_key, payload_limit
+        self.thread = ModelThread(self.served, stall_s)
+        self.max_batch_tokens, self.request_timeout_s = max_batch_tokens, request_timeout_s
+        self.batch_wait_s, self.ongoing = batch_wait_ms / 1000, 0  # requests past parsing, not yet answered
+        for kind in KINDS:
+            getattr(self, f"run_{kind}").set_max_batch_size(max_batch_tokens)
+        self.batch_tokens = Histogram("roformer_batch_tokens", description="Tokens per batch, as a batch counts them.",
+                                      boundaries=[16, 64, 256, 1024, 4096, 16384], tag_keys=("kind",))
+        self.batch_size = Histogram("roformer_batch_size", description="Inputs per batch.",
+                                    boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256], tag_keys=("kind",))
+        self.refused = Counter("roformer_refused_requests", description="Requests refused with a 4xx.",
+                               tag_keys=("status",))
+        self.served.run([Item("embed", (), [self.served.tokenizer.cls_token_id or 0], 1)])  # it runs, once
+        logger.info("serving %s with %d threads, batches of up to %d tokens or %g ms: %s",
+                    self.served.loaded.describe(), threads, max_batch_tokens, batch_wait_ms,
+                    ", ".join(self.served.routes))
+
+    run_embed, run_classify, run_fill_mask, run_complete, run_similar = (_batched(kind) for kind in KINDS)
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: the model runs (or is making progress); else Ray Serve replaces the replica."""
+        await self.thread.check()
+
+    async def handle(self, entry: Route, request: Request, body: Any) -> Response:
+        timing = Timing()
+        try:
+            if entry not in self.served.served_routes:
+                self.served.find(entry.method, request.url.path)  # raises the 404 naming the routes
+            parsed = self.served.parse_for(entry, body, request.path_params)
+        except RequestError as error:
+            self.refused.inc(tags={"status": str(error.status)})
+            raise
+        timing.parsed = time.perf_counter()
+        if not parsed.items:
+            return _json(200, parsed.respond([]), parsed.headers)
+        tokens = sum(item.tokens for item in parsed.items)
+        if parsed.stream is not None:
+            return StreamingResponse(self._events(parsed), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        try:
+            results = await asyncio.wait_for(self.run_items(parsed.items, timing), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(504, None, f"the request took over --request-timeout={self.request_timeout_s} s: "
+                               "expected a smaller request, or a longer timeout", code="timeout") from None
+        # orjson renders 32 embeddings of 768 floats in 1 ms where `json` takes 10 (the same numbers, shortest
+        # round-trip form); FastAPI's own path would first walk every float with `jsonable_encoder`.
+        return _json(200, parsed.respond(raise_row_errors(results)), {**parsed.headers, **timing.headers(tokens)})
+
+    async def _events(self, parsed: Parsed) -> AsyncIterator[bytes]:
+        """The streamed answer as server-sent events, `data: [DONE]` last; a failure mid-stream is an error event."""
+        try:
+            async for chunk in parsed.stream(self.run_items(parsed.items, Timing())):
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        except Exception as error:  # noqa: BLE001 - the status is sent: the error goes in the stream
+            yield b"data: " + orjson.dumps(error_body(500, f"the server failed on this request: {error}")) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def run_items(self, items: list[Item], timing: Timing) -> list:
+        batched = getattr(self, f"run_{items[0].kind}")
+        # The batch wait pays only where other requests can join: a request alone in the replica goes at once.
+        batched.set_batch_wait_timeout_s(self.batch_wait_s if self.ongoing else 0.0)
+        self.ongoing += 1
+        try:
+            answers = await asyncio.gather(*(batched(chunk) for chunk in chunks(items, self.max_batch_tokens)))
+        finally:
+            self.ongoing -= 1
+        timing.batch_start = min(start for start, _, _ in answers)
+        timing.batch_end = max(end for _, end, _ in answers)
+        return [result for _, _, results in answers for result in results]
+
+
+def _endpoint(entry: Route):
+    """The FastAPI endpoint of a route, as a method of the deployment (Ray Serve binds `self` to the replica); its
+    body typed, so that /docs shows the schema."""
+    if entry.body is None:
+        async def endpoint(self, request: Request):
+            return await self.handle(entry, request, None)
+    else:
+        async def endpoint(self, request: Request, body: entry.body):
+            return await self.handle(entry, request, body)
+    endpoint.__name__ = endpoint.__qualname__ = f"{entry.method.lower()}_{entry.protocol}_" + "".join(
+        c if c.isalnum() else "_" for c in entry.path).strip("_")
+    return endpoint
+
+
+for _entry in ROUTES:
+    _method = _endpoint(_entry)
+    setattr(RoFormerServer, _method.__name__, _method)
+    app.add_api_route(_entry.path, _method, methods=[_entry.method], tags=[_entry.protocol],
+                      response_class=Response)
+
+
+async def _unknown(self, request: Request, path: str):
+    self.refused.inc(tags={"status": "404"})
+    raise RequestError(404, "path", f"{request.method} /{path} is not a route of this model: expected one of "
+                       f"{self.served.routes}", routes=self.served.routes)
+
+
+RoFormerServer.unknown = _unknown
+app.add_api_route("/{path:path}", _unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+
+# Health checked every second (Ray Serve's default: 10 s), so that a replica that died is replaced seconds sooner.
+RoFormerServer = serve.deployment(max_ongoing_requests=64, max_queued_requests=256, health_check_period_s=1,
+                                  backpressure_config={"status_code": 503, "retry_after_s": 1})(
+    serve.ingress(app)(RoFormerServer))
+
+
+def default_threads(replicas: int) -> int:
+    """Torch threads per replica so that the replicas together use the machine's cores, no more."""
+    return max(1, (os.cpu_count() or 1) // replicas)
+
+
+__all__ = ["GUARD", "ModelThread", "RoFormerServer", "app", "chunks", "default_threads"]

@@ -1,0 +1,125 @@
+"""`ServedModel`: a loaded folder, its tasks and the routes it answers, as plain Python (no Ray): what each replica
+of the server holds, and what a test or a script can call directly."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import re
+import time
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.routing import compile_path
+
+from . import native_api, openai_api, tei_api  # noqa: F401 - each fills `protocol.ROUTES`
+from .errors import RequestError, RowError
+from .loaded import LoadedModel
+from .protocol import ROUTES, Parsed, Route, validation_error
+from .tasks import Tasks
+
+
+class ServedModel(Tasks):
+    """A saved folder, loaded once, and the routes it answers.
+
+    Every model answers OpenAI's `/v1/embeddings` and `/v1/models`, text-embeddings-inference's `/embed`,
+    `/tokenize`, `/decode` and `/info`, and `/health`. A sequence classifier answers `/predict` too, one of a single
+    label (a cross-encoder) `/rerank`; a masked LM `/fill-mask`; a causal LM `/v1/completions`; RoFormer-Sim
+    `/similar`.
+
+    Args:
+        folder: written by `save_pretrained`, the converter or sentence-transformers; it must hold a tokenizer.
+        int8: quantize the linear layers (`roformer_hf.quantization.quantize_int8`); as saved otherwise.
+        max_inputs: the most inputs one request may carry.
+        device: where the model runs (`"cpu"`, `"cuda"`).
+        name: the name clients give as `model` (default: the folder's name).
+        settings: the server's settings that `/info` reports (`max_batch_tokens`, `max_ongoing_requests`).
+
+    Example:
+
+    ```python
+    >>> import tempfile
+    >>> from roformer_hf import RoFormerConfig, RoFormerModel, RoFormerHFTokenizer
+    >>> from roformer_hf.serving import ServedModel
+    >>> words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "be", "or", "not"]
+    >>> folder = tempfile.mkdtemp()
+    >>> files = RoFormerHFTokenizer(vocab={w: i for i, w in enumerate(words)}, model_max_length=32).save_pretrained(folder)
+    >>> RoFormerModel(RoFormerConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
+    ...     num_attention_heads=2, intermediate_size=64)).save_pretrained(folder)
+    >>> served = ServedModel(folder, name="tiny")
+    >>> "/v1/embeddings" in served.routes and "/predict" not in served.routes
+    True
+    >>> len(served.answer("/embed", {"inputs": ["to be", "or not"]})[0])
+    32
+    >>> served.answer("/v1/models")["data"][0]["id"]
+    'tiny'
+    ```
+    """
+
+    def __init__(self, folder: str | os.PathLike, *, int8: bool = False, max_inputs: int = 256, device: str = "cpu",
+                 name: str | None = None, settings: dict[str, Any] | None = None):
+        if not isinstance(max_inputs, int) or max_inputs < 1:
+            raise ValueError(f"max_inputs={max_inputs!r}: expected a positive integer")
+        super().__init__(LoadedModel(folder, int8=int8, device=device, name=name))
+        self.max_inputs, self.settings, self.created = max_inputs, dict(settings or {}), int(time.time())
+        self.served_routes = [entry for entry in ROUTES if entry.serves(self.loaded)]
+        self.routes = list(dict.fromkeys(entry.path for entry in self.served_routes))
+
+    def find(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
+        """The route answering `method` on `path`, and the path's parameters; a 404 naming the routes served."""
+        for entry in self.served_routes:
+            match = _pattern(entry.path).fullmatch(path)
+            if entry.method == method and match is not None:
+                return entry, match.groupdict()
+        raise RequestError(404, "path", f"{method} {path} is not a route of this model ({type(self.model).__name__}): "
+                           f"expected one of {self.routes}", routes=self.routes)
+
+    def parse(self, path: str, body: Any = None, *, method: str | None = None) -> Parsed:
+        """The request as items and how to answer it (`method`: POST where there is a body, else GET); raises
+        `RequestError` for what cannot be served."""
+        entry, params = self.find(method or ("GET" if body is None else "POST"), path)
+        return self.parse_for(entry, body, params)
+
+    def parse_for(self, entry: Route, body: Any, params: dict[str, str]) -> Parsed:
+        if entry.body is not None:
+            if not isinstance(body, (dict, entry.body)):
+                raise RequestError(422, None, f"body={body!r:.60}: expected a JSON object")
+            if isinstance(body, dict):
+                try:
+                    body = entry.body.model_validate(body)
+                except ValidationError as error:
+                    raise validation_error(error, entry.path) from None
+        return entry.handler(self, body, params)
+
+    def answer(self, path: str, body: Any = None, *, method: str | None = None):
+        """The answer to one request (`method` as `parse` reads it), its items run here without batching across
+        requests; a streamed answer is the list of its chunks."""
+
+        async def run():
+            parsed = self.parse(path, body, method=method)
+
+            async def results():
+                return raise_row_errors(self.run(parsed.items))
+
+            if parsed.stream is not None:
+                return [chunk async for chunk in parsed.stream(results())]
+            return parsed.respond(await results())
+
+        return asyncio.run(run())
+
+
+@functools.cache
+def _pattern(path: str) -> re.Pattern:
+    return compile_path(path)[0]
+
+
+def raise_row_errors(results: list) -> list:
+    """`results`, or the first input's failure among them: the request's answer is then a 500."""
+    for result in results:
+        if isinstance(result, RowError):
+            raise result
+    return results
+
+
+__all__ = ["ServedModel", "raise_row_errors"]

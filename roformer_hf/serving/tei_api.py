@@ -1,0 +1,203 @@
+"""text-embeddings-inference's API: `POST /embed`, `/rerank` (a cross-encoder: a sequence classifier of one label),
+`/predict` (sentences or sentence pairs), `/tokenize`, `/decode`, and `GET /info`. The answers have TEI's shapes;
+errors have OpenAI's, as every route of this server."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import Field, StrictBool, StrictInt, StrictStr
+
+from .. import __version__
+from .errors import RequestError
+from .openai_api import check_dimensions, cut
+from .protocol import Body, Direction, Parsed, TextsOrIds, check_count, route, token_rows, with_prompt
+from .tasks import Item
+
+if TYPE_CHECKING:
+    from .served import ServedModel
+
+
+class EmbedRequest(Body):
+    inputs: TextsOrIds
+    normalize: StrictBool = True
+    truncate: StrictBool = False
+    truncation_direction: Direction = "Right"
+    prompt_name: StrictStr | None = None
+    dimensions: StrictInt | None = Field(None, ge=1)
+
+
+@route("POST", "/embed", EmbedRequest, "tei")
+def embed(served: ServedModel, body: EmbedRequest, _) -> Parsed:
+    check_dimensions(served, body.dimensions)
+    ids, _ = token_rows(served, body.inputs, "inputs", truncate=body.truncate, direction=body.truncation_direction,
+                        prompt_name=body.prompt_name)
+    return Parsed([Item("embed", (), row, len(row)) for row in ids],
+                  lambda vectors: [v.tolist() for v in cut(vectors, body.dimensions, body.normalize)])
+
+
+Sequence = StrictStr | list[StrictStr]
+
+
+class PredictRequest(Body):
+    inputs: Sequence | list[Sequence]
+    raw_scores: StrictBool = False
+    truncate: StrictBool = False
+    truncation_direction: Direction = "Right"
+
+
+class RerankRequest(Body):
+    query: StrictStr
+    texts: list[StrictStr]
+    raw_scores: StrictBool = False
+    return_text: StrictBool = False
+    truncate: StrictBool = False
+    truncation_direction: Direction = "Right"
+
+
+def _encode_pairs(served: ServedModel, firsts: list[str], seconds: list[str | None], name: str, truncate: bool,
+                  direction: str) -> list[dict[str, list[int]]]:
+    """Rows of `input_ids` and `token_type_ids` for sentences (second None) or pairs, as the classifier reads them."""
+    for i, (first, second) in enumerate(zip(firsts, seconds)):
+        if not first.strip() or (second is not None and not second.strip()):
+            raise RequestError(422, name, f"{name}[{i}]: expected non-empty strings")
+    tokenizer, limit = served.loaded.tokenizer, served.loaded.max_length
+    tokenizer.truncation_side = direction.lower()
+    rows = []
+    for first, second in zip(firsts, seconds):
+        encoded = tokenizer(first, second, truncation=truncate, max_length=limit)
+        rows.append({"input_ids": encoded["input_ids"],
+                     "token_type_ids": encoded.get("token_type_ids", [0] * len(encoded["input_ids"]))})
+    for i, row in enumerate(rows):
+        if len(row["input_ids"]) > limit:
+            raise RequestError(413, name, f"{name}[{i}] is {len(row['input_ids'])} tokens long: expected at most "
+                               f"{limit} (set truncate to cut it)")
+    return rows
+
+
+def _scores(served: ServedModel, logits: torch.Tensor, raw: bool) -> torch.Tensor:
+    """Scores as TEI gives them: the logits where `raw`, else a sigmoid for one label or several independent ones,
+    a softmax otherwise."""
+    if raw:
+        return logits
+    config = served.loaded.config
+    multi = config.problem_type == "multi_label_classification" or config.num_labels == 1
+    return logits.sigmoid() if multi else logits.softmax(-1)
+
+
+def _classifier(loaded) -> bool:
+    return loaded.is_classifier
+
+
+@route("POST", "/predict", PredictRequest, "tei", _classifier)
+def predict(served: ServedModel, body: PredictRequest, _) -> Parsed:
+    # As TEI reads `inputs`: a string, or a list of two strings, is one input (a sentence, a pair); a list of more
+    # strings, or of strings and pairs, is a batch.
+    value = body.inputs
+    single = isinstance(value, str) or (len(value) == 2 and all(isinstance(v, str) for v in value))
+    inputs = [value] if single else value
+    check_count(served, "inputs", len(inputs))
+    pairs = []
+    for i, item in enumerate(inputs):
+        if isinstance(item, list) and len(item) != 2:
+            raise RequestError(422, "inputs", f"inputs[{i}] holds {len(item)} strings: expected a string or a pair")
+        pairs.append((item, None) if isinstance(item, str) else tuple(item))
+    rows = _encode_pairs(served, [p[0] for p in pairs], [p[1] for p in pairs], "inputs", body.truncate,
+                         body.truncation_direction)
+    labels = served.loaded.config.id2label
+
+    def respond(logits):
+        answers = [sorted(({"score": s, "label": labels[k]} for k, s in
+                           enumerate(_scores(served, row, body.raw_scores).tolist())), key=lambda e: -e["score"])
+                   for row in logits]
+        return answers[0] if single else answers
+
+    return Parsed([Item("classify", (), row, len(row["input_ids"])) for row in rows], respond)
+
+
+@route("POST", "/rerank", RerankRequest, "tei", lambda loaded: loaded.is_reranker)
+def rerank(served: ServedModel, body: RerankRequest, _) -> Parsed:
+    check_count(served, "texts", len(body.texts))
+    if not body.query.strip():
+        raise RequestError(422, "query", "query='': expected a non-empty string")
+    rows = _encode_pairs(served, [body.query] * len(body.texts), body.texts, "texts", body.truncate,
+                         body.truncation_direction)
+
+    def respond(logits):
+        scores = [_scores(served, row, body.raw_scores)[0].item() for row in logits]
+        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
+        return [{"index": i, "score": scores[i], **({"text": body.texts[i]} if body.return_text else {})}
+                for i in ranked]
+
+    return Parsed([Item("classify", (), row, len(row["input_ids"])) for row in rows], respond)
+
+
+class TokenizeRequest(Body):
+    inputs: StrictStr | list[StrictStr]
+    add_special_tokens: StrictBool = True
+    prompt_name: StrictStr | None = None
+
+
+@route("POST", "/tokenize", TokenizeRequest, "tei")
+def tokenize(served: ServedModel, body: TokenizeRequest, _) -> Parsed:
+    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    check_count(served, "inputs", len(texts))
+    texts = with_prompt(served, texts, body.prompt_name)
+    tokenizer = served.loaded.tokenizer
+    encoded = tokenizer(texts, add_special_tokens=body.add_special_tokens, return_offsets_mapping=True,
+                        return_special_tokens_mask=True)
+    answer = []
+    for text, ids, offsets, special in zip(texts, encoded["input_ids"], encoded["offset_mapping"],
+                                           encoded["special_tokens_mask"]):
+        tokens = tokenizer.convert_ids_to_tokens(ids)
+        answer.append([{"id": token_id, "text": token if is_special else text[start:stop], "special": bool(is_special),
+                        "start": None if is_special else start, "stop": None if is_special else stop}
+                       for token_id, token, (start, stop), is_special in zip(ids, tokens, offsets, special)])
+    return Parsed([], lambda _: answer)
+
+
+class DecodeRequest(Body):
+    ids: list[StrictInt] | list[list[StrictInt]]
+    skip_special_tokens: StrictBool = True
+
+
+@route("POST", "/decode", DecodeRequest, "tei")
+def decode(served: ServedModel, body: DecodeRequest, _) -> Parsed:
+    rows = [body.ids] if body.ids and isinstance(body.ids[0], int) else body.ids
+    check_count(served, "ids", len(rows))
+    vocabulary = served.loaded.config.vocab_size
+    for i, row in enumerate(rows):
+        if any(not 0 <= token < vocabulary for token in row):
+            raise RequestError(400, "ids", f"ids[{i}] holds an id outside 0 to {vocabulary - 1}: expected ids of this "
+                               "model's tokenizer")
+    texts = served.loaded.tokenizer.batch_decode(rows, skip_special_tokens=body.skip_special_tokens)
+    return Parsed([], lambda _: texts)
+
+
+def model_type(served: ServedModel) -> dict:
+    loaded = served.loaded
+    if loaded.is_reranker:
+        return {"reranker": {"id2label": _labels(loaded), "label2id": loaded.config.label2id}}
+    if loaded.is_classifier:
+        return {"classifier": {"id2label": _labels(loaded), "label2id": loaded.config.label2id}}
+    return {"embedding": {"pooling": loaded.pooling}}
+
+
+def _labels(loaded) -> dict[str, str]:
+    return {str(k): v for k, v in loaded.config.id2label.items()}
+
+
+@route("GET", "/info", None, "tei")
+def info(served: ServedModel, _, __) -> Parsed:
+    loaded = served.loaded
+    answer = {"model_id": loaded.name, "model_sha": None, "model_dtype": loaded.dtype, "model_type": model_type(served),
+              "max_concurrent_requests": served.settings.get("max_ongoing_requests"),
+              "max_input_length": loaded.max_length, "max_batch_tokens": served.settings.get("max_batch_tokens"),
+              "max_batch_requests": None, "max_client_batch_size": served.max_inputs, "auto_truncate": False,
+              "tokenization_workers": 1, "version": __version__, "sha": None, "docker_label": None,
+              "routes": served.routes}
+    return Parsed([], lambda _: answer)
+
+
+__all__ = ["DecodeRequest", "EmbedRequest", "PredictRequest", "RerankRequest", "TokenizeRequest"]
