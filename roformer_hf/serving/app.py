@@ -10,7 +10,6 @@ chunks of concurrent requests up to `max_batch_tokens` or `batch_wait_ms`; a bat
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations at run time.
 import asyncio
-import hmac
 import logging
 import os
 import time
@@ -24,90 +23,19 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.metrics import Counter, Histogram
 from starlette.exceptions import HTTPException
 
+from . import guards
 from .errors import RequestError, RowError, error_body
-from .protocol import ROUTES, Parsed, Route
+from .guards import Guarded, json_response
+from .protocol import ROUTES, Parsed, Route, validation_error
 from .served import ServedModel, raise_row_errors
 from .tasks import KINDS, Item
 
 logger = logging.getLogger("ray.serve")  # Ray Serve shows its logger's lines in the replica's log and the driver's
-
-OPEN_PATHS = ("/health",)  # answered without the API key, as a load balancer's probe asks
-
-
-@dataclass
-class Guard:
-    """What the ASGI layer checks before a request reaches a route (set by the replica from its arguments): the
-    bearer token (`api_key`) and the body's size in bytes (`payload_limit`)."""
-
-    api_key: str | None = None
-    payload_limit: int = 2_000_000
-    replica: bytes | None = None
-
-
-GUARD = Guard()
-
-
-def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
-
-
-class Guarded:
-    """A plain ASGI middleware (Starlette's `BaseHTTPMiddleware` costs a task per request): refuses a request without
-    the API key (401) or with a body over the limit (413, from its Content-Length before the body is read, else as the
-    bytes arrive), and names the replica that answered in `X-Replica` (Ray Serve's replica id)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if GUARD.replica is None:  # the replica context exists once the replica runs
-            GUARD.replica = serve.get_replica_context().replica_id.unique_id.encode()
-
-        async def send_named(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-replica", GUARD.replica)]}
-            await send(message)
-
-        refusal = self._refusal(scope)
-        if refusal is not None:
-            return await refusal(scope, receive, send_named)
-        received = 0
-
-        async def receive_limited():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > GUARD.payload_limit:  # FastAPI passes an HTTPException on, where it reads the body
-                    raise HTTPException(413, f"the body is over --payload-limit={GUARD.payload_limit} bytes: "
-                                        "expected a smaller request")
-            return message
-
-        await self.app(scope, receive_limited, send_named)
-
-    @staticmethod
-    def _refusal(scope) -> Response | None:
-        headers = dict(scope.get("headers", []))
-        if GUARD.api_key is not None and scope["path"] not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            token = given[7:] if given[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), GUARD.api_key.encode()):
-                what = "no API key" if not given else "a wrong API key"
-                return _json(401, error_body(401, f"the request carries {what}: expected the header "
-                                                  "'Authorization: Bearer <key>' with the server's --api-key",
-                                             code="invalid_api_key"), {"www-authenticate": "Bearer"})
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > GUARD.payload_limit:
-            return _json(413, error_body(413, f"the body is {int(length)} bytes: expected at most --payload-limit="
-                                              f"{GUARD.payload_limit}", code="payload_too_large"))
-        return None
-
 
 app = FastAPI(title="roformer_hf", description="OpenAI's and text-embeddings-inference's APIs for a RoFormer folder.")
 app.add_middleware(Guarded)
@@ -115,27 +43,36 @@ app.add_middleware(Guarded)
 
 @app.exception_handler(RequestError)
 async def _refused(request: Request, error: RequestError) -> Response:
-    return _json(error.status, error.body(), error.headers)
+    return json_response(error.status, error.body(), error.headers)
+
+
+ROUTE_OF = {(entry.method, entry.path): entry for entry in ROUTES}
 
 
 @app.exception_handler(RequestValidationError)
 async def _invalid(request: Request, error: RequestValidationError) -> Response:
-    first = error.errors()[0] if error.errors() else {"loc": (), "msg": "a JSON object", "type": ""}
-    location = [str(part) for part in first["loc"] if part != "body"]
-    param = location[0] if location else None
+    """FastAPI's validation, answered as `ServedModel.parse` answers it: 400 for a body that is not JSON, else a 422
+    naming the field."""
+    first = error.errors()[0] if error.errors() else {"type": ""}
     if first["type"] == "json_invalid":
-        return _json(400, error_body(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', '')}): "
-                                          "expected a JSON object"))
-    if first["type"] == "extra_forbidden":
-        message = f"{param}: not a field of {request.url.path}: expected only the fields of its schema (/docs)"
+        return json_response(400, error_body(400, "the body is not valid JSON "
+                                                  f"({first.get('ctx', {}).get('error', '')}): expected a JSON object"))
+    route = request.scope.get("route")
+    entry = ROUTE_OF.get((request.method, getattr(route, "path", None)))
+    if entry is None or entry.body is None:
+        return json_response(422, error_body(422, f"{request.method} {request.url.path}: {first.get('msg')}"))
+    try:
+        entry.body.model_validate(error.body if error.body is not None else {})
+    except ValidationError as again:
+        refusal = validation_error(again, entry)
     else:
-        message = f"{'.'.join(location) or 'the body'}={first.get('input')!r:.60}: expected {first['msg'].lower()}"
-    return _json(422, error_body(422, message, param))
+        refusal = RequestError(422, None, f"body={error.body!r:.60}: expected a JSON object")
+    return json_response(refusal.status, refusal.body())
 
 
 @app.exception_handler(HTTPException)
 async def _http(request: Request, error: HTTPException) -> Response:
-    return _json(error.status_code, error_body(error.status_code, f"{request.method} {request.url.path}: "
+    return json_response(error.status_code, error_body(error.status_code, f"{request.method} {request.url.path}: "
                                                                   f"{error.detail}"), getattr(error, "headers", None))
 
 
@@ -143,7 +80,7 @@ async def _http(request: Request, error: HTTPException) -> Response:
 async def _failed(request: Request, error: Exception) -> Response:
     if not isinstance(error, RowError):
         logger.exception("%s %s failed", request.method, request.url.path)
-    return _json(500, error_body(500, f"the server failed on this request: {error}"))
+    return json_response(500, error_body(500, f"the server failed on this request: {error}"))
 
 
 class Chunk(NamedTuple):
@@ -263,7 +200,7 @@ class RoFormerServer:
         if max_batch_tokens < self.served.loaded.max_length:
             raise ValueError(f"max_batch_tokens={max_batch_tokens}: expected at least the model's longest input, "
                              f"{self.served.loaded.max_length} tokens")
-        GUARD.api_key, GUARD.payload_limit = api_key, payload_limit
+        guards.GUARD.api_key, guards.GUARD.payload_limit = api_key, payload_limit
         self.thread = ModelThread(self.served, stall_s)
         self.max_batch_tokens, self.request_timeout_s = max_batch_tokens, request_timeout_s
         self.batch_wait_s, self.ongoing = batch_wait_ms / 1000, 0  # requests past parsing, not yet answered
@@ -297,7 +234,7 @@ class RoFormerServer:
             raise
         timing.parsed = time.perf_counter()
         if not parsed.items:
-            return _json(200, parsed.respond([]), parsed.headers)
+            return json_response(200, parsed.respond([]), parsed.headers)
         tokens = sum(item.tokens for item in parsed.items)
         if parsed.stream is not None:
             return StreamingResponse(self._events(parsed), media_type="text/event-stream",
@@ -309,7 +246,7 @@ class RoFormerServer:
                                "expected a smaller request, or a longer timeout", code="timeout") from None
         # orjson renders 32 embeddings of 768 floats in 1 ms where `json` takes 10 (the same numbers, shortest
         # round-trip form); FastAPI's own path would first walk every float with `jsonable_encoder`.
-        return _json(200, parsed.respond(raise_row_errors(results)), {**parsed.headers, **timing.headers(tokens)})
+        return json_response(200, parsed.respond(raise_row_errors(results)), {**parsed.headers, **timing.headers(tokens)})
 
     async def _events(self, parsed: Parsed) -> AsyncIterator[bytes]:
         """The streamed answer as server-sent events, `data: [DONE]` last; a failure mid-stream is an error event."""
@@ -343,8 +280,9 @@ def _endpoint(entry: Route):
     else:
         async def endpoint(self, request: Request, body: entry.body):
             return await self.handle(entry, request, body)
-    endpoint.__name__ = endpoint.__qualname__ = f"{entry.method.lower()}_{entry.protocol}_" + "".join(
+    endpoint.__name__ = f"{entry.method.lower()}_{entry.protocol}_" + "".join(
         c if c.isalnum() else "_" for c in entry.path).strip("_")
+    endpoint.__qualname__ = f"RoFormerServer.{endpoint.__name__}"  # how Ray Serve tells the class's routes
     return endpoint
 
 
@@ -355,14 +293,15 @@ for _entry in ROUTES:
                       response_class=Response)
 
 
-async def _unknown(self, request: Request, path: str):
+async def unknown(self, request: Request, path: str):
     self.refused.inc(tags={"status": "404"})
     raise RequestError(404, "path", f"{request.method} /{path} is not a route of this model: expected one of "
                        f"{self.served.routes}", routes=self.served.routes)
 
 
-RoFormerServer.unknown = _unknown
-app.add_api_route("/{path:path}", _unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+unknown.__qualname__ = "RoFormerServer.unknown"
+RoFormerServer.unknown = unknown
+app.add_api_route("/{path:path}", unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
 
 # Health checked every second (Ray Serve's default: 10 s), so that a replica that died is replaced seconds sooner.
 RoFormerServer = serve.deployment(max_ongoing_requests=64, max_queued_requests=256, health_check_period_s=1,
@@ -375,4 +314,4 @@ def default_threads(replicas: int) -> int:
     return max(1, (os.cpu_count() or 1) // replicas)
 
 
-__all__ = ["GUARD", "ModelThread", "RoFormerServer", "app", "chunks", "default_threads"]
+__all__ = ["ModelThread", "RoFormerServer", "app", "chunks", "default_threads"]

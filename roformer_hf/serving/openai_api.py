@@ -164,12 +164,16 @@ def completions(served: ServedModel, body: CompletionsRequest, _) -> Parsed:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    def finished(tokens: list[int]) -> tuple[str, str]:
-        """The text of a completion cut at its first stop string, and why it ended."""
+    def cut(tokens: list[int]) -> tuple[str, bool]:
+        """The text of `tokens` up to the first stop string, and whether one came."""
         text = served.loaded.tokenizer.decode(tokens, skip_special_tokens=True)
-        finish = "stop" if len(tokens) < max_tokens else "length"
         cuts = [text.find(s) for s in stops if s in text]
-        return (text[:min(cuts)], "stop") if cuts else (text, finish)
+        return (text[:min(cuts)], True) if cuts else (text, False)
+
+    def finished(tokens: list[int]) -> tuple[str, str]:
+        """The text of a completion, and why it ended: its end-of-sequence token or a stop string, or max_tokens."""
+        text, stopped = cut(tokens)
+        return text, "stop" if stopped or len(tokens) < max_tokens else "length"
 
     def respond(outputs):
         rows = []
@@ -207,12 +211,8 @@ def completions(served: ServedModel, body: CompletionsRequest, _) -> Parsed:
             if stopped[index]:
                 continue
             tokens[index].append(token)
-            text, finish = finished(tokens[index])
-            if finish == "stop" and len(tokens[index]) < max_tokens:  # a stop string appeared: this choice ends
-                stopped[index] = True
-                ready = len(text)
-            else:
-                ready = max(sent[index], len(text) - hold)
+            text, stopped[index] = cut(tokens[index])  # a stop string came: the choice ends
+            ready = len(text) if stopped[index] else max(sent[index], len(text) - hold)
             if ready > sent[index]:
                 yield envelope([{"text": text[sent[index]:ready], "index": index, "logprobs": None,
                                  "finish_reason": None}])

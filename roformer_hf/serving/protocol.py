@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from .errors import RequestError
 from .tasks import Item
@@ -16,7 +16,8 @@ from .tasks import Item
 if TYPE_CHECKING:
     from .served import ServedModel
 
-TextsOrIds = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+TextsOrIds = Annotated[StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]], Field(
+    description="a string, a list of strings, a list of token ids, or a list of lists of token ids")]
 Direction = Literal["Right", "Left", "right", "left"]
 
 
@@ -64,22 +65,20 @@ def route(method: str, path: str, body: type[Body] | None, protocol: str, serves
     return add
 
 
-def validation_error(error: ValidationError, route: str) -> RequestError:
-    """A body that does not match the route's type, as a 422 naming the first field at fault."""
+def validation_error(error: ValidationError, entry: Route) -> RequestError:
+    """A body that does not match the route's type, as a 422 naming the first field at fault and what it takes."""
     first = error.errors()[0]
     location = [str(part) for part in first["loc"] if part != "body"]
     param = location[0] if location else None
     if first["type"] == "extra_forbidden":
-        return RequestError(422, param, f"{param}: not a field of {route}: expected only the fields of its schema "
-                            "(/docs lists them)")
+        return RequestError(422, param, f"{param}: not a field of {entry.path}: expected only the fields of its "
+                            "schema (/docs lists them)")
+    described = entry.body.model_fields.get(param) if param is not None else None
+    if described is not None and described.description is not None:  # a union: say what it takes, not each try
+        return RequestError(422, param, f"{param}={first.get('input')!r:.60}: expected {described.description}")
     where = ".".join(location) or "the body"
-    value = first.get("input")
-    return RequestError(422, param, f"{where}={value!r:.60}: expected {_expected(first)}")
-
-
-def _expected(error: dict) -> str:
-    message = error["msg"]
-    return message[0].lower() + message[1:] if message else "a value of the field's type"
+    message = first["msg"][0].lower() + first["msg"][1:] if first["msg"] else "a value of the field's type"
+    return RequestError(422, param, f"{where}={first.get('input')!r:.60}: expected {message}")
 
 
 def check_model(served: ServedModel, model: str | None) -> None:

@@ -89,7 +89,7 @@ class ServedModel(Tasks):
                 try:
                     body = entry.body.model_validate(body)
                 except ValidationError as error:
-                    raise validation_error(error, entry.path) from None
+                    raise validation_error(error, entry) from None
         return entry.handler(self, body, params)
 
     def answer(self, path: str, body: Any = None, *, method: str | None = None):

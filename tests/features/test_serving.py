@@ -26,7 +26,8 @@ from roformer_hf import (  # noqa: E402
     RoFormerForSequenceClassification,
 )
 from roformer_hf.cli import main  # noqa: E402
-from roformer_hf.serving import RequestError, ServedModel  # noqa: E402
+from roformer_hf.serving import RequestError, RowError, ServedModel  # noqa: E402
+from roformer_hf.serving.tasks import Completion  # noqa: E402
 from roformer_hf.similarity import encode, generate_similar  # noqa: E402
 
 SENTENCES = ["the king dies", "a queen loves the crown and the sword at night", "day", "the sword speaks"]
@@ -73,11 +74,15 @@ def _greedy(model, tokenizer, prompt, max_new_tokens):
 # The wrapper, without Ray.
 
 
+EVERY_MODEL = {"/health", "/v1/embeddings", "/v1/models", "/v1/models/{model:path}", "/embed", "/tokenize", "/decode",
+               "/info"}
+
+
 def test_routes_follow_the_folder(served):
-    assert served["mlm"].routes == ["/v1/embeddings", "/embed", "/fill-mask"]
-    assert served["clf"].routes == ["/v1/embeddings", "/embed", "/predict"]
-    assert served["lm"].routes == ["/v1/embeddings", "/embed", "/v1/completions"]
-    assert served["sim"].routes == ["/v1/embeddings", "/embed", "/v1/completions", "/similar"]
+    assert set(served["mlm"].routes) == EVERY_MODEL | {"/fill-mask"}
+    assert set(served["clf"].routes) == EVERY_MODEL | {"/predict"}  # three labels: not a reranker
+    assert set(served["lm"].routes) == EVERY_MODEL | {"/v1/completions"}
+    assert set(served["sim"].routes) == EVERY_MODEL | {"/v1/completions", "/similar"}
     with pytest.raises(RequestError) as refused:
         served["mlm"].parse("/predict", {"inputs": "the king"})
     assert refused.value.status == 404 and refused.value.body()["routes"] == served["mlm"].routes
@@ -128,9 +133,9 @@ def test_completions_batched_equal_each_alone(served, name):
     server = served[name]
     prompts = ["the king", "a queen loves the crown and the sword", "day"]
     ids = server.tokenizer(prompts)["input_ids"]
-    greedy = server.complete([(row, 0) for row in ids], 8, 0.0, 1.0)
+    greedy = server.complete([Completion(row, 0) for row in ids], 8, 0.0, 1.0)
     assert greedy == [_greedy(server.model, server.tokenizer, prompt, 8) for prompt in prompts]
-    rows = [(row, seed) for row in ids for seed in (1, 2)]
+    rows = [Completion(row, seed) for row in ids for seed in (1, 2)]
     sampled = server.complete(rows, 8, 1.0, 0.9)
     assert sampled == [server.complete([row], 8, 1.0, 0.9)[0] for row in rows]
     assert sampled[0] != sampled[1] or sampled[2] != sampled[3]  # the seed matters
@@ -221,8 +226,8 @@ def test_cli_refuses_an_unservable_folder_before_the_port_opens(folders, tmp_pat
 
 
 def test_direct_ports_are_checked_before_ray_starts(folders, capsys, caplog, monkeypatch, tmp_path):
-    from roformer_hf import serving
     from roformer_hf.serving import direct_ingress_env, ephemeral_ports
+    from roformer_hf.serving import ingress as serving
 
     assert direct_ingress_env(9000, replicas=2) == {
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "9000",
@@ -361,7 +366,7 @@ def test_http_routes_answer_what_the_library_gives(server, served):
                                atol=1e-5, rtol=0)
     for (prompt, seed), response in zip(prompts, completions):
         ids = sim.tokenizer(prompt)["input_ids"]
-        tokens = sim.complete([(ids, seed or 0)], 6, 1.0 if seed else 0.0, 0.9 if seed else 1.0)[0]
+        tokens = sim.complete([Completion(ids, seed or 0)], 6, 1.0 if seed else 0.0, 0.9 if seed else 1.0)[0]
         assert response.json()["choices"][0]["text"] == sim.tokenizer.decode(tokens, skip_special_tokens=True)
     assert completions[-1].json()["choices"][0]["text"] == sim.tokenizer.decode(
         _greedy(sim.model, sim.tokenizer, "day", 6), skip_special_tokens=True)
@@ -427,16 +432,18 @@ def test_non_finite_outputs_are_an_error_not_null(folders):
     served = ServedModel(folders["sim"])
     with torch.no_grad():
         next(served.model.parameters()).fill_(float("nan"))
-    with pytest.raises(RuntimeError, match="NaN or infinite"):
+    with pytest.raises(RowError, match="NaN or infinite"):
         served.answer("/v1/embeddings", {"input": "the king"})
 
 
 def test_a_request_is_cut_into_chunks_within_the_budget():
-    from roformer_hf.serving import Item, _chunks
+    from roformer_hf.serving import Item
+    from roformer_hf.serving.app import chunks
 
-    items = [Item("embed", (), [0] * n, n) for n in (30, 30, 10, 64, 5)]
-    assert [[item.tokens for item in chunk] for chunk in _chunks(items, 64)] == [[30, 30], [10], [64], [5]]
-    assert [[item.tokens for item in chunk] for chunk in _chunks(items, 4096)] == [[30, 30, 10, 64, 5]]
+    items = [Item("embed", (), [0] * n, n) for n in (30, 30, 10, 64, 5, 100)]
+    assert [[item.tokens for item in chunk.items] for chunk in chunks(items, 64)] == [[30, 30], [10], [64], [5], [100]]
+    assert [chunk.tokens for chunk in chunks(items, 64)] == [60, 10, 64, 5, 64]  # a batch counts at most the budget
+    assert [[item.tokens for item in chunk.items] for chunk in chunks(items, 4096)] == [[30, 30, 10, 64, 5, 100]]
 
 
 def test_docstring_example_runs():
