@@ -104,6 +104,7 @@ def choose_ingress(asked: str, address: str | None) -> tuple[str, str | None]:
 def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         from .serving import ServedModel, autoscaling, build_app, default_threads, direct_ingress_env, haproxy_env
+        from .serving.ingress import haproxy_ports_env
     except ImportError as error:
         parser.exit(2, f"roformer-hf serve needs Ray Serve ({error}): pip install roformer_hf[serve]\n")
     log = logging.getLogger(__name__)
@@ -139,6 +140,8 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                      f"{served.loaded.max_length} tokens")
     del served
     env = {}  # for Ray's processes, which `ray.init` below starts: they read it once
+    if "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH" in os.environ:
+        env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]
     if "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S" not in os.environ:  # 5 s by default: on a busy machine Ray Serve
         env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "30"  # killed a slower proxy, and `serve.start` failed
     if args.direct_port is not None:
@@ -154,6 +157,9 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             env.update(haproxy_env())
         except ValueError as error:
             parser.error(f"--ingress haproxy: {error}")
+        env.update(haproxy_ports_env())
+    # Ray Serve's own errors (a timeout, a dead replica, a route of no application) in OpenAI's shape too.
+    env.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "roformer_hf.serving.guards:proxy_middlewares")
     if args.address is None and (refusal := port_refusal(args.host, args.port)) is not None:
         parser.exit(1, f"roformer-hf serve: {refusal}\n")  # Ray's proxy would fail after Ray started
     os.environ.update(env)
@@ -191,7 +197,8 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         log.info("each replica also on its own port, from http://%s:%d up", args.host, args.direct_port)
     if args.metrics_port is not None:
         log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", args.metrics_port)
-    serve.run(app, name="roformer", route_prefix="/", blocking=True)
+    serve.run(app, name="roformer", route_prefix="/", blocking=True,
+              logging_config={"log_level": args.log_level.upper()})
 
 
 def main(argv: list[str] | None = None) -> None:

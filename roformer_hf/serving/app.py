@@ -138,7 +138,7 @@ class ModelThread:
     def __init__(self, served: ServedModel, stall_s: float):
         self.served, self.stall_s = served, stall_s
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="roformer")
-        self.pending = 0
+        self.pending, self.failure = 0, None
 
     async def call(self, function, *args):
         self.pending += 1
@@ -148,7 +148,15 @@ class ModelThread:
             self.pending -= 1
 
     async def check(self) -> None:
-        """Raises where the model thread is wedged or its forward fails."""
+        """Raises where the model thread is wedged or its forward fails; `failure` keeps why, until a check passes."""
+        try:
+            await self._check()
+        except Exception as error:
+            self.failure = str(error)
+            raise
+        self.failure = None
+
+    async def _check(self) -> None:
         if self.pending:
             stalled = time.monotonic() - self.served.beat
             if stalled > self.stall_s:
@@ -192,7 +200,7 @@ class RoFormerServer:
     def __init__(self, folder: str, *, threads: int = 1, int8: bool = False, max_batch_tokens: int = 4096,
                  batch_wait_ms: float = 5.0, max_inputs: int = 256, device: str = "cpu", name: str | None = None,
                  api_key: str | None = None, payload_limit: int = 2_000_000, request_timeout_s: float | None = None,
-                 stall_s: float = 30.0, max_ongoing_requests: int | None = None):
+                 stall_s: float = 30.0, max_ongoing_requests: int = 64, max_queued_requests: int = 256):
         torch.set_num_threads(threads)
         self.served = ServedModel(folder, int8=int8, max_inputs=max_inputs, device=device, name=name,
                                   settings={"max_batch_tokens": max_batch_tokens,
@@ -203,6 +211,11 @@ class RoFormerServer:
         guards.GUARD.api_key, guards.GUARD.payload_limit = api_key, payload_limit
         self.thread = ModelThread(self.served, stall_s)
         self.max_batch_tokens, self.request_timeout_s = max_batch_tokens, request_timeout_s
+        # Admission is the replica's, so that an overload is answered in OpenAI's shape: `max_ongoing_requests` run
+        # at once, `max_queued_requests` more wait, the rest get 503 with Retry-After (Ray Serve's own limits are set
+        # above these, `deployment_options`).
+        self.max_ongoing, self.max_queued = max_ongoing_requests, max_queued_requests
+        self.slots, self.admitted = asyncio.Semaphore(max_ongoing_requests), 0
         self.batch_wait_s, self.ongoing = batch_wait_ms / 1000, 0  # requests past parsing, not yet answered
         for kind in KINDS:
             getattr(self, f"run_{kind}").set_max_batch_size(max_batch_tokens)
@@ -224,10 +237,28 @@ class RoFormerServer:
         await self.thread.check()
 
     async def handle(self, entry: Route, request: Request, body: Any) -> Response:
+        if entry.path == "/health" and self.thread.failure is not None:
+            raise RequestError(503, None, f"this replica cannot run its model ({self.thread.failure}): expected Ray "
+                               "Serve to replace it", code="unhealthy", headers={"retry-after": "1"})
+        if entry.method == "GET":  # answered at once, whatever the load: /health, /info, /v1/models
+            return await self.answer(entry, request, body)
+        if self.admitted >= self.max_ongoing + self.max_queued:
+            self.refused.inc(tags={"status": "503"})
+            raise RequestError(503, None, f"this replica holds {self.admitted} requests, its --max-ongoing-requests="
+                               f"{self.max_ongoing} and --max-queued-requests={self.max_queued}: expected a retry "
+                               "after Retry-After seconds", code="overloaded", headers={"retry-after": "1"})
+        self.admitted += 1  # until the answer starts: a stream's tokens then flow without holding a slot
+        try:
+            async with self.slots:
+                return await self.answer(entry, request, body)
+        finally:
+            self.admitted -= 1
+
+    async def answer(self, entry: Route, request: Request, body: Any) -> Response:
         timing = Timing()
         try:
-            if entry not in self.served.served_routes:
-                self.served.find(entry.method, request.url.path)  # raises the 404 naming the routes
+            if (entry.method, entry.path) not in self.served.paths:
+                self.served.find(entry.method, entry.path)  # raises the 404 naming the routes
             parsed = self.served.parse_for(entry, body, request.path_params)
         except RequestError as error:
             self.refused.inc(tags={"status": str(error.status)})
@@ -304,8 +335,9 @@ RoFormerServer.unknown = unknown
 app.add_api_route("/{path:path}", unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
 
 # Health checked every second (Ray Serve's default: 10 s), so that a replica that died is replaced seconds sooner.
-RoFormerServer = serve.deployment(max_ongoing_requests=64, max_queued_requests=256, health_check_period_s=1,
-                                  backpressure_config={"status_code": 503, "retry_after_s": 1})(
+# Ray Serve's own refusal (a plain-text 503) is a backstop behind the replica's (`deployment_options`).
+RoFormerServer = serve.deployment(health_check_period_s=1, backpressure_config={"status_code": 503,
+                                                                                "retry_after_s": 1})(
     serve.ingress(app)(RoFormerServer))
 
 

@@ -72,7 +72,8 @@ class Guarded:
     @staticmethod
     def _refusal(scope) -> Response | None:
         headers = dict(scope.get("headers", []))
-        if GUARD.api_key is not None and scope["path"] not in OPEN_PATHS:
+        path, root = scope["path"], scope.get("root_path", "")  # Ray Serve's route prefix is the root path
+        if GUARD.api_key is not None and path.removeprefix(root) not in OPEN_PATHS:
             given = headers.get(b"authorization", b"").decode("latin-1")
             token = given[7:] if given[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), GUARD.api_key.encode()):
@@ -88,4 +89,54 @@ class Guarded:
 
 
 
-__all__ = ["GUARD", "Guard", "Guarded", "json_response"]
+class RayErrorsAsJson:
+    """An ASGI middleware for Ray Serve's own HTTP servers (its Python proxy and each replica's direct ingress;
+    `proxy_middlewares`): its plain-text errors (a request dropped by backpressure, a timeout, a route of no
+    application, a replica that died) reach the client in OpenAI's shape, with their status and headers; where the
+    server returned without answering at all, a 500. The application's own answers pass unchanged."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        held, text, started = None, b"", False
+
+        async def send_json(status: int, message: str, headers) -> None:
+            body = orjson.dumps(error_body(status, message))
+            kept = [(k, v) for k, v in headers if k.lower() not in (b"content-type", b"content-length")]
+            await send({"type": "http.response.start", "status": status, "headers": [
+                *kept, (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        async def send_converted(message):
+            nonlocal held, text, started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
+                kind = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+                if message["status"] >= 400 and kind.startswith(b"text/plain"):
+                    held = {**message, "headers": headers}
+                    return
+            elif message["type"] == "http.response.body" and held is not None:
+                text += message.get("body", b"")
+                if not message.get("more_body", False):
+                    await send_json(held["status"], text.decode("utf-8", "replace"), held["headers"])
+                return
+            await send(message)
+
+        await self.app(scope, receive, send_converted)
+        if not started:
+            await send_json(500, "the server failed before answering this request: retry it", [])
+
+
+def proxy_middlewares() -> list:
+    """What Ray Serve's `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` names (`roformer_hf.serving.guards:
+    proxy_middlewares`, set before Ray starts): the middlewares of its own HTTP servers."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(RayErrorsAsJson)]
+
+
+__all__ = ["GUARD", "Guard", "Guarded", "RayErrorsAsJson", "json_response", "proxy_middlewares"]

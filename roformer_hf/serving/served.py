@@ -65,6 +65,7 @@ class ServedModel(Tasks):
         self.max_inputs, self.settings, self.created = max_inputs, dict(settings or {}), int(time.time())
         self.served_routes = [entry for entry in ROUTES if entry.serves(self.loaded)]
         self.routes = list(dict.fromkeys(entry.path for entry in self.served_routes))
+        self.paths = {(entry.method, entry.path) for entry in self.served_routes}
 
     def find(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
         """The route answering `method` on `path`, and the path's parameters; a 404 naming the routes served."""

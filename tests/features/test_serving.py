@@ -32,6 +32,7 @@ from roformer_hf.similarity import encode, generate_similar  # noqa: E402
 
 SENTENCES = ["the king dies", "a queen loves the crown and the sword at night", "day", "the sword speaks"]
 TIMEOUT = 30
+KEY = "s3cret"
 
 
 @pytest.fixture(scope="module")
@@ -326,9 +327,10 @@ def server(folders):
             serve.run(build_app({"folder": str(folders[name]), "threads": "1", "num_cpus": "0.25",
                                  "max_batch_tokens": "64", "batch_wait_ms": "20", "max_inputs": "8"}),
                       name=name, route_prefix=f"/{name}", blocking=False)
-        # One request at a time and one waiting: the third is Ray Serve's to refuse.
+        # One request at a time and one waiting: the third is refused. Behind an API key, bodies of 4 kB at most.
         serve.run(build_app({"folder": str(folders["sim"]), "threads": "1", "num_cpus": "0.25",
-                             "max_ongoing_requests": "1", "max_queued_requests": "1"}),
+                             "max_ongoing_requests": "1", "max_queued_requests": "1", "api_key": KEY,
+                             "payload_limit": "4096"}),
                   name="busy", route_prefix="/busy", blocking=False)
         for name in ("mlm", "clf", "sim", "busy"):
             serve.get_app_handle(name)  # waits until the application is running
@@ -338,9 +340,10 @@ def server(folders):
         ray.shutdown()
 
 
-def _post(url, body, **kwargs):
+def _post(url, body, headers=None):
     data = body if isinstance(body, str) else json.dumps(body)
-    return requests.post(url, data=data, headers={"content-type": "application/json"}, timeout=TIMEOUT, **kwargs)
+    return requests.post(url, data=data, headers={"content-type": "application/json", **(headers or {})},
+                         timeout=TIMEOUT)
 
 
 @pytest.mark.slow
@@ -367,6 +370,7 @@ def test_http_routes_answer_what_the_library_gives(server, served):
     for (prompt, seed), response in zip(prompts, completions):
         ids = sim.tokenizer(prompt)["input_ids"]
         tokens = sim.complete([Completion(ids, seed or 0)], 6, 1.0 if seed else 0.0, 0.9 if seed else 1.0)[0]
+        assert response.status_code == 200, response.text[:500]
         assert response.json()["choices"][0]["text"] == sim.tokenizer.decode(tokens, skip_special_tokens=True)
     assert completions[-1].json()["choices"][0]["text"] == sim.tokenizer.decode(
         _greedy(sim.model, sim.tokenizer, "day", 6), skip_special_tokens=True)
@@ -418,14 +422,73 @@ def test_http_bad_requests_get_a_json_4xx_and_the_server_keeps_serving(server, r
 
 @pytest.mark.slow
 def test_http_overload_answers_503_with_retry_after(server):
-    body = {"prompt": "the king", "max_tokens": 32, "temperature": 0}
+    body = {"prompt": "the king", "max_tokens": 24, "temperature": 0}
+    key = {"authorization": f"Bearer {KEY}"}
     with ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(lambda _: _post(f"{server}/busy/v1/completions", body), range(8)))
+        responses = list(pool.map(lambda _: _post(f"{server}/busy/v1/completions", body, headers=key), range(8)))
     statuses = sorted(response.status_code for response in responses)
     assert statuses[0] == 200 and statuses[-1] == 503, statuses
     assert set(statuses) == {200, 503}
-    assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 503)
-    assert _post(f"{server}/busy/v1/completions", body).status_code == 200  # and it serves again
+    for refused in (r for r in responses if r.status_code == 503):  # in OpenAI's shape, from the replica
+        assert refused.headers.get("retry-after") == "1", refused.text
+        assert refused.headers["content-type"] == "application/json", refused.text
+        assert refused.json()["error"]["code"] == "overloaded", refused.text
+    assert _post(f"{server}/busy/v1/completions", body, headers=key).status_code == 200  # and it serves again
+
+
+@pytest.mark.slow
+def test_http_api_key_and_payload_limit(server):
+    missing = _post(f"{server}/busy/v1/embeddings", {"input": "day"})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(f"{server}/busy/v1/models", timeout=TIMEOUT).status_code == 401
+    assert requests.get(f"{server}/busy/health", timeout=TIMEOUT).status_code == 200  # a probe needs no key
+    key = {"authorization": f"Bearer {KEY}"}
+    assert _post(f"{server}/busy/v1/embeddings", {"input": "day"}, headers=key).status_code == 200
+    big = _post(f"{server}/busy/v1/embeddings", {"input": ["day"] * 1000}, headers=key)
+    assert big.status_code == 413 and "payload-limit" in big.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_http_the_openai_client(server, served):
+    """The `openai` client as users point it at the server: models, token-id inputs (its default encoding, base64),
+    a refused `dimensions`, a wrong model, and a completion streamed as server-sent events."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/sim/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+    assert [model.id for model in client.models.list().data] == ["sim"]
+    sim = served["sim"]
+    ids = sim.tokenizer(SENTENCES[:3])["input_ids"]
+    got = client.embeddings.create(model="sim", input=ids)
+    torch.testing.assert_close(torch.tensor([row.embedding for row in got.data]),
+                               encode(sim.model, sim.tokenizer, SENTENCES[:3]), atol=1e-5, rtol=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model="sim", input="day", dimensions=16)
+    assert refused.value.body["param"] == "dimensions"
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="text-embedding-3-small", input="day")
+    whole = client.completions.create(model="sim", prompt="the king", max_tokens=6, temperature=0)
+    stream = client.completions.create(model="sim", prompt="the king", max_tokens=6, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+@pytest.mark.slow
+def test_http_text_embeddings_inference_routes(server, served):
+    clf = served["clf"]
+    info = requests.get(f"{server}/clf/info", timeout=TIMEOUT).json()
+    assert info["model_type"]["classifier"]["id2label"] == {"0": "comedy", "1": "history", "2": "tragedy"}
+    response = _post(f"{server}/clf/embed", {"inputs": SENTENCES[:2], "truncation_direction": "Left"})
+    assert {"x-compute-time", "x-tokenization-time", "x-queue-time", "x-inference-time"} <= set(response.headers)
+    torch.testing.assert_close(torch.tensor(response.json()), encode(clf.model, clf.tokenizer, SENTENCES[:2],
+                                                                     normalize=True), atol=1e-5, rtol=0)
+    tokens = _post(f"{server}/clf/tokenize", {"inputs": "the king"}).json()
+    assert [token["id"] for token in tokens[0]] == clf.tokenizer("the king")["input_ids"]
+    assert _post(f"{server}/clf/decode", {"ids": tokens[0][0]["id"]}).status_code == 422  # not a list of ids
+    pair = _post(f"{server}/clf/predict", {"inputs": ["the king", "a crown"]}).json()
+    alone = clf.answer("/predict", {"inputs": ["the king", "a crown"]})  # one pair: one list of labels
+    assert [entry["label"] for entry in pair] == [entry["label"] for entry in alone]
+    assert max(abs(a["score"] - b["score"]) for a, b in zip(pair, alone)) < 1e-5
 
 
 def test_non_finite_outputs_are_an_error_not_null(folders):

@@ -290,9 +290,11 @@ def test_a_wedged_model_thread_fails_the_health_check(served):
         await asyncio.sleep(0.8)  # busy and no progress for longer than stall_s
         with pytest.raises(RuntimeError, match="wedged"):
             await thread.check()
+        assert "wedged" in thread.failure  # /health answers 503 meanwhile
         release.set()
         await blocked
         await thread.check()
+        assert thread.failure is None
 
     asyncio.run(scenario())
 

@@ -39,13 +39,15 @@ def deployed(request, tmp_path_factory):
     from ray import serve
 
     from roformer_hf.serving import build_app, haproxy_env
+    from roformer_hf.serving.ingress import haproxy_ports_env
 
     folder, model, tokenizer = embedding_folder(tmp_path_factory.mktemp("faults") / "encoder")
     port = free_port()
     env = {}
     if request.param == "haproxy":
         try:
-            env = {**haproxy_env(), "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}  # a quick shutdown
+            env = {**haproxy_env(), **haproxy_ports_env(),  # free ports beside the server's: HAProxy's pages
+                   "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}  # a quick shutdown
         except ValueError as error:
             pytest.skip(str(error))
     ray.shutdown()
