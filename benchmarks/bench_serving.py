@@ -15,8 +15,9 @@ What it does:
 3. The engine's floor: a no-op Ray Serve deployment behind FastAPI, without and with `@serve.batch`, against the same
    constant from FastAPI alone on uvicorn (a subprocess), requests/s from `--clients` keep-alive clients, and the
    no-op's latency from one client.
-   Steps 3 and 4 run once per `--ingress`, each on a fresh local Ray: through Ray's Python HTTP proxy, through
-   Ray's HAProxy in its place (`roformer_hf.serving.haproxy_env`), and with direct ingress (the replica answers HTTP
+   Steps 3 and 4 run once per `--ingress`, each on a fresh local Ray: as `roformer-hf serve` sets it up by default
+   (HAProxy where it runs, Ray Serve's errors as JSON), through Ray's Python HTTP proxy, through Ray's HAProxy in its
+   place (`roformer_hf.serving.haproxy_env`), and with direct ingress (the replica answers HTTP
    on its own port, `roformer_hf.serving.direct_ingress_env`); `--ray-env NAME=VALUE` sets a Ray Serve setting for
    Ray's processes.
 4. The folder on Ray Serve (`roformer_hf.serving.build_app`): single-sentence /v1/embeddings from `--clients` clients,
@@ -59,7 +60,8 @@ from workload import REPO_ROOT, add_size_arguments, parse_args, size_of  # noqa:
 
 SHORT, PASSAGE = (8, 32), (120, 136)  # tokens, [CLS] and [SEP] included
 SHORT_LABEL, PASSAGE_LABEL = "32 short sentences (8-32 tokens)", "32 passages (~128 tokens)"
-INGRESS = {"proxy": "through Ray's proxy", "haproxy": "behind HAProxy", "direct": "direct ingress"}
+INGRESS = {"default": "as `roformer-hf serve` sets it up by default", "proxy": "through Ray's proxy",
+           "haproxy": "behind HAProxy", "direct": "direct ingress"}
 COSINE_TARGET, DIFF_TARGET = 0.99999, 1e-5
 
 
@@ -242,9 +244,9 @@ def greedy(served, prompt: str, max_tokens: int) -> list[int]:
     batch = served.tokenizer([prompt], return_tensors="pt")
     with torch.no_grad():
         out = served.model.generate(**batch, do_sample=False, max_new_tokens=max_tokens,
-                                    eos_token_id=served.eos_token_id, pad_token_id=served.tokenizer.pad_token_id)
+                                    eos_token_id=served.loaded.eos_token_id, pad_token_id=served.tokenizer.pad_token_id)
     tokens = out[0, batch["input_ids"].shape[1]:].tolist()
-    return tokens[:tokens.index(served.eos_token_id)] if served.eos_token_id in tokens else tokens
+    return tokens[:tokens.index(served.loaded.eos_token_id)] if served.loaded.eos_token_id in tokens else tokens
 
 
 @dataclass
@@ -270,6 +272,7 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
     from ray import serve
 
     from roformer_hf.serving import build_app, direct_ingress_env, free_ports, haproxy_env
+    from roformer_hf.serving.ingress import haproxy_ports_env
 
     # Ports below the ephemeral ones (`direct_ingress_env`): the proxy's, then the replicas' with direct ingress.
     first = free_ports(1 + 2 * args.replicas)
@@ -278,8 +281,13 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
     # through a setup process of its own): the replicas import this checkout and `serving_apps`.
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS)]),
            **dict(setting.split("=", 1) for setting in args.ray_env)}
+    if ingress == "default":  # what the command sets: HAProxy where it runs, errors in OpenAI's shape
+        from roformer_hf.cli import choose_ingress
+        from roformer_hf.serving.ingress import command_env
+
+        env.update(command_env(choose_ingress("auto", None)[0]), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
     if ingress == "haproxy":  # HAProxy on `port`, in place of Ray's Python proxy
-        env.update(haproxy_env(), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
+        env.update(haproxy_env(), haproxy_ports_env(), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
     if ingress == "direct":  # Ray's processes read it when `ray.init` starts them; the replica takes `first`
         env.update(direct_ingress_env(first, args.replicas), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
     saved = {name: os.environ.get(name) for name in env}
@@ -439,6 +447,13 @@ def main(argv: list[str] | None = None) -> None:
                 ("from one client", runs.one, replica_label, replica_p)):
             p50, p99 = percentiles(run.latencies)
             rows.append((f"latency {label}{how}, p50 / p99 (ms)", (p50, p99), against, reference, run.client_share()))
+        if ingress == "default":  # the goals of the command as a user runs it
+            singles_ratio = runs.singles.rate() / baseline.rate()
+            short_run = next(run for label, _, run, _ in runs.batches if label == SHORT_LABEL)
+            batch_ratio = len(short) / short_run.wall / offline_rate[SHORT_LABEL]
+            bounds.append(f"- the default command: single sentences from {args.clients} clients {singles_ratio:.2f}x "
+                          f"the naive server (goal >= 1.5: {verdict(singles_ratio >= 1.5)}); requests of "
+                          f"{SHORT_LABEL} {batch_ratio:.2f}x offline encode (goal >= 0.9: {verdict(batch_ratio >= 0.9)})")
         floor_p50, one_p50 = percentiles(runs.floor_one.latencies)[0], percentiles(runs.one.latencies)[0]
         bounds.append(f"- latency from one client{how}: p50 {one_p50:.1f} ms against the bound {floor_p50:.1f} "
                       f"(the no-op from one client) + 5 + {replica_p[0]:.1f} ({replica_label}) = "

@@ -103,8 +103,8 @@ def choose_ingress(asked: str, address: str | None) -> tuple[str, str | None]:
 
 def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
-        from .serving import ServedModel, autoscaling, build_app, default_threads, direct_ingress_env, haproxy_env
-        from .serving.ingress import haproxy_ports_env
+        from .serving import ServedModel, autoscaling, build_app, default_threads, direct_ingress_env
+        from .serving.ingress import command_env
     except ImportError as error:
         parser.exit(2, f"roformer-hf serve needs Ray Serve ({error}): pip install roformer_hf[serve]\n")
     log = logging.getLogger(__name__)
@@ -139,11 +139,10 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         parser.error(f"--max-batch-tokens={args.max_batch_tokens}: expected at least the model's longest input, "
                      f"{served.loaded.max_length} tokens")
     del served
-    env = {}  # for Ray's processes, which `ray.init` below starts: they read it once
-    if "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH" in os.environ:
-        env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]
-    if "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S" not in os.environ:  # 5 s by default: on a busy machine Ray Serve
-        env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "30"  # killed a slower proxy, and `serve.start` failed
+    try:  # for Ray's processes, which `ray.init` below starts: they read it once
+        env = command_env("proxy" if ingress == "cluster" else ingress)
+    except ValueError as error:
+        parser.error(f"--ingress haproxy: {error}")
     if args.direct_port is not None:
         try:
             env.update(direct_ingress_env(args.direct_port, args.replicas))
@@ -152,14 +151,6 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         if args.direct_port <= args.port < args.direct_port + 2 * args.replicas:
             parser.error(f"--port={args.port}: expected a port outside the replicas' ports, {args.direct_port} to "
                          f"{args.direct_port + 2 * args.replicas - 1}")
-    if ingress == "haproxy":
-        try:
-            env.update(haproxy_env())
-        except ValueError as error:
-            parser.error(f"--ingress haproxy: {error}")
-        env.update(haproxy_ports_env())
-    # Ray Serve's own errors (a timeout, a dead replica, a route of no application) in OpenAI's shape too.
-    env.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "roformer_hf.serving.guards:proxy_middlewares")
     if args.address is None and (refusal := port_refusal(args.host, args.port)) is not None:
         parser.exit(1, f"roformer-hf serve: {refusal}\n")  # Ray's proxy would fail after Ray started
     os.environ.update(env)

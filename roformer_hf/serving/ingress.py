@@ -119,5 +119,18 @@ def direct_ingress_env(port: int, replicas: int = 1) -> dict[str, str]:
             "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
 
-__all__ = ["HAPROXY_PORTS", "direct_ingress_env", "ephemeral_ports", "free_ports", "haproxy_binary", "haproxy_env",
+def command_env(ingress: str) -> dict[str, str]:
+    """The environment `roformer-hf serve` gives Ray's processes for `ingress` ("haproxy" or "proxy"), beside what
+    this process's environment already sets: HAProxy and free ports for its pages; Ray Serve's own errors in OpenAI's
+    shape (`guards.proxy_middlewares`); 30 s for Ray's proxy to start (Ray's 5 s killed a proxy starting on a busy
+    machine, and `serve.start` failed)."""
+    env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "roformer_hf.serving.guards:proxy_middlewares",
+           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
+    if ingress == "haproxy":
+        env.update(haproxy_env())
+        env.update(haproxy_ports_env())
+    return {name: value for name, value in env.items() if name not in os.environ}
+
+
+__all__ = ["HAPROXY_PORTS", "command_env", "direct_ingress_env", "ephemeral_ports", "free_ports", "haproxy_binary", "haproxy_env",
            "haproxy_ports_env"]
