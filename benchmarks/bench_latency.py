@@ -17,7 +17,7 @@ What it does:
    (`torch.inference_mode`, fp32), interleaved, rotating which goes first, `--repeats` times after `--warmup`
    rounds (`--block N`: N calls of a model in a row per turn, as a server runs one model, the first of each left
    out); reports the median and the 90th percentile, and each median over OpenVINO's. `--compile` adds roformer_hf's
-   model compiled for latency (`compiled_for_latency`, docs/serving.md's recipe) on the one sentence.
+   model compiled for latency (`compiled_for_latency`, docs/export.md's recipe) on the one sentence.
 3. `decode`: one decoding step of roformer_hf's `RoFormerForCausalLM` (batch 1, one token, on the cache it makes)
    after a prompt of P tokens, for each P of `--prefixes`, interleaved the same way; each step adds a token to the
    cache. roformer_hf only (the first step's logits are checked against transformers' first), to follow the step's
@@ -63,7 +63,7 @@ def load_pair(head: str, config, folder: str) -> dict[str, torch.nn.Module]:
 
 
 def compiled_for_latency(folder: str, backend: str = "inductor") -> torch.nn.Module:
-    """roformer_hf's model of `folder` as docs/serving.md compiles it for latency: the padded layout
+    """roformer_hf's model of `folder` as docs/export.md compiles it for latency: the padded layout
     (``unpad_inputs=False``: nothing depends on the mask's values, so the forward is one graph), dynamic shapes (a new
     length compiles nothing new) and frozen weights (inductor packs them and fuses the activations into its
     oneDNN GEMMs). It compiles on its first call, which must run without autograd. Freezing is inductor's global

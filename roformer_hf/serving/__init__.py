@@ -51,8 +51,9 @@ def deployment_options(replicas: int = 1, threads: int | None = None, num_cpus: 
                        autoscale: str | None = None, health_check_timeout_s: float = 30.0) -> dict:
     """Ray Serve options of the deployment: `replicas` replicas (or `autoscale`'s MIN:MAX) of `threads` torch threads
     each (default `default_threads`), each reserving `num_cpus` of Ray's CPUs (default `threads`) and a GPU where
-    `device` is CUDA. Each replica runs `max_ongoing_requests` at a time; beyond those, `max_queued_requests` wait and
-    the rest get 503 with `Retry-After: 1`."""
+    `device` is CUDA. Each replica runs `max_ongoing_requests` at a time; beyond those, `max_queued_requests` wait in
+    Ray Serve's queue and the rest get 503 with `Retry-After: 1` (in OpenAI's shape where Ray's processes run with
+    `guards.proxy_middlewares`, as the command sets them up)."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas={replicas!r}: expected a positive integer")
     threads = threads or default_threads(replicas)
@@ -61,14 +62,11 @@ def deployment_options(replicas: int = 1, threads: int | None = None, num_cpus: 
         actor["num_gpus"] = 1
     for name, value, low in (("max_ongoing_requests", max_ongoing_requests, 1),
                              ("max_queued_requests", max_queued_requests, 0)):
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r}: expected an integer of at least {low}")
-    # The replica admits `max_ongoing_requests` and queues `max_queued_requests` itself, refusing the rest at once in
-    # OpenAI's shape. Ray Serve routes more than that to a replica and queues the rest without a limit: its own
-    # refusal is plain text, and its queue also counts the requests it is still choosing a replica for (8
-    # concurrent requests were refused with a queue of 2).
-    held = max_ongoing_requests + max_queued_requests
-    options = {"ray_actor_options": actor, "max_ongoing_requests": 2 * held + 64, "max_queued_requests": -1,
+        if not isinstance(value, int) or value < low and not (name == "max_queued_requests" and value == -1):
+            raise ValueError(f"{name}={value!r}: expected an integer of at least {low}"
+                             + (", or -1 for no limit" if name == "max_queued_requests" else ""))
+    options = {"ray_actor_options": actor, "max_ongoing_requests": max_ongoing_requests,
+               "max_queued_requests": max_queued_requests,
                "health_check_timeout_s": health_check_timeout_s}
     if autoscale is not None:
         options["autoscaling_config"] = autoscaling(autoscale)
@@ -98,8 +96,7 @@ def build_app(args: dict) -> serve.Application:
               "batch_wait_ms": values["batch_wait_ms"], "max_inputs": values["max_inputs"],
               "device": values["device"], "name": values["served_model_name"], "api_key": values["api_key"],
               "payload_limit": values["payload_limit"], "request_timeout_s": values["request_timeout_s"],
-              "stall_s": values["health_check_timeout_s"], "max_ongoing_requests": values["max_ongoing_requests"],
-              "max_queued_requests": values["max_queued_requests"]}
+              "stall_s": values["health_check_timeout_s"], "max_ongoing_requests": values["max_ongoing_requests"]}
     return RoFormerServer.options(**options).bind(folder, **kwargs)
 
 

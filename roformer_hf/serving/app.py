@@ -200,7 +200,7 @@ class RoFormerServer:
     def __init__(self, folder: str, *, threads: int = 1, int8: bool = False, max_batch_tokens: int = 4096,
                  batch_wait_ms: float = 5.0, max_inputs: int = 256, device: str = "cpu", name: str | None = None,
                  api_key: str | None = None, payload_limit: int = 2_000_000, request_timeout_s: float | None = None,
-                 stall_s: float = 30.0, max_ongoing_requests: int = 64, max_queued_requests: int = 256):
+                 stall_s: float = 30.0, max_ongoing_requests: int | None = None):
         torch.set_num_threads(threads)
         self.served = ServedModel(folder, int8=int8, max_inputs=max_inputs, device=device, name=name,
                                   settings={"max_batch_tokens": max_batch_tokens,
@@ -211,11 +211,6 @@ class RoFormerServer:
         guards.GUARD.api_key, guards.GUARD.payload_limit = api_key, payload_limit
         self.thread = ModelThread(self.served, stall_s)
         self.max_batch_tokens, self.request_timeout_s = max_batch_tokens, request_timeout_s
-        # Admission is the replica's, so that an overload is answered in OpenAI's shape: `max_ongoing_requests` run
-        # at once, `max_queued_requests` more wait, the rest get 503 with Retry-After (Ray Serve's own limits are set
-        # above these, `deployment_options`).
-        self.max_ongoing, self.max_queued = max_ongoing_requests, max_queued_requests
-        self.slots, self.admitted = asyncio.Semaphore(max_ongoing_requests), 0
         self.batch_wait_s, self.ongoing = batch_wait_ms / 1000, 0  # requests past parsing, not yet answered
         for kind in KINDS:
             getattr(self, f"run_{kind}").set_max_batch_size(max_batch_tokens)
@@ -240,19 +235,7 @@ class RoFormerServer:
         if entry.path == "/health" and self.thread.failure is not None:
             raise RequestError(503, None, f"this replica cannot run its model ({self.thread.failure}): expected Ray "
                                "Serve to replace it", code="unhealthy", headers={"retry-after": "1"})
-        if entry.method == "GET":  # answered at once, whatever the load: /health, /info, /v1/models
-            return await self.answer(entry, request, body)
-        if self.admitted >= self.max_ongoing + self.max_queued:
-            self.refused.inc(tags={"status": "503"})
-            raise RequestError(503, None, f"this replica holds {self.admitted} requests, its --max-ongoing-requests="
-                               f"{self.max_ongoing} and --max-queued-requests={self.max_queued}: expected a retry "
-                               "after Retry-After seconds", code="overloaded", headers={"retry-after": "1"})
-        self.admitted += 1  # until the answer starts: a stream's tokens then flow without holding a slot
-        try:
-            async with self.slots:
-                return await self.answer(entry, request, body)
-        finally:
-            self.admitted -= 1
+        return await self.answer(entry, request, body)
 
     async def answer(self, entry: Route, request: Request, body: Any) -> Response:
         timing = Timing()
@@ -335,9 +318,10 @@ RoFormerServer.unknown = unknown
 app.add_api_route("/{path:path}", unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
 
 # Health checked every second (Ray Serve's default: 10 s), so that a replica that died is replaced seconds sooner.
-# Ray Serve's own refusal (a plain-text 503) is a backstop behind the replica's (`deployment_options`).
-RoFormerServer = serve.deployment(health_check_period_s=1, backpressure_config={"status_code": 503,
-                                                                                "retry_after_s": 1})(
+# Overload is Ray Serve's: `max_ongoing_requests` per replica, then `max_queued_requests`, then 503 with Retry-After
+# (in OpenAI's shape through `guards.proxy_middlewares`). Ray Serve routes by those limits, so they stay its own.
+RoFormerServer = serve.deployment(max_ongoing_requests=64, max_queued_requests=256, health_check_period_s=1,
+                                  backpressure_config={"status_code": 503, "retry_after_s": 1})(
     serve.ingress(app)(RoFormerServer))
 
 

@@ -89,6 +89,9 @@ class Guarded:
 
 
 
+RAY_CODES = {408: "timeout", 503: "overloaded", 500: "server_error"}  # Ray Serve's: timeout, backpressure, failure
+
+
 class RayErrorsAsJson:
     """An ASGI middleware for Ray Serve's own HTTP servers (its Python proxy and each replica's direct ingress;
     `proxy_middlewares`): its plain-text errors (a request dropped by backpressure, a timeout, a route of no
@@ -104,7 +107,7 @@ class RayErrorsAsJson:
         held, text, started = None, b"", False
 
         async def send_json(status: int, message: str, headers) -> None:
-            body = orjson.dumps(error_body(status, message))
+            body = orjson.dumps(error_body(status, message, code=RAY_CODES.get(status)))
             kept = [(k, v) for k, v in headers if k.lower() not in (b"content-type", b"content-length")]
             await send({"type": "http.response.start", "status": status, "headers": [
                 *kept, (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

@@ -298,7 +298,7 @@ def test_embedding_benchmark_times_every_model_on_every_set(script_result):
 def test_latency_benchmark_times_every_model_and_the_decoding_step(script_result):
     """`bench_latency.py --quick --compile`: roformer_hf, transformers' RoFormer and OpenVINO (transformers' model
     converted) on one sentence, 32 short sentences and the padded batch, and roformer_hf compiled for latency on the
-    one sentence (with `aot_eager`: inductor's cold compile would double the test's time; docs/serving.md's recipe,
+    one sentence (with `aot_eager`: inductor's cold compile would double the test's time; docs/export.md's recipe,
     run by the docs test, compiles with inductor), their last hidden states checked equal first; then roformer_hf's
     decoding step at each prompt length."""
     result = script_result

@@ -101,11 +101,12 @@ def block_runner():
     runner.wait(timeout=60)
 
 
-SLOW_PAGES = {"serving.md"}  # its blocks compile with inductor
+SLOW_PAGES = {"export.md"}  # its blocks compile with inductor
+SERVER_PAGES = {"serving.md"}  # its blocks talk to servers: `test_serving_page_runs_against_servers_it_starts`
 
 
 @pytest.mark.parametrize("page", [pytest.param(page, marks=[pytest.mark.slow] if page.name in SLOW_PAGES else [])
-                                  for page in CODE_PAGES if page_blocks(page)[0]],
+                                  for page in CODE_PAGES if page_blocks(page)[0] and page.name not in SERVER_PAGES],
                          ids=lambda page: page.relative_to(ROOT).as_posix())
 def test_every_python_block_runs_as_written(page, block_runner):
     """Each block on its own: its imports, its data, nothing from the blocks before it."""
@@ -206,3 +207,87 @@ def test_the_troubleshooting_page_quotes_the_errors_users_see(tmp_path, monkeypa
     assert len(quotes) == len(errors)
     for quote, error in zip(quotes, errors):
         assert quote in error, (quote, error)
+
+
+def _serve(folder: Path, port: int, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "RAY_worker_niceness": "0"}
+    return subprocess.Popen([PYTHON, "-m", "roformer_hf.cli", "serve", str(folder), "--port", str(port), *extra],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, deadline_s: float) -> None:
+    import time
+    import urllib.request
+
+    start = time.monotonic()
+    while time.monotonic() - start < deadline_s:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited ({server.returncode}): {server.stderr.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"{url}/health not answering within {deadline_s} s")
+
+
+def _stop(server: subprocess.Popen) -> None:
+    import signal
+
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGINT)  # the command shuts Ray Serve down, HAProxy with it
+        try:
+            server.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_serving_page_runs_against_servers_it_starts(tmp_path):
+    """docs/serving.md as a user pastes it: `roformer-hf serve` (the command, its default ingress) on a causal LM named
+    `roformer` at the page's port 8000 and on a cross-encoder at 8001, here on free ports; every `curl` line (with
+    `--fail`) and every python block runs against them."""
+    import shutil
+
+    import torch
+    from helpers import free_port, save_folder, serving_tokenizer, tiny_config
+
+    from roformer_hf import RoFormerForCausalLM, RoFormerForSequenceClassification
+
+    tokenizer = serving_tokenizer()
+    torch.manual_seed(0)
+    lm = save_folder(RoFormerForCausalLM(tiny_config(vocab_size=len(tokenizer), is_decoder=True)).eval(), tokenizer,
+                     tmp_path / "my-model")
+    reranker = save_folder(RoFormerForSequenceClassification(tiny_config(vocab_size=len(tokenizer), num_labels=1)).eval(),
+                           tokenizer, tmp_path / "my-reranker")
+    ports = {"8000": free_port(), "8001": free_port()}
+    servers = [_serve(lm, ports["8000"], "--served-model-name", "roformer"), _serve(reranker, ports["8001"])]
+    try:
+        for port, server in zip(ports.values(), servers):
+            _wait_healthy(f"http://127.0.0.1:{port}", server, 300)
+        text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+        for page_port, port in ports.items():
+            text = text.replace(f"localhost:{page_port}", f"127.0.0.1:{port}").replace(
+                f"127.0.0.1:{page_port}", f"127.0.0.1:{port}")
+        bash = "\n".join(re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL))
+        commands = re.findall(r"^(curl .*?)(?<!\\)$", bash.replace("\\\n", " "), flags=re.MULTILINE)
+        assert len(commands) >= 8, commands
+        if shutil.which("curl"):
+            for command in commands:
+                done = subprocess.run(command.replace("curl ", "curl --fail --max-time 60 ", 1), shell=True,
+                                      capture_output=True, text=True, timeout=90)
+                assert done.returncode == 0, (command, done.stdout[-500:], done.stderr[-500:])
+        blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+        assert len(blocks) >= 3
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        for block in blocks:
+            done = subprocess.run([PYTHON, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=120)
+            assert done.returncode == 0, (block, done.stderr[-3000:])
+    finally:
+        for server in servers:
+            _stop(server)

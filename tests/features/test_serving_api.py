@@ -347,3 +347,23 @@ def test_the_default_ingress_is_haproxy_where_it_runs(monkeypatch):
     assert chosen == "proxy" and "no haproxy program runs here" in why
     monkeypatch.setattr(serving, "haproxy_binary", lambda: "/usr/sbin/haproxy")
     assert cli.choose_ingress("auto", None) == ("haproxy", None)
+
+
+def test_the_docs_table_lists_every_flag_with_its_default():
+    """docs/serving.md's settings table and `roformer-hf serve --help` name the same flags and defaults."""
+    import re
+    from pathlib import Path
+
+    from roformer_hf.cli import _parser
+
+    serve = _parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {action.option_strings[-1]: action for action in serve._actions
+             if action.option_strings and action.option_strings[-1] != "--help"}
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `(--[a-z0-9-]+)[^`]*` \| ([^|]+) \|", page, flags=re.MULTILINE))
+    assert set(rows) == set(flags)
+    for name, action in flags.items():
+        if isinstance(action.default, (int, float)) and not isinstance(action.default, bool):
+            assert float(rows[name].strip().strip("`")) == action.default, (name, rows[name])
+        elif isinstance(action.default, str) and name != "--api-key":
+            assert rows[name].strip().strip("`") == action.default, (name, rows[name])

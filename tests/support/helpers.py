@@ -208,11 +208,13 @@ def ray_environment(**env: str) -> Iterator[None]:
     setup process for each worker. Ray's workers (the replicas, Ray Serve's controller and proxy) run at the tests'
     own priority, where Ray starts them at niceness 15: beside other workers' compiles, a replica's start (mostly
     importing torch and transformers, 8 CPU-s) took two minutes. Ray Serve's proxy gets 30 s to start, not 5: on a
-    machine busy with other tests, a proxy slower than that was killed and `serve.start` failed."""
+    machine busy with other tests, a proxy slower than that was killed and `serve.start` failed. Ray Serve's own errors
+    come in OpenAI's shape, as `roformer-hf serve` sets it up (`roformer_hf.serving.ingress.command_env`)."""
     import os
 
     env = {"PYTHONPATH": os.pathsep.join(sys.path), "RAY_worker_niceness": "0",
-           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", **env}
+           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+           "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "roformer_hf.serving.guards:proxy_middlewares", **env}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
