@@ -182,11 +182,11 @@ class Timing:
     batch_start: float = 0.0
     batch_end: float = 0.0
 
-    def headers(self, tokens: int) -> dict[str, str]:
+    def headers(self, tokens: int, device: str) -> dict[str, str]:
         now = time.perf_counter()
         queue = max(0.0, self.batch_start - self.parsed) if self.batch_start else 0.0
         inference = self.batch_end - self.batch_start if self.batch_start else 0.0
-        return {"x-compute-type": "cpu" if not torch.cuda.is_available() else "gpu",
+        return {"x-compute-type": "gpu" if device == "cuda" else device,
                 "x-compute-time": f"{(now - self.start) * 1000:.0f}", "x-compute-tokens": str(tokens),
                 "x-total-time": f"{(now - self.start) * 1000:.0f}",
                 "x-tokenization-time": f"{(self.parsed - self.start) * 1000:.0f}",
@@ -260,7 +260,7 @@ class RoFormerServer:
                                "expected a smaller request, or a longer timeout", code="timeout") from None
         # orjson renders 32 embeddings of 768 floats in 1 ms where `json` takes 10 (the same numbers, shortest
         # round-trip form); FastAPI's own path would first walk every float with `jsonable_encoder`.
-        return json_response(200, parsed.respond(raise_row_errors(results)), {**parsed.headers, **timing.headers(tokens)})
+        return json_response(200, parsed.respond(raise_row_errors(results)), {**parsed.headers, **timing.headers(tokens, self.served.loaded.device.type)})
 
     async def _events(self, parsed: Parsed) -> AsyncIterator[bytes]:
         """The streamed answer as server-sent events, `data: [DONE]` last; a failure mid-stream is an error event."""

@@ -5,6 +5,7 @@ of token ids."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -105,6 +106,16 @@ def with_prompt(served: ServedModel, texts: list[str], prompt_name: str | None, 
     return texts if prompt_name is None else [prompts[prompt_name] + text for text in texts]
 
 
+@contextmanager
+def truncation_side(tokenizer, direction: str):
+    """`tokenizer`, cutting long inputs on `direction`'s side ("left" or "right") inside the block."""
+    saved, tokenizer.truncation_side = tokenizer.truncation_side, direction.lower()
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.truncation_side = saved
+
+
 def token_rows(served: ServedModel, value: Any, name: str, *, truncate: bool = False,
                direction: str = "right", prompt_name: str | None = None) -> tuple[list[list[int]], bool]:
     """The rows of token ids of `value` (a string, strings, token ids or lists of token ids) and whether it was one
@@ -120,9 +131,8 @@ def token_rows(served: ServedModel, value: Any, name: str, *, truncate: bool = F
             if not text.strip():
                 raise RequestError(422, name, f"{name}[{i}]={text!r}: expected a non-empty string")
         texts = with_prompt(served, rows, prompt_name)
-        tokenizer = served.loaded.tokenizer
-        tokenizer.truncation_side = direction
-        ids = tokenizer(texts, truncation=truncate, max_length=served.loaded.max_length)["input_ids"]
+        with truncation_side(served.loaded.tokenizer, direction) as tokenizer:
+            ids = tokenizer(texts, truncation=truncate, max_length=served.loaded.max_length)["input_ids"]
     else:
         if prompt_name is not None:
             raise RequestError(400, "prompt_name", f"prompt_name={prompt_name!r} with token ids: expected texts (a "
@@ -145,4 +155,4 @@ def token_rows(served: ServedModel, value: Any, name: str, *, truncate: bool = F
 
 
 __all__ = ["Body", "Direction", "Parsed", "ROUTES", "Route", "TextsOrIds", "check_count", "check_model", "route",
-           "token_rows", "validation_error", "with_prompt"]
+           "token_rows", "truncation_side", "validation_error", "with_prompt"]

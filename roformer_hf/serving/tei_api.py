@@ -12,7 +12,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 from .. import __version__
 from .errors import RequestError
 from .openai_api import check_dimensions, cut
-from .protocol import Body, Direction, Parsed, TextsOrIds, check_count, route, token_rows, with_prompt
+from .protocol import Body, Direction, Parsed, TextsOrIds, check_count, route, token_rows, truncation_side, with_prompt
 from .tasks import Item
 
 if TYPE_CHECKING:
@@ -62,13 +62,12 @@ def _encode_pairs(served: ServedModel, firsts: list[str], seconds: list[str | No
     for i, (first, second) in enumerate(zip(firsts, seconds)):
         if not first.strip() or (second is not None and not second.strip()):
             raise RequestError(422, name, f"{name}[{i}]: expected non-empty strings")
-    tokenizer, limit = served.loaded.tokenizer, served.loaded.max_length
-    tokenizer.truncation_side = direction.lower()
-    rows = []
-    for first, second in zip(firsts, seconds):
-        encoded = tokenizer(first, second, truncation=truncate, max_length=limit)
-        rows.append({"input_ids": encoded["input_ids"],
-                     "token_type_ids": encoded.get("token_type_ids", [0] * len(encoded["input_ids"]))})
+    limit, rows = served.loaded.max_length, []
+    with truncation_side(served.loaded.tokenizer, direction) as tokenizer:
+        for first, second in zip(firsts, seconds):
+            encoded = tokenizer(first, second, truncation=truncate, max_length=limit)
+            rows.append({"input_ids": encoded["input_ids"],
+                         "token_type_ids": encoded.get("token_type_ids", [0] * len(encoded["input_ids"]))})
     for i, row in enumerate(rows):
         if len(row["input_ids"]) > limit:
             raise RequestError(413, name, f"{name}[{i}] is {len(row['input_ids'])} tokens long: expected at most "

@@ -248,9 +248,9 @@ def _stop(server: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_serving_page_runs_against_servers_it_starts(tmp_path):
-    """docs/serving.md as a user pastes it: `roformer-hf serve` (the command, its default ingress) on a causal LM named
-    `roformer` at the page's port 8000 and on a cross-encoder at 8001, here on free ports; every `curl` line (with
-    `--fail`) and every python block runs against them."""
+    """docs/serving.md as a user pastes it: `roformer-hf serve` (the command, its default ingress) on a RoFormer-Sim
+    named `roformer` at the page's port 8000 and on a cross-encoder at 8001, here on free ports; every `curl` line
+    (with `--fail`) and every python block runs against them; then Prometheus shows the requests."""
     import shutil
 
     import torch
@@ -260,12 +260,14 @@ def test_serving_page_runs_against_servers_it_starts(tmp_path):
 
     tokenizer = serving_tokenizer()
     torch.manual_seed(0)
-    lm = save_folder(RoFormerForCausalLM(tiny_config(vocab_size=len(tokenizer), is_decoder=True)).eval(), tokenizer,
-                     tmp_path / "my-model")
+    lm = save_folder(RoFormerForCausalLM(tiny_config(vocab_size=len(tokenizer), is_decoder=True, prefix_lm=True,
+                                                     add_pooling_layer=True)).eval(),  # RoFormer-Sim: /similar too
+                     tokenizer, tmp_path / "my-model")
     reranker = save_folder(RoFormerForSequenceClassification(tiny_config(vocab_size=len(tokenizer), num_labels=1)).eval(),
                            tokenizer, tmp_path / "my-reranker")
-    ports = {"8000": free_port(), "8001": free_port()}
-    servers = [_serve(lm, ports["8000"], "--served-model-name", "roformer"), _serve(reranker, ports["8001"])]
+    ports, metrics = {"8000": free_port(), "8001": free_port()}, free_port()
+    servers = [_serve(lm, ports["8000"], "--served-model-name", "roformer", "--metrics-port", str(metrics)),
+               _serve(reranker, ports["8001"])]
     try:
         for port, server in zip(ports.values(), servers):
             _wait_healthy(f"http://127.0.0.1:{port}", server, 300)
@@ -288,6 +290,16 @@ def test_serving_page_runs_against_servers_it_starts(tmp_path):
             done = subprocess.run([PYTHON, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
                                   timeout=120)
             assert done.returncode == 0, (block, done.stderr[-3000:])
+        # The requests above, counted by Ray Serve and by the replica's batches, on the Prometheus port.
+        import time
+        import urllib.request
+
+        wanted, seen, start = ("ray_serve_num_http_requests_total", "ray_roformer_batch_tokens_bucket"), "", time.monotonic()
+        while not all(name in seen for name in wanted) and time.monotonic() - start < 60:
+            time.sleep(2)
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as answer:
+                seen = answer.read().decode()
+        assert all(name in seen for name in wanted), [name for name in wanted if name not in seen]
     finally:
         for server in servers:
             _stop(server)

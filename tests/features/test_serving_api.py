@@ -367,3 +367,42 @@ def test_the_docs_table_lists_every_flag_with_its_default():
             assert float(rows[name].strip().strip("`")) == action.default, (name, rows[name])
         elif isinstance(action.default, str) and name != "--api-key":
             assert rows[name].strip().strip("`") == action.default, (name, rows[name])
+
+
+def test_deployment_settings_reach_ray_serve():
+    from roformer_hf.serving import autoscaling, build_app, deployment_options
+
+    options = deployment_options(replicas=2, threads=1, autoscale="0:4", max_ongoing_requests=8,
+                                 max_queued_requests=-1)
+    assert "num_replicas" not in options  # Ray Serve refuses both
+    assert options["autoscaling_config"] == {"min_replicas": 0, "max_replicas": 4, "initial_replicas": 1,
+                                             "target_ongoing_requests": 2}
+    assert (options["max_ongoing_requests"], options["max_queued_requests"]) == (8, -1)
+    assert deployment_options(device="cuda")["ray_actor_options"] == {"num_cpus": deployment_options()[
+        "ray_actor_options"]["num_cpus"], "num_gpus": 1}
+    for spec in ("4", "3:1", "a:b", "0:0"):
+        with pytest.raises(ValueError, match="autoscale="):
+            autoscaling(spec)
+    with pytest.raises(ValueError, match="max_queued_requests=-2: expected an integer of at least 0, or -1"):
+        deployment_options(max_queued_requests=-2)
+    with pytest.raises(ValueError, match=r"unknown arguments \['replica'\]"):
+        build_app({"folder": "x", "replica": "2"})
+    with pytest.raises(ValueError, match="int8='maybe': expected true or false"):
+        build_app({"folder": "x", "int8": "maybe"})
+
+
+def test_device_and_cli_combinations_are_checked(folders, capsys):
+    from roformer_hf.cli import main
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda': this machine has 0 CUDA devices"):
+            ServedModel(folders["encoder"], device="cuda")
+    with pytest.raises(ValueError, match="device='tpu'"):
+        ServedModel(folders["encoder"], device="tpu")
+    for argv, message in ((["--ingress", "haproxy", "--address", "auto"], "--ingress haproxy with --address"),
+                          (["--autoscale", "2"], "--autoscale: autoscale='2': expected MIN:MAX"),
+                          (["--max-queued-requests", "-3"], "--max-queued-requests=-3"),
+                          (["--payload-limit", "0"], "--payload-limit=0: expected a positive integer")):
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", str(folders["encoder"]), *argv])
+        assert exited.value.code != 0 and message in capsys.readouterr().err
