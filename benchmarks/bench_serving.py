@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--completions", type=int, default=32, help="greedy completions checked")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
     parser.add_argument("--clients", type=int, default=32, help="concurrent client threads")
-    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="model replicas (default: the command's, `roformer_hf.serving.default_replicas`)")
     parser.add_argument("--max-batch-tokens", type=int, default=4096)
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
     parser.add_argument("--passes", type=int, default=3,
@@ -348,14 +349,16 @@ def timed(fn: Callable[[], object]) -> tuple[object, float]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(build_parser(), argv, requests=200, sentences=48, completions=4, max_tokens=8, passes=1)
+    from roformer_hf.serving import ServedModel, default_replicas, default_threads
+    from roformer_hf.similarity import encode
+
+    args.replicas = args.replicas or default_replicas(args.threads)
     for name in ("requests", "sentences", "completions", "clients", "replicas", "max_tokens", "passes"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: expected a positive integer")
     for setting in args.ray_env:
         if "=" not in setting or not setting.split("=", 1)[0]:
             raise SystemExit(f"--ray-env={setting!r}: expected NAME=VALUE")
-    from roformer_hf.serving import ServedModel, default_threads
-    from roformer_hf.similarity import encode
 
     threads = args.threads or default_threads(args.replicas)
     size = size_of(args)

@@ -42,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="the name clients give as `model` (default: the folder's name)")
     model.add_argument("--device", default="cpu", help="where each replica runs the model: cpu, or cuda (a GPU each) (default: %(default)s)")
     model.add_argument("--int8", action="store_true", help="quantize the linear layers to int8 (CPU)")
-    model.add_argument("--replicas", type=int, default=1, help="model replicas (default: %(default)s)")
+    model.add_argument("--replicas", type=int, default=None,
+                       help="model replicas (default: one per core, up to 4, or as many as the cores take of --threads; "
+                            "1 with --device cuda)")
     model.add_argument("--autoscale", default=None, metavar="MIN:MAX",
                        help="Ray Serve's autoscaling between MIN and MAX replicas, in place of --replicas")
     model.add_argument("--threads", type=int, default=None,
@@ -103,7 +105,7 @@ def choose_ingress(asked: str, address: str | None) -> tuple[str, str | None]:
 
 def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
-        from .serving import ServedModel, autoscaling, build_app, default_threads, direct_ingress_env
+        from .serving import ServedModel, autoscaling, build_app, default_replicas, default_threads, direct_ingress_env
         from .serving.ingress import command_env
     except ImportError as error:
         parser.exit(2, f"roformer-hf serve needs Ray Serve ({error}): pip install roformer_hf[serve]\n")
@@ -121,6 +123,8 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             autoscaling(args.autoscale)
         except ValueError as error:
             parser.error(f"--autoscale: {error}")
+    if args.replicas is None:
+        args.replicas = 1 if args.device.startswith("cuda") else default_replicas(args.threads)
     ingress, why = choose_ingress(args.ingress, args.address)
     if args.address is not None and args.ingress == "haproxy":
         parser.error("--ingress haproxy with --address: the cluster's ingress is the one `ray start` was given "

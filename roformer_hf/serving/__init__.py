@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from .app import RoFormerServer, default_threads
+from .app import RoFormerServer, default_replicas, default_threads
 from .errors import RequestError, RowError, error_body
 from .ingress import direct_ingress_env, ephemeral_ports, free_ports, haproxy_binary, haproxy_env
 from .loaded import LoadedModel
@@ -26,7 +26,7 @@ from .tasks import Item, Tasks
 
 # build_app's arguments: name -> (type, default). Strings are read as `serve run` passes them.
 ARGUMENTS = {
-    "replicas": (int, 1), "threads": (int, None), "int8": (bool, False), "max_batch_tokens": (int, 4096),
+    "replicas": (int, None), "threads": (int, None), "int8": (bool, False), "max_batch_tokens": (int, 4096),
     "batch_wait_ms": (float, 5.0), "max_inputs": (int, 256), "num_cpus": (float, None),
     "max_ongoing_requests": (int, 64), "max_queued_requests": (int, 256), "device": (str, "cpu"),
     "served_model_name": (str, None), "api_key": (str, None), "payload_limit": (int, 2_000_000),
@@ -77,9 +77,9 @@ def deployment_options(replicas: int = 1, threads: int | None = None, num_cpus: 
 
 def build_app(args: dict) -> serve.Application:
     """The application serving `args["folder"]`: `serve run roformer_hf.serving:build_app folder=FOLDER`, or the
-    `import_path` and `args` of a Serve config file. The arguments and their defaults are `ARGUMENTS`'s; `threads`
-    defaults to the cores divided among the replicas, `num_cpus` (Ray's CPUs per replica) to `threads`,
-    `served_model_name` to the folder's name."""
+    `import_path` and `args` of a Serve config file. The arguments and their defaults are `ARGUMENTS`'s; `replicas`
+    defaults to one per core up to 4 (`default_replicas`; 1 on a GPU), `threads` to the cores divided among them,
+    `num_cpus` (Ray's CPUs per replica) to `threads`, `served_model_name` to the folder's name."""
     args = dict(args)
     if "folder" not in args:
         raise ValueError(f"args={args!r}: expected a folder (serve run roformer_hf.serving:build_app folder=FOLDER)")
@@ -88,8 +88,9 @@ def build_app(args: dict) -> serve.Application:
     if unknown:
         raise ValueError(f"unknown arguments {unknown}: expected folder and some of {sorted(ARGUMENTS)}")
     values = {name: _read(name, kind, args.get(name, default)) for name, (kind, default) in ARGUMENTS.items()}
-    threads = values["threads"] or default_threads(values["replicas"])
-    options = deployment_options(values["replicas"], threads, values["num_cpus"], values["max_ongoing_requests"],
+    replicas = values["replicas"] or (1 if values["device"].startswith("cuda") else default_replicas(values["threads"]))
+    threads = values["threads"] or default_threads(replicas)
+    options = deployment_options(replicas, threads, values["num_cpus"], values["max_ongoing_requests"],
                                  values["max_queued_requests"], values["device"], values["autoscale"],
                                  values["health_check_timeout_s"])
     kwargs = {"threads": threads, "int8": values["int8"], "max_batch_tokens": values["max_batch_tokens"],
@@ -114,5 +115,5 @@ def _read(name: str, kind: type, value):
 
 
 __all__ = ["ARGUMENTS", "Item", "LoadedModel", "RequestError", "RoFormerServer", "RowError", "ServedModel", "Tasks",
-           "autoscaling", "build_app", "default_threads", "deployment_options", "direct_ingress_env",
+           "autoscaling", "build_app", "default_replicas", "default_threads", "deployment_options", "direct_ingress_env",
            "ephemeral_ports", "error_body", "free_ports", "haproxy_binary", "haproxy_env"]

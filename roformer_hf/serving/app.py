@@ -325,9 +325,22 @@ RoFormerServer = serve.deployment(max_ongoing_requests=64, max_queued_requests=2
     serve.ingress(app)(RoFormerServer))
 
 
+MAX_DEFAULT_REPLICAS = 4
+
+
+def default_replicas(threads: int | None = None) -> int:
+    """Replicas so that the replicas together use the machine's cores: as many as the cores take of `threads`
+    threads each; without `threads`, one per core up to `MAX_DEFAULT_REPLICAS` (each holds the model). On 2 cores
+    (Intel Xeon and AMD EPYC), two replicas of one thread answered more sentences per second than one of two, for
+    single sentences and requests of 32 alike, and one client as fast (benchmarks/RESULTS.md)."""
+    cores = os.cpu_count() or 1
+    return max(1, cores // threads) if threads else min(cores, MAX_DEFAULT_REPLICAS)
+
+
 def default_threads(replicas: int) -> int:
     """Torch threads per replica so that the replicas together use the machine's cores, no more."""
     return max(1, (os.cpu_count() or 1) // replicas)
 
 
-__all__ = ["ModelThread", "RoFormerServer", "app", "chunks", "default_threads"]
+__all__ = ["MAX_DEFAULT_REPLICAS", "ModelThread", "RoFormerServer", "app", "chunks", "default_replicas",
+           "default_threads"]

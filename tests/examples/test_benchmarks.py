@@ -329,7 +329,7 @@ def test_serving_benchmark_checks_answers_and_reports_every_measure():
     pytest.importorskip("sentence_transformers", reason="the serving benchmark compares with sentence-transformers")
     # 90-108 s within a full run on a 2-core Xeon, 202 s there when it ran twice as slowly (2026-11-28).
     result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_serving.py"), "--quick", "--max-seconds", "360",
-                             "--ingress", "direct",  # the proxy's routes: tests/features/test_serving.py
+                             "--ingress", "direct", "--replicas", "1",  # the proxy's: tests/features/test_serving.py
                              # as `helpers.ray_environment` sets them
                              "--ray-env", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30",
                              "--ray-env", "RAY_worker_niceness=0"],
