@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     where.add_argument("--ingress", choices=INGRESSES, default="auto",
                        help="what holds --port: Ray Serve's HAProxy, each replica answering behind it (Linux), or "
-                            "Ray's Python proxy; auto: HAProxy where its program runs here, else the Python proxy (default: %(default)s)")
+                            "Ray's Python proxy; auto: HAProxy where its program runs here, else the Python proxy "
+                            "(default: %(default)s)")
     where.add_argument("--direct-port", type=int, default=None,
                        help="each replica also answers HTTP itself on a port from this one up, without a proxy "
                             "(Ray Serve's direct ingress; with --ingress proxy)")
@@ -40,20 +41,24 @@ def _parser() -> argparse.ArgumentParser:
     model = serve.add_argument_group("the model")
     model.add_argument("--served-model-name", default=None,
                        help="the name clients give as `model` (default: the folder's name)")
-    model.add_argument("--device", default="cpu", help="where each replica runs the model: cpu, or cuda (a GPU each) (default: %(default)s)")
+    model.add_argument("--device", default="cpu",
+                       help="where each replica runs the model: cpu, or cuda (a GPU each) (default: %(default)s)")
     model.add_argument("--int8", action="store_true", help="quantize the linear layers to int8 (CPU)")
     model.add_argument("--replicas", type=int, default=None,
-                       help="model replicas (default: one per core, up to 4, or as many as the cores take of --threads; "
-                            "1 with --device cuda)")
+                       help="model replicas (default: one per core, up to 4, or as many as the cores take of "
+                            "--threads; 1 with --device cuda)")
     model.add_argument("--autoscale", default=None, metavar="MIN:MAX",
                        help="Ray Serve's autoscaling between MIN and MAX replicas, in place of --replicas")
     model.add_argument("--threads", type=int, default=None,
                        help="torch threads per replica (default: the cores divided among the replicas)")
     batching = serve.add_argument_group("batching and load")
     batching.add_argument("--max-batch-tokens", type=int, default=4096,
-                          help="tokens per batch at most (a completion counts its prompt and max_tokens) (default: %(default)s)")
-    batching.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a batch waits to fill (default: %(default)s)")
-    batching.add_argument("--max-inputs", type=int, default=256, help="inputs one request may carry at most (default: %(default)s)")
+                          help="tokens per batch at most (a completion counts its prompt and max_tokens) "
+                               "(default: %(default)s)")
+    batching.add_argument("--batch-wait-ms", type=float, default=5.0,
+                          help="how long a batch waits to fill (default: %(default)s)")
+    batching.add_argument("--max-inputs", type=int, default=256,
+                          help="inputs one request may carry at most (default: %(default)s)")
     batching.add_argument("--max-ongoing-requests", type=int, default=64,
                           help="requests a replica takes at once; more wait in Ray Serve's queue (default: %(default)s)")
     batching.add_argument("--max-queued-requests", type=int, default=256,
@@ -65,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                              "$ROFORMER_HF_API_KEY, else none)")
     guards.add_argument("--payload-limit", type=int, default=2_000_000,
-                        help="bytes a request body may hold; a larger one gets 413 before it is read (default: %(default)s)")
+                        help="bytes a request body may hold; a larger one gets 413 before it is read "
+                             "(default: %(default)s)")
     guards.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="the command's and Ray Serve's log level (default: %(default)s)")
     return parser

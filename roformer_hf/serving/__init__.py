@@ -115,5 +115,5 @@ def _read(name: str, kind: type, value):
 
 
 __all__ = ["ARGUMENTS", "Item", "LoadedModel", "RequestError", "RoFormerServer", "RowError", "ServedModel", "Tasks",
-           "autoscaling", "build_app", "default_replicas", "default_threads", "deployment_options", "direct_ingress_env",
-           "ephemeral_ports", "error_body", "free_ports", "haproxy_binary", "haproxy_env"]
+           "autoscaling", "build_app", "default_replicas", "default_threads", "deployment_options",
+           "direct_ingress_env", "ephemeral_ports", "error_body", "free_ports", "haproxy_binary", "haproxy_env"]

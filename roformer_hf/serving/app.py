@@ -169,7 +169,8 @@ class ModelThread:
         try:
             results = await asyncio.wait_for(self.call(self.served.run, [probe]), self.stall_s)
         except asyncio.TimeoutError:
-            raise RuntimeError(f"a forward of 2 tokens took over {self.stall_s} s: the model thread is wedged") from None
+            raise RuntimeError(f"a forward of 2 tokens took over {self.stall_s} s: the model thread is "
+                               "wedged") from None
         raise_row_errors(results)
 
 
@@ -232,13 +233,10 @@ class RoFormerServer:
         await self.thread.check()
 
     async def handle(self, entry: Route, request: Request, body: Any) -> Response:
+        timing = Timing()
         if entry.path == "/health" and self.thread.failure is not None:
             raise RequestError(503, None, f"this replica cannot run its model ({self.thread.failure}): expected Ray "
                                "Serve to replace it", code="unhealthy", headers={"retry-after": "1"})
-        return await self.answer(entry, request, body)
-
-    async def answer(self, entry: Route, request: Request, body: Any) -> Response:
-        timing = Timing()
         try:
             if (entry.method, entry.path) not in self.served.paths:
                 self.served.find(entry.method, entry.path)  # raises the 404 naming the routes
@@ -260,7 +258,8 @@ class RoFormerServer:
                                "expected a smaller request, or a longer timeout", code="timeout") from None
         # orjson renders 32 embeddings of 768 floats in 1 ms where `json` takes 10 (the same numbers, shortest
         # round-trip form); FastAPI's own path would first walk every float with `jsonable_encoder`.
-        return json_response(200, parsed.respond(raise_row_errors(results)), {**parsed.headers, **timing.headers(tokens, self.served.loaded.device.type)})
+        headers = {**parsed.headers, **timing.headers(tokens, self.served.loaded.device.type)}
+        return json_response(200, parsed.respond(raise_row_errors(results)), headers)
 
     async def _events(self, parsed: Parsed) -> AsyncIterator[bytes]:
         """The streamed answer as server-sent events, `data: [DONE]` last; a failure mid-stream is an error event."""

@@ -83,8 +83,8 @@ class Guarded:
                                              code="invalid_api_key"), {"www-authenticate": "Bearer"})
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > GUARD.payload_limit:
-            return json_response(413, error_body(413, f"the body is {int(length)} bytes: expected at most --payload-limit="
-                                              f"{GUARD.payload_limit}", code="payload_too_large"))
+            message = f"the body is {int(length)} bytes: expected at most --payload-limit={GUARD.payload_limit}"
+            return json_response(413, error_body(413, message, code="payload_too_large"))
         return None
 
 

@@ -132,5 +132,5 @@ def command_env(ingress: str) -> dict[str, str]:
     return {name: value for name, value in env.items() if name not in os.environ}
 
 
-__all__ = ["HAPROXY_PORTS", "command_env", "direct_ingress_env", "ephemeral_ports", "free_ports", "haproxy_binary", "haproxy_env",
-           "haproxy_ports_env"]
+__all__ = ["HAPROXY_PORTS", "command_env", "direct_ingress_env", "ephemeral_ports", "free_ports", "haproxy_binary",
+           "haproxy_env", "haproxy_ports_env"]

@@ -44,7 +44,8 @@ class ServedModel(Tasks):
     >>> from roformer_hf.serving import ServedModel
     >>> words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "be", "or", "not"]
     >>> folder = tempfile.mkdtemp()
-    >>> files = RoFormerHFTokenizer(vocab={w: i for i, w in enumerate(words)}, model_max_length=32).save_pretrained(folder)
+    >>> tokenizer = RoFormerHFTokenizer(vocab={w: i for i, w in enumerate(words)}, model_max_length=32)
+    >>> files = tokenizer.save_pretrained(folder)
     >>> RoFormerModel(RoFormerConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
     ...     num_attention_heads=2, intermediate_size=64)).save_pretrained(folder)
     >>> served = ServedModel(folder, name="tiny")

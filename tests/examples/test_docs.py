@@ -263,8 +263,8 @@ def test_serving_page_runs_against_servers_it_starts(tmp_path):
     lm = save_folder(RoFormerForCausalLM(tiny_config(vocab_size=len(tokenizer), is_decoder=True, prefix_lm=True,
                                                      add_pooling_layer=True)).eval(),  # RoFormer-Sim: /similar too
                      tokenizer, tmp_path / "my-model")
-    reranker = save_folder(RoFormerForSequenceClassification(tiny_config(vocab_size=len(tokenizer), num_labels=1)).eval(),
-                           tokenizer, tmp_path / "my-reranker")
+    cross_encoder = RoFormerForSequenceClassification(tiny_config(vocab_size=len(tokenizer), num_labels=1)).eval()
+    reranker = save_folder(cross_encoder, tokenizer, tmp_path / "my-reranker")
     ports, metrics = {"8000": free_port(), "8001": free_port()}, free_port()
     servers = [_serve(lm, ports["8000"], "--served-model-name", "roformer", "--metrics-port", str(metrics)),
                _serve(reranker, ports["8001"])]
@@ -294,7 +294,8 @@ def test_serving_page_runs_against_servers_it_starts(tmp_path):
         import time
         import urllib.request
 
-        wanted, seen, start = ("ray_serve_num_http_requests_total", "ray_roformer_batch_tokens_bucket"), "", time.monotonic()
+        wanted = ("ray_serve_num_http_requests_total", "ray_roformer_batch_tokens_bucket")
+        seen, start = "", time.monotonic()
         while not all(name in seen for name in wanted) and time.monotonic() - start < 60:
             time.sleep(2)
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as answer:
