@@ -93,7 +93,7 @@ def embeddings(served: ServedModel, body: EmbeddingsRequest, _) -> Parsed:
         data = []
         for i, vector in enumerate(cut(vectors, body.dimensions, served.loaded.normalize)):
             embedding = (base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
-                         if body.encoding_format == "base64" else vector.tolist())
+                         if body.encoding_format == "base64" else vector.numpy())
             data.append({"object": "embedding", "embedding": embedding, "index": i})
         tokens = sum(len(row) for row in ids)
         return {"object": "list", "data": data, "model": served.loaded.name,

@@ -96,7 +96,8 @@ class ServedModel(Tasks):
 
     def answer(self, path: str, body: Any = None, *, method: str | None = None):
         """The answer to one request (`method` as `parse` reads it), its items run here without batching across
-        requests; a streamed answer is the list of its chunks."""
+        requests: what the server writes as JSON (embeddings as float32 numpy arrays); a streamed answer is the list of
+        its chunks."""
 
         async def run():
             parsed = self.parse(path, body, method=method)

@@ -34,7 +34,7 @@ def embed(served: ServedModel, body: EmbedRequest, _) -> Parsed:
     ids, _ = token_rows(served, body.inputs, "inputs", truncate=body.truncate, direction=body.truncation_direction,
                         prompt_name=body.prompt_name)
     return Parsed([Item("embed", (), row, len(row)) for row in ids],
-                  lambda vectors: [v.tolist() for v in cut(vectors, body.dimensions, body.normalize)])
+                  lambda vectors: torch.stack(cut(vectors, body.dimensions, body.normalize)).numpy())
 
 
 Sequence = StrictStr | list[StrictStr]
