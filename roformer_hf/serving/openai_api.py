@@ -159,12 +159,12 @@ def completions(served: ServedModel, body: CompletionsRequest, _) -> Parsed:
         return answer
 
     def usage(outputs) -> dict:
-        prompt_tokens = sum(map(len, ids)) * body.n
+        prompt_tokens = sum(map(len, ids))  # each prompt once, as OpenAI counts it, whatever n
         completion_tokens = sum(len(tokens) for tokens in outputs if not isinstance(tokens, RowError))
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    def cut(tokens: list[int]) -> tuple[str, bool]:
+    def until_stop(tokens: list[int]) -> tuple[str, bool]:
         """The text of `tokens` up to the first stop string, and whether one came."""
         text = served.loaded.tokenizer.decode(tokens, skip_special_tokens=True)
         cuts = [text.find(s) for s in stops if s in text]
@@ -172,7 +172,7 @@ def completions(served: ServedModel, body: CompletionsRequest, _) -> Parsed:
 
     def finished(tokens: list[int]) -> tuple[str, str]:
         """The text of a completion, and why it ended: its end-of-sequence token or a stop string, or max_tokens."""
-        text, stopped = cut(tokens)
+        text, stopped = until_stop(tokens)
         return text, "stop" if stopped or len(tokens) < max_tokens else "length"
 
     def respond(outputs):
@@ -211,7 +211,7 @@ def completions(served: ServedModel, body: CompletionsRequest, _) -> Parsed:
             if stopped[index]:
                 continue
             tokens[index].append(token)
-            text, stopped[index] = cut(tokens[index])  # a stop string came: the choice ends
+            text, stopped[index] = until_stop(tokens[index])  # a stop string came: the choice ends
             ready = len(text) if stopped[index] else max(sent[index], len(text) - hold)
             if ready > sent[index]:
                 yield envelope([{"text": text[sent[index]:ready], "index": index, "logprobs": None,

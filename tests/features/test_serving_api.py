@@ -120,6 +120,7 @@ def test_completions_n_echo_and_the_context_left(served):
     texts = [choice["text"] for choice in answer["choices"]]
     assert [choice["index"] for choice in answer["choices"]] == [0, 1, 2, 3]
     assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: the same completion twice per prompt
+    assert answer["usage"]["prompt_tokens"] == sum(map(len, server.tokenizer(["the king", "day"])["input_ids"]))
     echoed = server.answer("/v1/completions", {**body, "echo": True})
     assert [choice["text"] for choice in echoed["choices"]] == [p + t for p, t in zip(
         ["the king", "the king", "day", "day"], texts)]
