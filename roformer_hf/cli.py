@@ -93,6 +93,15 @@ def port_refusal(host: str, port: int) -> str | None:
     return None
 
 
+def ray_token_available() -> bool:
+    """Whether this machine holds a Ray authentication token, as `ray start` writes it (`~/.ray/auth_token`) or the
+    environment names it: a cluster started with one refuses a driver that does not present it."""
+    from pathlib import Path
+
+    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+                or (Path.home() / ".ray" / "auth_token").is_file())
+
+
 def choose_ingress(asked: str, address: str | None) -> tuple[str, str | None]:
     """The ingress `serve_folder` sets up, and why it is not HAProxy where `asked` is auto and it is not."""
     from .serving import haproxy_binary
@@ -110,6 +119,9 @@ def choose_ingress(asked: str, address: str | None) -> tuple[str, str | None]:
 
 
 def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    # Ray reads its authentication mode when it is imported, which the serving package does.
+    if args.address is not None and "RAY_AUTH_MODE" not in os.environ and ray_token_available():
+        os.environ["RAY_AUTH_MODE"] = "token"  # `ray start` turns token authentication on by default
     try:
         from .serving import ServedModel, autoscaling, build_app, default_replicas, default_threads, direct_ingress_env
         from .serving.ingress import command_env

@@ -407,3 +407,17 @@ def test_device_and_cli_combinations_are_checked(folders, capsys):
         with pytest.raises(SystemExit) as exited:
             main(["serve", str(folders["encoder"]), *argv])
         assert exited.value.code != 0 and message in capsys.readouterr().err
+
+
+def test_joining_a_cluster_presents_its_token(tmp_path, monkeypatch):
+    """`ray start` (Ray 2.60) turns token authentication on and writes ~/.ray/auth_token; `--address` then presents
+    it (checked by hand against `ray start --head`: refused without RAY_AUTH_MODE=token, served with it)."""
+    from roformer_hf.cli import ray_token_available
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    assert not ray_token_available()
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t0ken")
+    assert ray_token_available()
