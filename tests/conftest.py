@@ -105,6 +105,11 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"machine: {MACHINE}")
 
 
+# Ray 2.60 turns token authentication on for a local Ray, writing ~/.ray/auth_token at its first start: a worker that
+# had imported Ray before another wrote the file once failed to start its own ("Failed to start GCS ... InvalidAuthToken
+# ... RAY_AUTH_MODE is currently 'disabled'"). The tests' Rays listen on 127.0.0.1 only, and run without tokens.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:  # one of several workers: its share of the cores, for torch and the subprocesses it starts
     import torch

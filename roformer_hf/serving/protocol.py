@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
@@ -37,7 +37,6 @@ class Parsed:
     items: list[Item]
     respond: Callable[[list], Any]
     stream: Callable[[Awaitable[list]], AsyncIterator[dict]] | None = None
-    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
