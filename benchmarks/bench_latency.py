@@ -30,6 +30,7 @@ for torch and OpenVINO alike. OpenVINO is the `bench` extra (`pip install -e '.[
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import tempfile
@@ -46,7 +47,8 @@ import roformer_hf  # after workload, which puts this checkout first on sys.path
 WORKLOADS = ("sentence", "short", "padded", "decode")
 MODELS = ("roformer_hf", "transformers", "OpenVINO")
 COMPILED = "roformer_hf compiled"  # `--compile`: `compiled_for_latency`
-SENTENCE_TARGET = 1.0  # roformer_hf's batch-1 latency over OpenVINO's, at most
+SHORT_TARGET = 1.0  # roformer_hf's latency over OpenVINO's at the same precision, one or 32 short sentences, at most
+FLOOR_TARGET = 1.5  # roformer_hf's batch-1 latency over the weights' read time, at most
 
 
 def load_pair(head: str, config, folder: str) -> dict[str, torch.nn.Module]:
@@ -76,26 +78,87 @@ def compiled_for_latency(folder: str, backend: str = "inductor") -> torch.nn.Mod
     return torch.compile(model, dynamic=True, backend=backend)
 
 
+PRECISIONS = ("fp32", "bf16", "int8")
+OPENVINO_HINTS = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}  # int8: the ops nncf left unquantized, as ours
+
+
+def native_precisions() -> list[str]:
+    """The precisions this CPU computes natively: fp32; bf16 with AVX-512 bf16 or AMX (oneDNN's bf16 GEMMs); int8."""
+    return ["fp32", *(["bf16"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else []), "int8"]
+
+
 class OpenVinoModel:
     """transformers' RoFormerModel converted by `openvino.convert_model` and compiled for the CPU plugin: dynamic
-    batch and length, `PERFORMANCE_HINT` LATENCY, `threads` inference threads, fp32 inference precision."""
+    batch and length, `PERFORMANCE_HINT` LATENCY, `threads` inference threads, the `precision`'s inference precision
+    hint (int8: nncf's post-training quantization of the converted graph, calibrated on `calibration`, the other ops
+    in fp32)."""
 
-    def __init__(self, model: torch.nn.Module, example: tuple[torch.Tensor, torch.Tensor], threads: int):
+    def __init__(self, graph, threads: int, precision: str = "fp32",
+                 calibration: list[tuple[torch.Tensor, torch.Tensor]] = ()):
+        import openvino
+
+        self.config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads,
+                       "INFERENCE_PRECISION_HINT": OPENVINO_HINTS[precision]}
+        start = time.perf_counter()
+        if precision == "int8":
+            import nncf
+
+            dataset = nncf.Dataset([{"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+                                    for ids, mask in calibration])
+            graph = nncf.quantize(graph, dataset, model_type=nncf.ModelType.TRANSFORMER,
+                                  subset_size=len(calibration))
+        self.request = openvino.compile_model(graph, "CPU", config=self.config).create_infer_request()
+        self.compile_seconds = time.perf_counter() - start
+
+    @staticmethod
+    def convert(model: torch.nn.Module, example: tuple[torch.Tensor, torch.Tensor]):
+        """`model` as an OpenVINO graph, traced on `example`, both input dimensions dynamic."""
         import openvino
 
         input_ids, attention_mask = example
-        self.config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads,
-                       "INFERENCE_PRECISION_HINT": "f32"}
-        start = time.perf_counter()
-        graph = openvino.convert_model(model, example_input={"input_ids": input_ids, "attention_mask": attention_mask})
-        converted = time.perf_counter()
-        self.request = openvino.compile_model(graph, "CPU", config=self.config).create_infer_request()
-        self.convert_seconds, self.compile_seconds = converted - start, time.perf_counter() - converted
-        self.version = openvino.__version__
+        return openvino.convert_model(model, example_input={"input_ids": input_ids, "attention_mask": attention_mask})
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         outputs = self.request.infer({"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy()})
         return torch.from_numpy(outputs[0])  # last_hidden_state, (B, L, H)
+
+
+def openvino_available(precision: str) -> str | None:
+    """Why OpenVINO cannot run `precision` here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("openvino") is None:
+        return "openvino is not installed (the `bench` extra)"
+    if precision == "int8" and importlib.util.find_spec("nncf") is None:
+        return "nncf is not installed (OpenVINO's int8 quantizer: `pip install nncf`)"
+    return None
+
+
+def at_precision(models: dict[str, torch.nn.Module], precision: str) -> dict[str, torch.nn.Module]:
+    """roformer_hf's and transformers' fp32 models at `precision`: cast to bf16, or roformer_hf's `quantize_int8`
+    (transformers' RoFormer has no int8 path of its own)."""
+    from roformer_hf.quantization import quantize_int8
+
+    if precision == "fp32":
+        return dict(models)
+    if precision == "bf16":
+        return {name: copy.deepcopy(model).to(torch.bfloat16) for name, model in models.items()}
+    return {"roformer_hf": quantize_int8(copy.deepcopy(models["roformer_hf"]))}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the encoder's parameters and buffers: what one forward reads whatever its input (the embeddings'
+    lookup reads a few rows only)."""
+    encoder = model.encoder
+    return sum(t.numel() * t.element_size() for t in (*encoder.parameters(), *encoder.buffers()))
+
+
+def read_bandwidth(size: int, repeats: int = 20) -> float:
+    """Bytes per second at which this process's threads read a buffer of `size` bytes that was read just before (as
+    a forward reads weights it read on the previous call): the best of `repeats` sums over it."""
+    buffer = torch.ones(max(size // 4, 1))
+    buffer.sum()
+    return size / min(time_once(buffer.sum) for _ in range(repeats))
 
 
 def last_hidden_state(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -113,20 +176,33 @@ def encoder_inputs(workload: str, args) -> tuple[torch.Tensor, torch.Tensor]:
     return padded_batch(args.lengths, args.vocab, args.seed)[:2]
 
 
-def encoder_latency(models: dict, inputs, args) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Each model's seconds per forward on `inputs`, and the max abs difference of its last hidden state from
-    transformers' at the real tokens (checked at most `args.tolerance` before timing)."""
+def agreement(hidden: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """The largest absolute difference from `reference` and the smallest cosine similarity of a token's vector to
+    its reference vector, over the rows given (real tokens)."""
+    hidden = hidden.float()
+    cosine = torch.nn.functional.cosine_similarity(hidden, reference, dim=-1).min().item()
+    return (hidden - reference).abs().max().item(), cosine
+
+
+def encoder_latency(models: dict, inputs, precision: str, reference_model,
+                    args) -> tuple[dict[str, list[float]], dict[str, tuple[float, float]]]:
+    """Each model's seconds per forward on `inputs`, and its `agreement` with the fp32 `reference_model`
+    (transformers') at the real tokens, checked before timing: fp32 within `args.tolerance`, lower precisions at
+    least `args.min_cosine` on every token."""
     input_ids, attention_mask = inputs
     real = attention_mask.bool()
     with torch.inference_mode():
-        reference = last_hidden_state(models["transformers"], *inputs)[real]
-        diffs = {name: (last_hidden_state(model, *inputs)[real] - reference).abs().max().item()
-                 for name, model in models.items()}
-        if any(diff > args.tolerance for diff in diffs.values()):
-            raise RuntimeError(f"last hidden states differ from transformers' by more than {args.tolerance}: {diffs}")
+        reference = last_hidden_state(reference_model, *inputs)[real]
+        agreements = {name: agreement(last_hidden_state(model, *inputs)[real], reference)
+                      for name, model in models.items()}
+        wrong = {name: found for name, found in agreements.items()
+                 if (found[0] > args.tolerance if precision == "fp32" else found[1] < args.min_cosine)}
+        if wrong:
+            raise RuntimeError(f"{precision} last hidden states disagree with transformers' fp32 ones (max abs "
+                               f"difference, min cosine): {wrong}")
         runners = {name: (lambda model=model: time_once(lambda: last_hidden_state(model, *inputs)))
                    for name, model in models.items()}
-        return time_interleaved(runners, args.warmup, args.repeats, args.block), diffs
+        return time_interleaved(runners, args.warmup, args.repeats, args.block), agreements
 
 
 def decode_latency(folder: str, args) -> tuple[dict[int, list[float]], float]:
@@ -172,48 +248,59 @@ def milliseconds(samples: list[float]) -> str:
     return f"{1e3 * median(samples):.2f} ({1e3 * p90(samples):.2f})"
 
 
-def report(args, size, threads: int, openvino_model: OpenVinoModel | None, rows: dict, decode) -> None:
+def report(args, size, threads: int, openvino_line: str | None, rows: dict, floors: dict, decode) -> None:
     print("\n## Latency on CPU (ms per call: median (p90) of the interleaved repeats)\n")
     print(*machine_lines(), sep="\n")
     print(f"- model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}, "
-          f"vocab {size.vocab}; fp32, dropout 0 (eval); {threads} threads; repeats {args.repeats}, warm-up rounds "
+          f"vocab {size.vocab}; dropout 0 (eval); {threads} threads; repeats {args.repeats}, warm-up rounds "
           f"{args.warmup}; " + ("each call interleaved" if args.block == 1 else
                                 f"each model {args.block} calls in a row per repeat, the first left out"))
-    if openvino_model is not None:
-        print(f"- openvino {openvino_model.version}, CPU plugin {openvino_model.config}; transformers' RoFormerModel "
-              f"through openvino.convert_model ({openvino_model.convert_seconds:.1f} s; dynamic batch and length), "
-              f"compile_model {openvino_model.compile_seconds:.1f} s")
+    print("- precisions: fp32; bf16 (each PyTorch model cast with `.to(torch.bfloat16)`, OpenVINO's bf16 inference "
+          "precision); int8 (roformer_hf's `quantize_int8`; OpenVINO: nncf's `quantize` of its graph, calibrated on "
+          "the short sentences, the other ops in fp32; transformers has none)")
+    if openvino_line:
+        print(openvino_line)
     names = [*MODELS, COMPILED] if args.compile else list(MODELS)
     against = [name for name in names if name != "OpenVINO"]
     if args.compile:
         frozen = ", frozen weights" if args.compile_backend == "inductor" else ""
         print(f"- {COMPILED}: `compiled_for_latency` (torch.compile with {args.compile_backend}, dynamic shapes{frozen}, "
-              "the padded layout), "
-              "on the one sentence only (batches run faster in eager mode, which skips padding); compiled on its first "
-              "call, before timing")
+              "the padded layout), fp32, on the one sentence only (batches run faster in eager mode, which skips "
+              "padding); compiled on its first call, before timing")
     if rows:
-        print("\n| workload | tokens (real / padded) | " + " | ".join(names) + " | "
-              + " | ".join(f"{name} / OpenVINO" for name in against) + " | max abs diff to transformers: "
+        print("\n| precision | workload | tokens (real / padded) | " + " | ".join(names) + " | "
+              + " | ".join(f"{name} / OpenVINO" for name in against)
+              + " | agreement with transformers' fp32 (max abs diff, min cosine): "
               + "; ".join(name for name in names if name != "transformers") + " |")
-        print("|---|---|" + "---|" * (len(names) + len(against) + 1))
-    for label, (inputs, times, diffs) in rows.items():
+        print("|---|---|---|" + "---|" * (len(names) + len(against) + 1))
+    for (precision, workload), (label, inputs, times, agreements) in rows.items():
         attention_mask = inputs[1]
         ratios = []
         for name in against:
-            if name not in times:
+            if name not in times or "OpenVINO" not in times:
                 ratios.append("–")
                 continue
             ratio = median(times[name]) / median(times["OpenVINO"])
-            met = label.startswith("1 sentence") and name != "transformers"
-            ratios.append(f"{ratio:.2f}x" + (f" ({verdict(ratio <= SENTENCE_TARGET)})" if met else ""))
-        print(f"| {label} | {int(attention_mask.sum())} / {attention_mask.numel()} | "
+            met = workload != "padded" and name != "transformers"
+            ratios.append(f"{ratio:.2f}x" + (f" ({verdict(ratio <= SHORT_TARGET)})" if met else ""))
+        print(f"| {precision} | {label} | {int(attention_mask.sum())} / {attention_mask.numel()} | "
               + " | ".join(milliseconds(times[name]) if name in times else "–" for name in names) + " | "
               + " | ".join(ratios) + " | "
-              + "; ".join(f"{diffs[name]:.1e}" if name in diffs else "–" for name in names if name != "transformers")
-              + " |")
+              + "; ".join(f"{agreements[name][0]:.1e}, {agreements[name][1]:.4f}" if name in agreements else "–"
+                          for name in names if name != "transformers") + " |")
     if rows:
-        print(f"\nTarget: one sentence (batch 1) at or below OpenVINO's latency (roformer_hf / OpenVINO "
-              f"≤ {SENTENCE_TARGET:.2f}x).")
+        print(f"\nTarget: one sentence and 32 short sentences at or below OpenVINO's latency at the same precision "
+              f"(roformer_hf / OpenVINO ≤ {SHORT_TARGET:.2f}x).")
+    if floors:
+        print(f"\nroformer_hf's one sentence against the machine's floor: the bytes of weights a forward reads (the "
+              f"encoder's parameters and buffers) over the measured read bandwidth of a buffer that size, read again "
+              f"right after (best of 20 sums); target within {FLOOR_TARGET:.1f}x\n")
+        print("| precision | weights read (MB) | read bandwidth (GB/s) | floor (ms) | one sentence (ms) | over the floor |")
+        print("|---|---|---|---|---|---|")
+        for precision, (size_bytes, bandwidth, seconds) in floors.items():
+            floor = size_bytes / bandwidth
+            print(f"| {precision} | {size_bytes / 1e6:.1f} | {bandwidth / 1e9:.1f} | {1e3 * floor:.3f} | "
+                  f"{1e3 * seconds:.2f} | {seconds / floor:.2f}x ({verdict(seconds / floor <= FLOOR_TARGET)}) |")
     if decode is not None:
         times, diff = decode
         print(f"\nroformer_hf's RoFormerForCausalLM, one decoding step (batch 1, one token) after a prompt of P "
@@ -237,7 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block", type=int, default=1,
                         help="calls of one model in a row per repeat (the first of each left out): 1 interleaves every "
                              "call; more times each model as a server runs it, back to back")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="max abs difference allowed")
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=native_precisions(),
+                        help="default: those this CPU computes natively (%(default)s)")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="fp32: max abs difference allowed")
+    parser.add_argument("--min-cosine", type=float, default=0.99,
+                        help="bf16 and int8: the smallest cosine similarity allowed between a token's vector and "
+                             "transformers' fp32 one")
     parser.add_argument("--compile", action="store_true",
                         help=f"also time `{COMPILED}`: the model compiled for latency (`compiled_for_latency`)")
     parser.add_argument("--compile-backend", default="inductor",
@@ -256,23 +348,49 @@ def main(argv: list[str] | None = None) -> None:
     encoder_workloads = [name for name in WORKLOADS[:3] if name in args.workloads]
     labels = {"sentence": f"1 sentence of {args.length} tokens", "short": "32 short sentences (8-32 tokens, sorted)",
               "padded": f"{len(args.lengths)} x {max(args.lengths)}..{min(args.lengths)} padded"}
-    rows, openvino_model, decode = {}, None, None
+    rows, floors, openvino_line, decode = {}, {}, None, None
     with tempfile.TemporaryDirectory(prefix="roformer_bench_") as folder:
         if encoder_workloads:
             progress("building the models, converting transformers' RoFormerModel to OpenVINO")
-            models = load_pair("RoFormerModel", transformers_config(size, max(args.length, *args.lengths)), folder)
-            openvino_model = OpenVinoModel(models["transformers"], encoder_inputs("sentence", args), threads)
-            models["OpenVINO"] = openvino_model
-            compiled = {COMPILED: compiled_for_latency(folder, args.compile_backend)} if args.compile else {}
-            for workload in encoder_workloads:
-                progress(f"checking and timing: {labels[workload]}")
-                inputs = encoder_inputs(workload, args)
-                timed = {**models, **compiled} if workload == "sentence" else models  # the compiled path's use
-                rows[labels[workload]] = (inputs, *encoder_latency(timed, inputs, args))
+            fp32 = load_pair("RoFormerModel", transformers_config(size, max(args.length, *args.lengths)), folder)
+            inputs = {workload: encoder_inputs(workload, args) for workload in encoder_workloads}
+            graph = None
+            if openvino_available("fp32") is None:
+                import openvino
+
+                start = time.perf_counter()
+                graph = OpenVinoModel.convert(fp32["transformers"], encoder_inputs("sentence", args))
+                openvino_line = (f"- openvino {openvino.__version__}: transformers' RoFormerModel through "
+                                 f"openvino.convert_model ({time.perf_counter() - start:.1f} s; dynamic batch and "
+                                 f"length), compiled for the CPU plugin with "
+                                 f"{{'PERFORMANCE_HINT': 'LATENCY', 'INFERENCE_NUM_THREADS': {threads}}} and the "
+                                 f"precision's INFERENCE_PRECISION_HINT {OPENVINO_HINTS}")
+            for precision in args.precisions:
+                progress(f"{precision}: preparing the models")
+                models = at_precision(fp32, precision)
+                missing = openvino_available(precision)
+                if missing is None:
+                    calibration = batches(sentences(*SETS["short"], 64, args.vocab, args.seed + 1), 8)
+                    models["OpenVINO"] = OpenVinoModel(graph, threads, precision, calibration)
+                elif precision == "int8" or graph is None:
+                    progress(f"{precision}: no OpenVINO ({missing})")
+                if precision == "fp32" and args.compile:
+                    models[COMPILED] = compiled_for_latency(folder, args.compile_backend)
+                for workload in encoder_workloads:
+                    progress(f"{precision}: checking and timing {labels[workload]}")
+                    timed = {name: model for name, model in models.items()
+                             if name != COMPILED or workload == "sentence"}  # the compiled path's use
+                    rows[precision, workload] = (labels[workload], inputs[workload], *encoder_latency(
+                        timed, inputs[workload], precision, fp32["transformers"], args))
+                if "sentence" in encoder_workloads:
+                    size_bytes = weight_bytes(models["roformer_hf"])
+                    floors[precision] = (size_bytes, read_bandwidth(size_bytes),
+                                         median(rows[precision, "sentence"][2]["roformer_hf"]))
+                del models
         if "decode" in args.workloads:
             progress(f"timing roformer_hf's decoding step after {args.prefixes} tokens")
             decode = decode_latency(os.path.join(folder, "causal_lm"), args)
-    report(args, size, threads, openvino_model, rows, decode)
+    report(args, size, threads, openvino_line, rows, floors, decode)
 
 
 if __name__ == "__main__":

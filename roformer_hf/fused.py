@@ -35,10 +35,10 @@ _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends
 _BF16_GEMMS = _KERNEL is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _BF16_GEMMS else (torch.float32,)
 _PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _KERNEL is not None else None
-PACKING_HINT = 16  # the rows oneDNN lays a packed weight out for; it serves every row count above one
-PACKED_MAX_ROWS = 256  # beyond, the GEMM is bound by its arithmetic, not by reading the weight, and gains little
+PACKING_HINT = 16  # the rows oneDNN lays a packed weight out for; it serves every row count
+PACKED_MAX_ROWS = 256  # fp32: beyond, the GEMM is bound by its arithmetic, not by reading the weight, and gains little
 # Each layer's weight in oneDNN's blocked layout, with what it was packed from (`_source`): made at the layer's first
-# fp32 call of 2 to PACKED_MAX_ROWS rows, made again once the weight changes, dropped with the layer.
+# call that `_packs`, made again once the weight changes, dropped with the layer.
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
 # Layers that read the same input (attention's query, key and value), packed side by side, by their first layer.
 _PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor, Tensor | None]] = \
@@ -126,8 +126,8 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
 def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor, fusion: bool | None = None) -> tuple[Tensor, ...]:
     """``tuple(fused_linear(layer, x, fusion=fusion) for layer in layers)``, for layers that read the same input
     (attention's query, key and value projections): one GEMM on their weights packed side by side where the weights
-    are packed (fp32, 2 to `PACKED_MAX_ROWS` rows of plain `nn.Linear`s, see `_packed_weight`), which reads them
-    faster than three GEMMs and gives the same bits; the outputs are views of its output."""
+    are packed (`_packs`: plain `nn.Linear`s), which reads them faster than three GEMMs and gives the same bits; the
+    outputs are views of its output."""
     if fusion is None:
         fusion = fusion_applies(x.device, x.dtype)
     packed = _side_by_side(layers, x) if fusion else None
@@ -139,9 +139,9 @@ def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor, fusion: bool | None 
 
 def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Tensor | None] | None:
     """The layers' weights packed side by side and their biases concatenated, for `x`; ``None`` where that does not
-    apply: not fp32 rows of the packed range, a layer the kernel cannot compute, biases on some layers only, or a
-    weight made under `torch.inference_mode()` (see `_packed_weight`)."""
-    if _PACK is None or x.dtype != torch.float32 or not 1 < x.numel() // x.shape[-1] <= PACKED_MAX_ROWS:
+    apply: an input that is not packed for (`_packs`), a layer the kernel cannot compute, biases on some layers
+    only, or a weight made under `torch.inference_mode()` (see `_packed_weight`)."""
+    if not _packs(x):
         return None
     tensors = []
     for layer in layers:
@@ -160,17 +160,29 @@ def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Ten
     return cached[1], cached[2]
 
 
+def _packs(x: Tensor) -> bool:
+    """Whether the kernel reads the weight packed in oneDNN's blocked layout (`_PACK`, what torch.compile's CPU backend
+    does with frozen weights) for the input `x`: where the packed weight reads faster and gives the same bits
+    (`benchmarks/RESULTS.md`, "Dense kernels per shape"):
+    - fp32, 2 to `PACKED_MAX_ROWS` rows, where the GEMM waits on its weight (short sentences: up to 1.5x per dense
+      layer). One row is a matrix-vector product that sums in another order on a packed weight; past the range the
+      GEMM is bound by its arithmetic and gains little.
+    - bf16, every row count: the same bits at each, 2x faster at one row and 1.3x at 16 (Intel Xeon, AVX-512 bf16).
+    """
+    if _PACK is None:
+        return False
+    if x.dtype == torch.bfloat16:
+        return True
+    return x.dtype == torch.float32 and 1 < x.numel() // x.shape[-1] <= PACKED_MAX_ROWS
+
+
 def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:
-    """The weight `fused_linear` hands oneDNN: packed in its blocked layout (`_PACK`, what torch.compile's CPU backend
-    does with frozen weights) for fp32 inputs of 2 to `PACKED_MAX_ROWS` rows, where the GEMM waits on its weight and
-    the packed one reads it faster (short sentences: up to 1.5x per dense layer), computing the same bits; the layer's
-    own weight otherwise (one row, a matrix-vector product, sums in another order on a packed weight). The packed
-    copy is kept beside the layer (as much memory again as its weight) from the first short input on, and made anew
-    when the weight changes; a weight made under `torch.inference_mode()` keeps no count of its changes, so it is
-    never packed."""
+    """The weight `fused_linear` hands oneDNN: packed (a copy kept beside the layer, as much memory again as its
+    weight) where `_packs`, from the first such input on, and made anew when the weight changes; the layer's own
+    weight otherwise. A weight made under `torch.inference_mode()` keeps no count of its changes, so it is never
+    packed."""
     weight = layer.weight
-    rows = x.numel() // x.shape[-1]
-    if _PACK is None or weight.dtype != torch.float32 or not 1 < rows <= PACKED_MAX_ROWS or weight.is_inference():
+    if not _packs(x) or weight.is_inference():
         return weight
     cached = _PACKED.get(layer)
     if cached is None or not _same_source(cached[0], (weight,)):

@@ -297,26 +297,38 @@ def test_embedding_benchmark_times_every_model_on_every_set(script_result):
 
 def test_latency_benchmark_times_every_model_and_the_decoding_step(script_result):
     """`bench_latency.py --quick --compile`: roformer_hf, transformers' RoFormer and OpenVINO (transformers' model
-    converted) on one sentence, 32 short sentences and the padded batch, and roformer_hf compiled for latency on the
-    one sentence (with `aot_eager`: inductor's cold compile would double the test's time; docs/export.md's recipe,
-    run by the docs test, compiles with inductor), their last hidden states checked equal first; then roformer_hf's
+    converted) on one sentence, 32 short sentences and the padded batch at each precision the CPU runs natively,
+    and roformer_hf compiled for latency on the fp32 sentence (with `aot_eager`: inductor's cold compile would double
+    the test's time; docs/export.md's recipe, run by the docs test, compiles with inductor), their last hidden states
+    checked against transformers' fp32 ones first; the one sentence against the weights' read time; then roformer_hf's
     decoding step at each prompt length."""
     result = script_result
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    rows = [line.split("|")[1:-1] for line in lines if re.match(r"\| (1 sentence|32 short|6 x 64\.\.16)", line)]
-    assert [row[0].split()[0] for row in rows] == ["1", "32", "6"]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines
+            if re.match(r"\| (fp32|bf16|int8) \| (1 sentence|32 short|6 x 64\.\.16)", line)]
+    precisions = list(dict.fromkeys(row[0] for row in rows))
+    assert precisions[0] == "fp32" and precisions[-1] == "int8" and set(precisions) <= {"fp32", "bf16", "int8"}
+    assert [row[1].split()[0] for row in rows] == ["1", "32", "6"] * len(precisions)
     for row in rows:
-        timed = row[5].strip() != "–"  # roformer_hf compiled: the one sentence only
-        assert timed == row[0].startswith(" 1 sentence")
-        # ms per call: roformer_hf, transformers, OpenVINO, roformer_hf compiled
-        medians = [float(cell.split()[0]) for cell in row[2:6 if timed else 5]]
-        assert all(ms > 0 for ms in medians)
-        assert float(row[6].split("x")[0]) == pytest.approx(medians[0] / medians[2], rel=0.02, abs=0.01)
-        if timed:
-            assert float(row[8].split("x")[0]) == pytest.approx(medians[3] / medians[2], rel=0.02, abs=0.01)
-        diffs = [cell for cell in row[9].split(";") if cell.strip() != "–"]
-        assert len(diffs) == (3 if timed else 2) and all(float(diff) <= 1e-4 for diff in diffs)
+        compiled = row[6] != "–"  # roformer_hf compiled: the fp32 sentence only
+        assert compiled == (row[0] == "fp32" and row[1].startswith("1 sentence"))
+        # ms per call: roformer_hf, transformers (none in int8), OpenVINO (none in int8 without nncf)
+        ours, reference, openvino = (cell.split()[0] for cell in row[3:6])
+        assert float(ours) > 0 and (reference == "–") == (row[0] == "int8")
+        if openvino != "–":
+            assert float(row[7].split("x")[0]) == pytest.approx(float(ours) / float(openvino), rel=0.02, abs=0.01)
+        agreements = [cell.split(",") for cell in row[10].split(";") if cell.strip() != "–"]
+        assert len(agreements) == (openvino != "–") + 1 + compiled
+        for difference, cosine in agreements:
+            assert float(difference) <= 1e-4 if row[0] == "fp32" else float(cosine) >= 0.99
+    floors = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines
+              if re.match(r"\| (fp32|bf16|int8) \| [0-9.]+ \| [0-9.]+ \|", line)]
+    assert [row[0] for row in floors] == precisions
+    for _, megabytes, bandwidth, floor, ours, ratio in floors:
+        assert float(floor) == pytest.approx(float(megabytes) / float(bandwidth), rel=0.05, abs=0.01)
+        if float(floor) >= 0.1:  # printed to 3 decimals: the quick model's floor is a few microseconds
+            assert float(ratio.split("x")[0]) == pytest.approx(float(ours) / float(floor), rel=0.05)
     assert any(re.match(r"- openvino \d", line) for line in lines)
     assert [line.split("|")[1].strip() for line in lines if re.match(r"\| (8|24) \| \d", line)] == ["8", "24"]
 

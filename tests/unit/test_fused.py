@@ -137,14 +137,20 @@ def test_dropout_in_training_is_applied_not_fused(kernel):
     torch.testing.assert_close(output[~dropped], 2 * reference(layer, x).float()[~dropped])
 
 
+PACKED_CASES = [("fp32", rows) for rows in (2, 5, 16, 37, 130, fused.PACKED_MAX_ROWS)] + [
+    pytest.param("bf16", rows, marks=pytest.mark.skipif(not fused._BF16_GEMMS, reason="no oneDNN bf16 GEMM here"))
+    for rows in (1, 2, 16, 300)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
-@pytest.mark.parametrize("rows", [2, 5, 16, 37, 130, fused.PACKED_MAX_ROWS])
+@pytest.mark.parametrize(("dtype", "rows"), PACKED_CASES)
 @pytest.mark.parametrize("case", ["none", "gelu", "relu", "residual"])
-def test_a_packed_weight_gives_the_bits_of_the_layers_own(rows, case):
+def test_a_packed_weight_gives_the_bits_of_the_layers_own(dtype, rows, case):
     torch.manual_seed(rows)
-    layer, x = nn.Linear(48, 80), torch.randn(rows, 48)
+    layer, x = nn.Linear(48, 80).to(DTYPES[dtype]), torch.randn(rows, 48, dtype=DTYPES[dtype])
     activation = {"none": None, "gelu": ACT2FN["gelu"], "relu": nn.ReLU(), "residual": None}[case]
-    residual = torch.randn(rows, 80) if case == "residual" else None
+    residual = torch.randn(rows, 80, dtype=x.dtype) if case == "residual" else None
     name, algorithm = {"none": ("none", ""), "gelu": ("gelu", "none"), "relu": ("relu", "")}.get(case, ("none", ""))
     with torch.inference_mode():
         unpacked = fused._KERNEL.binary(x, residual, layer.weight, layer.bias, "add") if residual is not None else \
@@ -186,24 +192,30 @@ def test_long_inputs_leave_the_weight_unpacked():
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
-@pytest.mark.parametrize("rows", [1, 2, 16, fused.PACKED_MAX_ROWS, fused.PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize(("dtype", "rows"), [("fp32", rows) for rows in (1, 2, 16, fused.PACKED_MAX_ROWS,
+                                                                        fused.PACKED_MAX_ROWS + 1)]
+                         + [pytest.param("bf16", rows, marks=pytest.mark.skipif(not fused._BF16_GEMMS,
+                                                                                reason="no oneDNN bf16 GEMM here"))
+                            for rows in (1, 16, fused.PACKED_MAX_ROWS + 1)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_layers_on_one_input_give_the_bits_of_each_alone(rows, bias):
+def test_layers_on_one_input_give_the_bits_of_each_alone(dtype, rows, bias):
     torch.manual_seed(rows)
-    layers, x = (nn.Linear(32, 32, bias=bias), nn.Linear(32, 16, bias=bias), nn.Linear(32, 16, bias=bias)), \
-        torch.randn(rows, 32)
+    layers = tuple(nn.Linear(32, out, bias=bias).to(DTYPES[dtype]) for out in (32, 16, 16))
+    x = torch.randn(rows, 32, dtype=DTYPES[dtype])
     with torch.inference_mode():
         alone = [fused_linear(layer, x) for layer in layers]
         together = fused.fused_linears(layers, x)
         assert all(torch.equal(a, b) for a, b in zip(alone, together))
-        assert (layers[0] in fused._PACKED_SIDE_BY_SIDE) == (1 < rows <= fused.PACKED_MAX_ROWS)
+        packed = dtype == "bf16" or 1 < rows <= fused.PACKED_MAX_ROWS
+        assert (layers[0] in fused._PACKED_SIDE_BY_SIDE) == packed
         with torch.no_grad():
             layers[2].weight.add_(1.0)  # the side-by-side copy follows each layer's weight
             if bias:
                 layers[1].bias.sub_(1.0)
         expected = [reference(layer, x).float() for layer in layers]
+        tolerance = 1e-5 if dtype == "fp32" else 0.1
         for output, want in zip(fused.fused_linears(layers, x), expected):
-            torch.testing.assert_close(output, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(output.float(), want, atol=tolerance, rtol=tolerance)
 
 
 def test_layers_with_and_without_bias_are_not_packed_together(kernel):
