@@ -8,7 +8,7 @@ and, as ``module.num_key_value_groups = nh / nkv``, how many query heads share e
 attention; transformers' kernels read it too). Packed tokens use flash-attn's varlen convention: ``B = 1``,
 ``L = N`` real tokens, sequence boundaries in ``cu_seq_lens_q``/``cu_seq_lens_k``.
 
-Which of them a forward calls is decided once, before its first layer (`choose_kernel`, then
+Which of them a forward calls is decided once, before its first layer (`kernels.choose_kernel`, then
 `masks.create_attention_mask`, which records the choice in the mask). `attend` takes the same arguments, with that
 `masks.AttentionMask` as the mask and the tokens in the layout's shape ``(*T, n, d)``:
 
@@ -22,8 +22,6 @@ Which of them a forward calls is decided once, before its first layer (`choose_k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -31,47 +29,8 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from .blocked_dropout import DROPOUT_BLOCK_ROWS, BlockedDropoutAttention
+from .kernels import SDPA_DROPOUT, SDPA_VARLEN
 from .masks import AttentionMask, causal_mask
-
-try:
-    from transformers.utils.generic import is_flash_attention_requested
-except ImportError:  # transformers releases before it: the same test
-
-    def is_flash_attention_requested(requested_attention_implementation: str | None = None) -> bool:
-        return "flash" in (requested_attention_implementation or "")
-
-SDPA_VARLEN = "roformer_sdpa_varlen"
-SDPA_DROPOUT = "roformer_sdpa_dropout"
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """The attention functions of one forward, by name in transformers' `ALL_ATTENTION_FUNCTIONS`.
-
-    Attributes:
-        padded: the function on the padded layout ``(B, nh, L, d)``, with the mask's tensor.
-        varlen: the function on the real tokens, sequence by sequence (flash-attn's varlen kernel, `SDPA_VARLEN` on
-            CPU); ``None`` where the implementation has none.
-        takes_key_padding: the padded function takes the keys' padding ``(B, Lk)`` (flash-attn), not a dense mask.
-        masks_causality: the varlen function applies causality as a mask it is given (attention dropout on CPU,
-            whose blocked and math kernels have no ``is_causal``), not by itself.
-    """
-
-    padded: str
-    varlen: str | None = None
-    takes_key_padding: bool = False
-    masks_causality: bool = False
-
-
-def choose_kernel(implementation: str, device: torch.device | str | None = None, dropout: bool = False) -> Kernel:
-    """The attention functions for ``config._attn_implementation`` (``"eager"`` when weights are returned) on
-    `device`; `dropout`: attention dropout is on (training with ``attention_probs_dropout_prob > 0``), which SDPA's
-    fused CPU kernel cannot apply (`SDPA_DROPOUT` applies it in blocks)."""
-    if is_flash_attention_requested(requested_attention_implementation=implementation):
-        return Kernel(implementation, implementation, takes_key_padding=True)
-    if implementation == "sdpa" and torch.device(device or "cpu").type == "cpu":
-        return Kernel(SDPA_DROPOUT if dropout else "sdpa", SDPA_VARLEN, masks_causality=dropout)
-    return Kernel(implementation)
 
 
 def eager_attention_forward(

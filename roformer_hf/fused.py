@@ -14,9 +14,10 @@ without autocast, on CPU. A layer class that applies the activation or the addit
 quantization code). Everywhere else `fused_linear` calls the module and applies the activation and the addition as
 usual; of any other layer it reads nothing but its type.
 
-What holds for every dense layer of a forward alike (the device, the dtype, autograd, autocast, compiling or tracing,
-global hooks) is `fusion_applies`: the model decides it once per forward (`plan.ForwardPlan.fused_dense`) and hands it
-to each call, which then checks only its own layer; a call told nothing decides it itself.
+Each call decides for itself: what holds for every layer of a forward alike (the device, the dtype, autograd, autocast,
+compiling or tracing, global hooks) is `fusion_applies` (about 2 µs), then the layer's own conditions, then the GEMM
+for the input's shape and the CPU (`_dense_kernel`), so the model's code calls ``fused_linear(self.dense, x)`` and
+passes nothing down.
 """
 
 from __future__ import annotations
@@ -35,10 +36,26 @@ _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends
 _BF16_GEMMS = _KERNEL is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _BF16_GEMMS else (torch.float32,)
 _PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _KERNEL is not None else None
+
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (``"GenuineIntel"``, ``"AuthenticAMD"``); ``""`` where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+_INTEL = _cpu_vendor() == "GenuineIntel"
 PACKING_HINT = 16  # the rows oneDNN lays a packed weight out for; it serves every row count
 PACKED_MAX_ROWS = 256  # fp32: beyond, the GEMM is bound by its arithmetic, not by reading the weight, and gains little
 # Each layer's weight in oneDNN's blocked layout, with what it was packed from (`_source`): made at the layer's first
-# call that `_packs`, made again once the weight changes, dropped with the layer.
+# call that `_dense_kernel` packs for, made again once the weight changes, dropped with the layer.
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
 # Layers that read the same input (attention's query, key and value), packed side by side, by their first layer.
 _PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor, Tensor | None]] = \
@@ -95,7 +112,7 @@ def fusion_applies(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = None,
-                 residual: Tensor | None = None, fusion: bool | None = None) -> Tensor:
+                 residual: Tensor | None = None) -> Tensor:
     """``residual + activation(layer(x))`` (both optional): one oneDNN call where it applies (see above).
 
     Args:
@@ -104,7 +121,6 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
         activation: applied to the layer's output; fused for transformers' ``"gelu"`` (the erf form) and ``"relu"``,
             and nothing to fuse for a dropout that is off.
         residual: ``(*, out_features)``, added last; fused when there is no activation to apply.
-        fusion: `fusion_applies` for `x`, as the forward decided it; ``None``: decided here.
     """
     fused = _fused_activation(activation)
     if fused is not None and (residual is None or fused[0] == "none"):
@@ -112,9 +128,7 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
         if _fuses_post_ops(layer) and not _hooked(layer) and (
                 residual is None or _fits(residual, x, layer.out_features)):
             return layer.fused(x, name, algorithm, residual)
-        if fusion is None:
-            fusion = fusion_applies(x.device, x.dtype)
-        if fusion and _kernel_applies(layer, x, residual):
+        if fusion_applies(x.device, x.dtype) and _kernel_applies(layer, x, residual) and _dense_kernel(x) != "module":
             weight = _packed_weight(layer, x)
             if residual is not None:
                 return _KERNEL.binary(x, residual, weight, layer.bias, "add")
@@ -123,25 +137,30 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
     return output if residual is None else residual + output
 
 
-def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor, fusion: bool | None = None) -> tuple[Tensor, ...]:
-    """``tuple(fused_linear(layer, x, fusion=fusion) for layer in layers)``, for layers that read the same input
-    (attention's query, key and value projections): one GEMM on their weights packed side by side where the weights
-    are packed (`_packs`: plain `nn.Linear`s), which reads them faster than three GEMMs and gives the same bits; the
-    outputs are views of its output."""
-    if fusion is None:
-        fusion = fusion_applies(x.device, x.dtype)
-    packed = _side_by_side(layers, x) if fusion else None
+def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...]:
+    """``tuple(fused_linear(layer, x) for layer in layers)``, for layers that read the same input (attention's query,
+    key and value projections): one GEMM on their weights packed side by side where the weights are packed
+    (`_dense_kernel`, plain `nn.Linear`s), which reads them faster than three GEMMs and gives the same bits; the
+    outputs are views of its output. Layers of a `FusesPostOps` class that defines ``fused_side_by_side(layers, x)``
+    (`quantization.Int8Linear`) are handed to it."""
+    kind = type(layers[0])
+    if (_fuses_post_ops(layers[0]) and hasattr(kind, "fused_side_by_side")
+            and all(type(layer) is kind and not _hooked(layer) for layer in layers)):
+        outputs = kind.fused_side_by_side(layers, x)
+        if outputs is not None:
+            return outputs
+    packed = _side_by_side(layers, x) if fusion_applies(x.device, x.dtype) else None
     if packed is None:
-        return tuple(fused_linear(layer, x, fusion=fusion) for layer in layers)
+        return tuple(fused_linear(layer, x) for layer in layers)
     output = _KERNEL(x, *packed, "none", [], "")
     return output.split([layer.out_features for layer in layers], dim=-1)
 
 
 def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Tensor | None] | None:
     """The layers' weights packed side by side and their biases concatenated, for `x`; ``None`` where that does not
-    apply: an input that is not packed for (`_packs`), a layer the kernel cannot compute, biases on some layers
+    apply: an input that is not packed for (`_dense_kernel`), a layer the kernel cannot compute, biases on some layers
     only, or a weight made under `torch.inference_mode()` (see `_packed_weight`)."""
-    if not _packs(x):
+    if _dense_kernel(x) != "packed":
         return None
     tensors = []
     for layer in layers:
@@ -160,29 +179,36 @@ def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Ten
     return cached[1], cached[2]
 
 
-def _packs(x: Tensor) -> bool:
-    """Whether the kernel reads the weight packed in oneDNN's blocked layout (`_PACK`, what torch.compile's CPU backend
-    does with frozen weights) for the input `x`: where the packed weight reads faster and gives the same bits
+def _dense_kernel(x: Tensor) -> str:
+    """The GEMM a dense layer's call takes for the input `x` once `fusion_applies` and the layer is the kernel's
+    (`_kernel_applies`), chosen from the input's dtype and rows and the CPU, as measured per CPU kind
     (`benchmarks/RESULTS.md`, "Dense kernels per shape"):
-    - fp32, 2 to `PACKED_MAX_ROWS` rows, where the GEMM waits on its weight (short sentences: up to 1.5x per dense
-      layer). One row is a matrix-vector product that sums in another order on a packed weight; past the range the
-      GEMM is bound by its arithmetic and gains little.
-    - bf16, every row count: the same bits at each, 2x faster at one row and 1.3x at 16 (Intel Xeon, AVX-512 bf16).
+
+    - ``"packed"``: oneDNN's kernel on the weight packed in its blocked layout (`_PACK`, what torch.compile's CPU
+      backend does with frozen weights), which reads faster and gives the same bits as the layer's own weight. fp32:
+      2 to `PACKED_MAX_ROWS` rows, where the GEMM waits on its weight (short sentences: up to 1.5x per dense layer);
+      past the range the GEMM is bound by its arithmetic and gains little. bf16: every row count (Intel Xeon with
+      AVX-512 bf16: 2x at one row, 1.3x at 16).
+    - ``"module"``: the layer's own call (MKL's GEMM), the activation or addition applied after it. fp32, one row, on
+      Intel CPUs, where MKL's matrix-vector product takes 0.7x oneDNN's time (a decoding step; a packed weight would
+      sum in another order).
+    - ``"onednn"``: oneDNN's kernel on the layer's own weight: every other input.
     """
-    if _PACK is None:
-        return False
-    if x.dtype == torch.bfloat16:
-        return True
-    return x.dtype == torch.float32 and 1 < x.numel() // x.shape[-1] <= PACKED_MAX_ROWS
+    rows = x.numel() // x.shape[-1]
+    if _PACK is not None and (x.dtype == torch.bfloat16 or 1 < rows <= PACKED_MAX_ROWS):
+        return "packed"
+    if rows == 1 and _INTEL:
+        return "module"
+    return "onednn"
 
 
 def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:
     """The weight `fused_linear` hands oneDNN: packed (a copy kept beside the layer, as much memory again as its
-    weight) where `_packs`, from the first such input on, and made anew when the weight changes; the layer's own
+    weight) where `_dense_kernel` says so, from the first such input on, and made anew when the weight changes; the layer's own
     weight otherwise. A weight made under `torch.inference_mode()` keeps no count of its changes, so it is never
     packed."""
     weight = layer.weight
-    if not _packs(x) or weight.is_inference():
+    if _dense_kernel(x) != "packed" or weight.is_inference():
         return weight
     cached = _PACKED.get(layer)
     if cached is None or not _same_source(cached[0], (weight,)):
@@ -220,7 +246,7 @@ def _fused_activation(activation: nn.Module | None) -> tuple[str, str] | None:
 
 
 def _kernel_applies(layer: nn.Module, x: Tensor, residual: Tensor | None) -> bool:
-    """The layer's own conditions, once `fusion_applies` holds for the forward. The layer's type first: a replacement
+    """The layer's own conditions, once `fusion_applies` holds. The layer's type first: a replacement
     (quantized, adapted) may hold anything under `weight`, or nothing."""
     if type(layer) is not nn.Linear:
         return False

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -40,10 +40,8 @@ from transformers.masking_utils import (
     padding_mask_function,
 )
 
+from .kernels import Kernel
 from .padding import BatchLayout
-
-if TYPE_CHECKING:
-    from .attention import Kernel
 
 MaskFunction = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 MaskForm = Literal["varlen", "flash", "dense"]
@@ -113,10 +111,10 @@ class AttentionMask:
             they are ``(B, Lk, nkv, d)`` (a cache, cross-attention).
         dense: ``(B, 1, Lq or 1, Lk)`` bool for the ``"dense"`` form; ``None``: every key is visible. In the
             ``"varlen"`` form, the causal mask of the longest sequence ``(1, 1, L, L)`` when the kernel takes causality
-            as a mask (`attention.Kernel.masks_causality`), else ``None``.
+            as a mask (`kernels.Kernel.masks_causality`), else ``None``.
         key_padding: ``(B, Lk)`` bool, True at real keys, for the ``"flash"`` form; ``None``: every key is real.
         kernel: the name of the attention function that takes this form, in transformers' `ALL_ATTENTION_FUNCTIONS`
-            (``"eager"`` is its fallback), chosen once per forward (`attention.choose_kernel`).
+            (``"eager"`` is its fallback), chosen once per forward (`kernels.choose_kernel`).
     """
 
     layout: BatchLayout
@@ -139,7 +137,7 @@ def create_attention_mask(layout: BatchLayout, kernel: Kernel, device: torch.dev
 
     Args:
         layout: where the queries sit (and the keys, for self-attention without a cache).
-        kernel: the attention functions of the forward (`attention.choose_kernel`): a varlen one, when it has one,
+        kernel: the attention functions of the forward (`kernels.choose_kernel`): a varlen one, when it has one,
             takes the ``"varlen"`` form; flash-attn's padded one the keys' padding; the others a dense mask.
         device: where the tokens are.
         causal: each query sees the keys up to its own position (a decoder's self-attention).

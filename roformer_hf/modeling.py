@@ -189,20 +189,19 @@ class RoFormerSelfAttention(nn.Module):
         past_key_values: Cache | None = None,
         cache_state: CacheState = CacheState(),
         encoder_hidden_states: torch.Tensor | None = None,  # (B, Lk, H), cross-attention
-        fused_dense: bool | None = None,  # the forward's `ForwardPlan.fused_dense`
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         heads, key_value_heads = (self.num_heads, self.head_dim), (self.num_key_value_heads, self.head_dim)
         if self.is_cross_attention:  # keys and values from the encoder, not rotated
-            query = fused_linear(self.query, hidden_states, fusion=fused_dense).unflatten(-1, heads)  # (*T, nh, d)
+            query = fused_linear(self.query, hidden_states).unflatten(-1, heads)  # (*T, nh, d)
             if cache_state.cross_attention_filled:  # projected once per generation
                 key, value = cached_cross_attention(past_key_values, self.layer_idx)  # (B, Lk, nkv, d)
             else:
                 key, value = (t.unflatten(-1, key_value_heads)
-                              for t in fused_linears((self.key, self.value), encoder_hidden_states, fused_dense))
+                              for t in fused_linears((self.key, self.value), encoder_hidden_states))
                 key, value = update_layer(past_key_values, self.layer_idx, key, value, cross_attention=True)
         else:
-            query, key, value = fused_linears((self.query, self.key, self.value), hidden_states, fused_dense)
+            query, key, value = fused_linears((self.query, self.key, self.value), hidden_states)
             query = query.unflatten(-1, heads)  # (*T, nh, d)
             key, value = key.unflatten(-1, key_value_heads), value.unflatten(-1, key_value_heads)  # (*T, nkv, d)
             rotary_layout, phases = self.rotary_layout, position_embeddings.for_rotate
@@ -237,9 +236,8 @@ class RoFormerResidual(nn.Module):
     def normalize_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(hidden_states) if self.pre_norm else hidden_states
 
-    def forward(self, sublayer_output: torch.Tensor, residual: torch.Tensor,
-                fused_dense: bool | None = None) -> torch.Tensor:
-        hidden_states = fused_linear(self.dense, sublayer_output, self.dropout, residual, fused_dense)
+    def forward(self, sublayer_output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        hidden_states = fused_linear(self.dense, sublayer_output, self.dropout, residual)
         return hidden_states if self.pre_norm else self.LayerNorm(hidden_states)
 
 
@@ -251,11 +249,10 @@ class RoFormerAttention(nn.Module):
         self.self = RoFormerSelfAttention(config, layer_idx, is_cross_attention)
         self.output = RoFormerResidual(config, config.hidden_size)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask, fused_dense: bool | None = None,
+    def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask,
                 **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
-        context, _ = self.self(self.output.normalize_input(hidden_states), attention_mask, fused_dense=fused_dense,
-                               **kwargs)
-        return self.output(context, hidden_states, fused_dense)
+        context, _ = self.self(self.output.normalize_input(hidden_states), attention_mask, **kwargs)
+        return self.output(context, hidden_states)
 
 
 class RoFormerIntermediate(nn.Module):
@@ -266,8 +263,8 @@ class RoFormerIntermediate(nn.Module):
         self.dense = linear(config, config.hidden_size, config.intermediate_size)
         self.intermediate_act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, hidden_states: torch.Tensor, fused_dense: bool | None = None) -> torch.Tensor:
-        return fused_linear(self.dense, hidden_states, self.intermediate_act_fn, fusion=fused_dense)
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return fused_linear(self.dense, hidden_states, self.intermediate_act_fn)
 
 
 class RoFormerLayer(GradientCheckpointingLayer):
@@ -287,23 +284,21 @@ class RoFormerLayer(GradientCheckpointingLayer):
         self.output = RoFormerResidual(config, config.intermediate_size)
         self.chunk_size_feed_forward = config.chunk_size_feed_forward
 
-    def feed_forward(self, hidden_states: torch.Tensor,  # token-wise: (*T, H) -> (*T, H)
-                     fused_dense: bool | None = None) -> torch.Tensor:
-        expanded = self.intermediate(self.output.normalize_input(hidden_states), fused_dense)
-        return self.output(expanded, hidden_states, fused_dense)
+    def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # token-wise: (*T, H) -> (*T, H)
+        expanded = self.intermediate(self.output.normalize_input(hidden_states))
+        return self.output(expanded, hidden_states)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask,
                 encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: AttentionMask | None = None,
-                fused_dense: bool | None = None, **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
-        hidden_states = self.attention(hidden_states, attention_mask, fused_dense, **kwargs)
+                **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
+        hidden_states = self.attention(hidden_states, attention_mask, **kwargs)
         if encoder_hidden_states is not None:
-            hidden_states = self.crossattention(hidden_states, encoder_attention_mask, fused_dense,
+            hidden_states = self.crossattention(hidden_states, encoder_attention_mask,
                                                 encoder_hidden_states=encoder_hidden_states, **kwargs)
         chunk = self.chunk_size_feed_forward
         if chunk and hidden_states.shape[-2] > chunk:  # tokens are dim -2: (N, H) or (B, L, H)
-            return torch.cat([self.feed_forward(part, fused_dense) for part in hidden_states.split(chunk, dim=-2)],
-                             dim=-2)
-        return self.feed_forward(hidden_states, fused_dense)
+            return torch.cat([self.feed_forward(part) for part in hidden_states.split(chunk, dim=-2)], dim=-2)
+        return self.feed_forward(hidden_states)
 
 
 class RoFormerEncoder(nn.Module):
@@ -472,8 +467,7 @@ class RoFormerModel(RoFormerPreTrainedModel):
         hidden_states = self.encoder(
             hidden_states, plan.attention_mask, position_embeddings=self.rotary_emb.rotation(plan.position_ids, layout),
             past_key_values=plan.past_key_values, cache_state=plan.cache_state,
-            encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=plan.encoder_attention_mask,
-            fused_dense=plan.fused_dense)
+            encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=plan.encoder_attention_mask)
         pooler_output = self.pooler(layout.edge_tokens(hidden_states)) if hasattr(self, "pooler") else None
         return RoFormerEncoding(last_hidden_state=hidden_states, layout=layout, pooler_output=pooler_output,
                                 past_key_values=plan.past_key_values if plan.use_cache else None)

@@ -13,9 +13,8 @@ layers as transformers' Llama does; the layers only read what the plan decided. 
 - ``past_key_values``: checked and read once (`cache.check_cache`: the past length, whether cross-attention's keys
   are filled); made (`cache.create_cache`) when ``use_cache`` asks for one.
 
-The kernel is chosen once (`attention.choose_kernel`) and the masks rendered once in the form it takes
-(`masks.create_attention_mask`); so is whether the dense layers may take oneDNN's fused kernels
-(`fused.fusion_applies`). Everything the plan must know of the inputs' values (ids in range, the mask's
+The kernel is chosen once (`kernels.choose_kernel`) and the masks rendered once in the form it takes
+(`masks.create_attention_mask`). Everything the plan must know of the inputs' values (ids in range, the mask's
 lengths, packed offsets, a prefix-LM's segments) comes to the host in one copy: one host sync per forward. Packed
 rows found from ``position_ids`` take a second (their offsets), the ``"longrope"`` rope type one inside transformers'
 frequencies, and labels one in the heads' checks.
@@ -29,9 +28,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from .attention import choose_kernel
 from .cache import CacheState, check_cache, create_cache
-from .fused import fusion_applies
+from .kernels import choose_kernel
 from .masks import AttentionMask, create_attention_mask
 from .padding import BatchLayout, layout_reads
 from .validation import (
@@ -58,8 +56,6 @@ class ForwardPlan:
         past_key_values: the cache this forward extends (given, or made for ``use_cache``); ``None``: none.
         use_cache: whether the forward returns the cache.
         cache_state: what the cache held before this forward.
-        fused_dense: whether the dense layers may take oneDNN's fused kernels (`fused.fusion_applies`; each layer
-            still checks itself); ``None``: each call decides.
     """
 
     layout: BatchLayout
@@ -70,7 +66,6 @@ class ForwardPlan:
     past_key_values: Cache | None = None
     use_cache: bool = False
     cache_state: CacheState = CacheState()
-    fused_dense: bool | None = None
 
     @classmethod
     def build(cls, config, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -136,9 +131,8 @@ class ForwardPlan:
             encoder_padding = None if encoder_attention_mask is None else encoder_attention_mask.bool()
             cross_mask = create_attention_mask(layout, kernel, device, key_padding=encoder_padding,
                                                keys_are_queries=False)
-        fused_dense = None if dtype is None else fusion_applies(device, dtype)
         return cls(layout, position_ids, token_type_ids, self_mask, cross_mask, past_key_values, use_cache,
-                   cache_state, fused_dense)
+                   cache_state)
 
 
 def resolve_positions(config, position_ids: Tensor | None, attention_mask: Tensor | None, batch_size: int,

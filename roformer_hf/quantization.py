@@ -49,6 +49,7 @@ import math
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -65,6 +66,8 @@ SMALL_BATCH_ROWS = 256
 _FBGEMM_SMALLEST_RANGE = 255 * 6.2e-5
 # What `fused` applies: oneDNN's (activation, algorithm) names.
 _POST_OPS = {("none", ""), ("relu", ""), ("gelu", "none"), ("gelu", "tanh")}
+# `Int8Linear.fused_side_by_side`: layers' weights joined, by their first layer, with what they were joined from.
+_SIDE_BY_SIDE: weakref.WeakKeyDictionary[Int8Linear, tuple[tuple, Int8Linear]] = weakref.WeakKeyDictionary()
 _ENGINE_LOCK = threading.Lock()  # `_fbgemm_prepack` switches PyTorch's global quantized engine for a moment
 
 
@@ -120,17 +123,55 @@ class Int8Linear(nn.Module):
         weight = linear.weight.detach().float()
         if weight.device.type != "cpu":
             raise ValueError(f"Int8Linear runs on CPU; the layer's weight is on {weight.device}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.saturation_safe = not _cpu_has_vnni() if saturation_safe is None else saturation_safe
-        scale = weight_scales(weight, self.saturation_safe)  # (out,)
-        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).to(torch.int8))  # (out, in)
+        saturation_safe = not _cpu_has_vnni() if saturation_safe is None else saturation_safe
+        scale = weight_scales(weight, saturation_safe)  # (out,)
+        self._hold(torch.round(weight / scale[:, None]).to(torch.int8), scale,
+                   None if linear.bias is None else linear.bias.detach().float().clone(), saturation_safe)
+
+    def _hold(self, weight_int8: Tensor, scale: Tensor, bias: Tensor | None, saturation_safe: bool) -> None:
+        """Keeps the quantized weight ``(out, in)``, its scales and the bias, and packs them for the kernels."""
+        self.out_features, self.in_features = weight_int8.shape
+        self.saturation_safe = saturation_safe
+        self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("weight_scale", scale)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self.register_buffer("bias", bias)
         self._weight_zero_point = torch.zeros(self.out_features, dtype=torch.int32)
         self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)  # oneDNN's blocked layout
         # For few rows, where oneDNN packs the weights at every call (no VNNI); None elsewhere or without fbgemm.
         self._packed_small = None if _cpu_has_vnni() else _fbgemm_prepack(self.weight_int8, scale, self.bias)
         self._packed_from = self._buffers_state()
+
+    @classmethod
+    def fused_side_by_side(cls, layers: tuple[Int8Linear, ...], x: Tensor) -> tuple[Tensor, ...] | None:
+        """``tuple(layer(x) for layer in layers)`` for layers that read the same input (attention's query, key and
+        value): one kernel call on their weights side by side, the input quantized once. Each output channel is
+        computed as its own layer computes it (the same quantized input, its own scale), so the bits are the same.
+        The joined copy is kept beside the first layer and made anew when a layer is replaced; ``None`` where the
+        layers cannot be joined (other input widths, bias on some only, other `saturation_safe`)."""
+        first = layers[0]
+        for layer in layers:
+            layer._check_packed()
+        if any(layer.in_features != first.in_features or layer.saturation_safe != first.saturation_safe
+               or (layer.bias is None) != (first.bias is None) for layer in layers):
+            return None
+        state = tuple((weakref.ref(layer), layer._buffers_state()) for layer in layers)
+        cached = _SIDE_BY_SIDE.get(first)
+        if cached is None or any(ref() is not layer or held != layer._buffers_state()
+                                 for (ref, held), layer in zip(cached[0], layers)):
+            joined = cls.__new__(cls)
+            nn.Module.__init__(joined)
+            joined._hold(torch.cat([layer.weight_int8 for layer in layers]),
+                         torch.cat([layer.weight_scale for layer in layers]),
+                         None if first.bias is None else torch.cat([layer.bias for layer in layers]),
+                         first.saturation_safe)
+            cached = _SIDE_BY_SIDE[first] = (state, joined)
+        return cached[1].fused(x).split([layer.out_features for layer in layers], dim=-1)
+
+    def _check_packed(self) -> None:
+        """Refuses to run on packed copies of buffers that have changed since."""
+        if self._buffers_state() != self._packed_from:
+            raise RuntimeError("Int8Linear's weights, scales or bias changed after they were packed for its kernels "
+                               "(load_state_dict, .to(), an in-place edit): quantize the fp32 model again instead")
 
     def _buffers_state(self) -> tuple:
         """What tells that the buffers were replaced or edited in place (inference tensors keep no version)."""
@@ -159,9 +200,7 @@ class Int8Linear(nn.Module):
                              f"{sorted(_POST_OPS)}")
         if residual is not None and activation != "none":
             raise ValueError("Int8Linear.fused applies an activation or a residual add, not both")
-        if self._buffers_state() != self._packed_from:
-            raise RuntimeError("Int8Linear's weights, scales or bias changed after they were packed for its kernels "
-                               "(load_state_dict, .to(), an in-place edit): quantize the fp32 model again instead")
+        self._check_packed()
         rows = x.reshape(-1, self.in_features).float()
         if rows.shape[0] == 0:
             return rows.new_empty(*x.shape[:-1], self.out_features)

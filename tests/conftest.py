@@ -19,7 +19,7 @@ from helpers import EXAMPLES, STAND_IN, stand_in_calls, varlen_stand_in  # noqa:
 from hub_server import HubServer  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 
-from roformer_hf import attention  # noqa: E402
+from roformer_hf import kernels  # noqa: E402
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -41,7 +41,7 @@ def hub_server(local_hub):
 def stand_in_flash(monkeypatch):
     """The flash-attn code path with `helpers.varlen_stand_in` as its kernel; returns the list of its calls."""
     AttentionInterface.register(STAND_IN, varlen_stand_in)
-    monkeypatch.setattr(attention, "is_flash_attention_requested",  # where the forward chooses its kernel, once
+    monkeypatch.setattr(kernels, "is_flash_attention_requested",  # where the forward chooses its kernel, once
                         lambda requested_attention_implementation: requested_attention_implementation == STAND_IN)
     stand_in_calls.clear()
     return stand_in_calls

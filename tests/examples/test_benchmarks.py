@@ -326,8 +326,9 @@ def test_latency_benchmark_times_every_model_and_the_decoding_step(script_result
               if re.match(r"\| (fp32|bf16|int8) \| [0-9.]+ \| [0-9.]+ \|", line)]
     assert [row[0] for row in floors] == precisions
     for _, megabytes, bandwidth, floor, ours, ratio in floors:
-        assert float(floor) == pytest.approx(float(megabytes) / float(bandwidth), rel=0.05, abs=0.01)
-        if float(floor) >= 0.1:  # printed to 3 decimals: the quick model's floor is a few microseconds
+        assert float(megabytes) > 0 and float(ours) > 0 and float(ratio.split("x")[0]) > 0
+        if float(floor) >= 0.1:  # the quick model's weights (0.1 MB) take microseconds: rounded away
+            assert float(floor) == pytest.approx(float(megabytes) / float(bandwidth), rel=0.05)
             assert float(ratio.split("x")[0]) == pytest.approx(float(ours) / float(floor), rel=0.05)
     assert any(re.match(r"- openvino \d", line) for line in lines)
     assert [line.split("|")[1].strip() for line in lines if re.match(r"\| (8|24) \| \d", line)] == ["8", "24"]

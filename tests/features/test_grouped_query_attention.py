@@ -10,7 +10,7 @@ from helpers import padded_batch, tiny_config
 from transformers import AttentionInterface
 
 import roformer_hf
-from roformer_hf import RoFormerConfig, attention, blocked_dropout
+from roformer_hf import RoFormerConfig, attention, blocked_dropout, kernels
 
 HEADS = 4
 
@@ -161,7 +161,7 @@ def flash_stand_in(module, query, key, value, attention_mask, dropout=0.0, scali
 def test_flash_path_gets_the_key_value_heads_unrepeated(monkeypatch, unpad):
     # (a registered name with "flash" in it would make transformers look for the real kernel)
     AttentionInterface.register("test_gqa_varlen_stand_in", flash_stand_in)
-    monkeypatch.setattr(attention, "is_flash_attention_requested",  # where the forward chooses its kernel
+    monkeypatch.setattr(kernels, "is_flash_attention_requested",  # where the forward chooses its kernel
                         lambda requested_attention_implementation: requested_attention_implementation ==
                         "test_gqa_varlen_stand_in")
     flash_stand_in.calls = 0

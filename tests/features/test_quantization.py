@@ -18,7 +18,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from roformer_hf import quantization
-from roformer_hf.fused import FusesPostOps, fused_linear
+from roformer_hf.fused import FusesPostOps, fused_linear, fused_linears
 from roformer_hf.loading import RefusesSaving
 from roformer_hf.modeling import HEADS, RoFormerForCausalLM, RoFormerForMaskedLM
 from roformer_hf.quantization import Int8Linear, int8_kernel_available, quantize_activations, quantize_int8
@@ -400,6 +400,25 @@ def test_inputs_too_small_for_fbgemms_scales_are_still_exact(magnitude, kernel):
         actual = layer(x)
     expected = exact_product(layer, x)
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_layers_on_one_input_give_the_bits_of_each_alone(rows, kernel):
+    """Attention's query, key and value layers run as one (`Int8Linear.fused_side_by_side`): the input quantized
+    once, one kernel call, each output channel computed as its own layer computes it."""
+    torch.manual_seed(rows)
+    layers = tuple(Int8Linear(nn.Linear(32, out)) for out in (32, 16, 16))
+    x = torch.randn(rows, 32)
+    with torch.inference_mode():
+        together = fused_linears(layers, x)
+        assert all(torch.equal(output, layer(x)) for output, layer in zip(together, layers))
+        assert quantization._SIDE_BY_SIDE[layers[0]][1].out_features == 64
+        unjoinable = (layers[0], Int8Linear(nn.Linear(32, 16, bias=False)))  # bias on one only: each alone
+        assert all(torch.equal(output, layer(x)) for output, layer in zip(fused_linears(unjoinable, x), unjoinable))
+    layers[1].load_state_dict(Int8Linear(nn.Linear(32, 16)).state_dict())
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="changed after they were packed"):
+        fused_linears(layers, x)
 
 
 @needs_int8_kernel

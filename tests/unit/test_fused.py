@@ -160,7 +160,8 @@ def test_a_packed_weight_gives_the_bits_of_the_layers_own(dtype, rows, case):
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
-def test_the_packed_weight_follows_the_weight_it_was_packed_from():
+def test_the_packed_weight_follows_the_weight_it_was_packed_from(monkeypatch):
+    monkeypatch.setattr(fused, "_INTEL", False)  # one fp32 row: oneDNN's kernel on the layer's own weight
     torch.manual_seed(0)
     layer, x = nn.Linear(16, 8), torch.randn(4, 16)
     with torch.inference_mode():
@@ -181,6 +182,19 @@ def test_the_packed_weight_follows_the_weight_it_was_packed_from():
     packs = len(fused._PACKED)
     del layer
     assert len(fused._PACKED) == packs - 1  # dropped with its layer
+
+
+@pytest.mark.parametrize("intel", [True, False])
+def test_one_fp32_row_takes_mkl_on_intel_cpus_and_onednn_elsewhere(kernel, monkeypatch, intel):
+    monkeypatch.setattr(fused, "_INTEL", intel)
+    torch.manual_seed(0)
+    layer, x, activation = nn.Linear(16, 8), torch.randn(1, 1, 16), ACT2FN["gelu"]
+    residual = torch.randn(1, 1, 8)
+    with torch.inference_mode():
+        activated, added = fused_linear(layer, x, activation), fused_linear(layer, x, None, residual)
+    assert kernel.calls == ([] if intel else ["gelu", "add"]) and layer not in fused._PACKED
+    torch.testing.assert_close(activated, reference(layer, x, activation).float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(added, reference(layer, x, None, residual).float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
@@ -227,28 +241,19 @@ def test_layers_with_and_without_bias_are_not_packed_together(kernel):
     assert layers[0] not in fused._PACKED_SIDE_BY_SIDE and kernel.calls == ["none", "none"]
 
 
-def test_a_forward_decides_fusion_once_and_each_layer_still_checks_itself(kernel, monkeypatch):
-    """The model asks `fusion_applies` once per forward (`ForwardPlan.fused_dense`), not once per dense layer; a
-    layer with a hook of its own is called even so, and the output is the module path's."""
+def test_each_layer_of_a_forward_decides_for_itself(kernel):
+    """In inference every dense layer of the model takes the kernel, except one with a hook of its own, which is
+    called (the hook runs), and the output is the module path's."""
     import roformer_hf
-    from roformer_hf import plan
 
     config = roformer_hf.RoFormerConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                                         intermediate_size=24)
     torch.manual_seed(0)
     model = roformer_hf.RoFormerModel(config).eval()
-    asked, fusion_applies = [], fused.fusion_applies
-
-    def counted(device, dtype):
-        asked.append(dtype)
-        return fusion_applies(device, dtype)
-
-    monkeypatch.setattr(plan, "fusion_applies", counted)
-    monkeypatch.setattr(fused, "fusion_applies", counted)
     input_ids = torch.randint(0, 50, (2, 7))
     with torch.no_grad():
         expected = model(input_ids).last_hidden_state
-    assert asked == [torch.float32] and kernel.calls  # once, and the layers took the kernel
+    assert len(kernel.calls) == 2 * 4  # per layer: q/k/v side by side, attention output, FFN up, FFN down
     seen = []
     model.encoder.layer[1].intermediate.dense.register_forward_hook(lambda *args: seen.append("hooked layer"))
     calls = len(kernel.calls)

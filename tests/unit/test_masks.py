@@ -4,7 +4,7 @@ and the bidirectional prefix."""
 import pytest
 import torch
 
-from roformer_hf.attention import choose_kernel
+from roformer_hf.kernels import choose_kernel
 from roformer_hf.masks import create_attention_mask
 from roformer_hf.padding import BatchLayout
 

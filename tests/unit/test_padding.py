@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from roformer_hf.attention import choose_kernel
+from roformer_hf.kernels import choose_kernel
 from roformer_hf.masks import create_attention_mask
 from roformer_hf.modeling import RoFormerLMPredictions
 from roformer_hf.padding import BatchLayout, logits_in_padded_layout

@@ -11,7 +11,7 @@ from helpers import padded_batch, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roformer_hf import RoFormerForCausalLM, RoFormerForMaskedLM, RoFormerModel
-from roformer_hf.attention import SDPA_DROPOUT, SDPA_VARLEN
+from roformer_hf.kernels import SDPA_DROPOUT, SDPA_VARLEN
 from roformer_hf.plan import ForwardPlan
 
 # Operators whose result the host must wait for (a device-to-host copy on an accelerator).
