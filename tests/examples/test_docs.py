@@ -53,8 +53,12 @@ def test_relative_links_point_at_files_and_headings_that_exist(page):
             assert target.suffix == ".md" and anchor in anchors(target), f"{page.name}: no heading for {link}"
 
 
-def python_block(page: str, index: int) -> str:
-    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.DOTALL)[index]
+def python_block(page: str, containing: str) -> str:
+    """The one python block of `page` that contains `containing`."""
+    blocks = [block for block in re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.DOTALL)
+              if containing in block]
+    assert len(blocks) == 1, f"{page}: {len(blocks)} python blocks contain {containing!r}"
+    return blocks[0]
 
 
 NOT_RUN = re.compile(r"<!-- not run by the docs test: (.+?) -->\n```python\n")
@@ -132,7 +136,7 @@ def test_readme_quick_start_runs_as_written(tmp_path, local_hub):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": local_hub.url, "HF_TOKEN": "dummy",
            "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1"}
     env.pop("HF_HUB_OFFLINE", None)
-    result = subprocess.run([PYTHON, "-c", python_block("README.md", 0)], cwd=tmp_path, env=env, capture_output=True,
+    result = subprocess.run([PYTHON, "-c", python_block("README.md", "runs/quickstart")], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = tmp_path / "runs" / "quickstart" / "model"
@@ -142,6 +146,36 @@ def test_readme_quick_start_runs_as_written(tmp_path, local_hub):
     pushed = local_hub.files("you/roformer-quickstart")
     assert {"model.safetensors", "config.json", "modeling.py", "README.md", "tokenizer.json"} <= set(pushed)
     assert "hub.py" not in pushed
+
+
+GUIDES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md",
+          *(page for page in sorted((ROOT / "docs").glob("*.md")) if page.name != "performance.md")]
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b")  # hex with a letter and a digit
+
+
+@pytest.mark.parametrize("page", GUIDES, ids=lambda page: page.relative_to(ROOT).as_posix())
+def test_guides_carry_no_dates_or_commits(page):
+    """benchmarks/RESULTS.md keeps each figure with its date, machine and commit; a guide states the current figure
+    with the machine kind and links to its entry there (the link's target may name the entry's date)."""
+    text = re.sub(r"\]\((?:\.\./)?benchmarks/RESULTS\.md#[^)]*\)", "]()", page.read_text(encoding="utf-8"))
+    found = [f"line {number}: {match.group()}" for number, line in enumerate(text.splitlines(), 1)
+             for match in [*DATE.finditer(line), *COMMIT.finditer(line)]]
+    assert not found, f"{page.name} carries dates or commits: {found}"
+
+
+def test_guides_date_and_commit_patterns_find_what_they_should():
+    assert DATE.findall("measured 2026-11-28 on 2 cores, not 2026-1-2") == ["2026-11-28"]
+    assert COMMIT.findall("at 1b46df8 and c09f1c5; not facade, 1234567, 0.999606 or cl100k") == ["1b46df8", "c09f1c5"]
+
+
+def test_contributing_names_every_module():
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    modules = sorted((ROOT / "roformer_hf").rglob("*.py"))
+    assert modules
+    missing = [module.relative_to(ROOT).as_posix() for module in modules
+               if f"`{module.relative_to(ROOT).as_posix()}`" not in text and f"`{module.name}`" not in text]
+    assert not missing, f"CONTRIBUTING.md's table of where things are does not name {missing}"
 
 
 def test_the_reference_tables_are_what_the_code_gives():
