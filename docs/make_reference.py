@@ -20,6 +20,8 @@ import tempfile
 import typing
 from pathlib import Path
 
+import transformers
+
 from roformer_hf import RoFormerConfig
 from roformer_hf.convert import _head_class
 from roformer_hf.modeling import HEADS
@@ -68,9 +70,101 @@ def checkpoint_rows() -> list[str]:
 
 
 def head_rows() -> list[str]:
-    return [f"| `{head.model_class.__name__}` | `{head.auto_class}` | "
-            f"{f'`{head.pipeline_tag}`' if head.pipeline_tag else 'none (the Hub has no such task)'} |"
-            for head in HEADS]
+    """Each head with its Auto class, the task its model card names on the Hub, and whether the installed transformers
+    has a pipeline of that task (transformers 5 dropped some the Hub keeps)."""
+    from transformers.pipelines import SUPPORTED_TASKS
+
+    rows = []
+    for head in HEADS:
+        task = f"`{head.pipeline_tag}`" if head.pipeline_tag else "none (the Hub has no such task)"
+        pipeline = "yes" if head.pipeline_tag in SUPPORTED_TASKS else "no"
+        rows.append(f"| `{head.model_class.__name__}` | `{head.auto_class}` | {task} | {pipeline} |")
+    return rows
+
+
+# The functions a user calls, by module: each row says the first sentence of the function's docstring.
+PUBLIC_FUNCTIONS = {
+    "roformer_hf": ("RoFormerHFTokenizer", "train_tokenizer", "summary"),
+    "roformer_hf.convert": ("convert_checkpoint",),
+    "roformer_hf.quantization": ("quantize_int8", "int8_kernel_available"),
+    "roformer_hf.similarity": ("embedder", "encode", "similarity", "generate_similar"),
+    "roformer_hf.sentence": ("sentence_pooling", "sentence_dimensions", "sentence_prompts"),
+}
+
+
+def first_sentence(obj) -> str:
+    """The first sentence of `obj`'s docstring, on one line."""
+    text = " ".join(inspect.getdoc(obj).split("\n\n", 1)[0].split())
+    match = re.match(r"(.+?\.)(\s|$)", text)
+    return (match.group(1) if match else text).replace("|", "\\|")
+
+
+def function_rows() -> list[str]:
+    import importlib
+
+    rows = []
+    for module_name, names in PUBLIC_FUNCTIONS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            function = getattr(module, name)
+            signature = f"{module_name}.{name}{inspect.signature(function)}".replace("'", "").replace("|", "\\|")
+            rows.append(f"| `{signature}` | {first_sentence(function)} |")
+    return rows
+
+
+# Fields a config.json may hold beyond `RoFormerConfig`'s own, each with the function that reads it.
+OPTIONAL_FIELDS = {"sentence_pooling": "roformer_hf.sentence.sentence_pooling",
+                   "sentence_normalize": "roformer_hf.sentence.sentence_normalize",
+                   "sentence_dimensions": "roformer_hf.sentence.sentence_dimensions"}
+
+
+def optional_field_rows() -> list[str]:
+    import importlib
+
+    rows = []
+    for field, path in OPTIONAL_FIELDS.items():
+        module_name, _, name = path.rpartition(".")
+        reader = getattr(importlib.import_module(module_name), name)
+        if f'"{field}"' not in inspect.getsource(reader):
+            raise ValueError(f"{path} no longer reads config.{field}: update OPTIONAL_FIELDS")
+        rows.append(f"| `{field}` | `{path}` | {first_sentence(reader)} |")
+    return rows
+
+
+ATTENTION = (  # (value, the model class's flag that allows it, what runs)
+    ("sdpa", "_supports_sdpa", "the default: PyTorch's `scaled_dot_product_attention`; on CPU each sequence in its own "
+     "slice (padding skipped), with attention dropout in training in blocks that keep only the dropout mask"),
+    ("eager", None, "the softmax written out; the only kernel that returns the weights (`output_attentions=True` "
+     "takes it whatever was asked)"),
+    ("flash_attention_2", "_supports_flash_attn", "flash-attn's kernels on GPU (the `flash-attn` package), padding "
+     "skipped by its varlen kernel"),
+    ("a name registered with `AttentionInterface`", "_supports_attention_backend", "a function of transformers' "
+     "attention interface, called on the padded layout with a dense mask"),
+)
+
+
+def attention_rows() -> list[str]:
+    from roformer_hf.modeling import RoFormerPreTrainedModel
+
+    return [f"| `{value}` | {what} |" if not value.startswith("a ") else f"| {value} | {what} |"
+            for value, flag, what in ATTENTION if flag is None or getattr(RoFormerPreTrainedModel, flag, False)]
+
+
+def command_rows() -> list[str]:
+    """Every option of each `roformer-hf` subcommand, from its parser."""
+    from roformer_hf.cli import _parser
+
+    rows = []
+    for name, command in _parser()._subparsers._group_actions[0].choices.items():
+        for action in command._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            flag = ", ".join(action.option_strings) or action.dest.upper()
+            help_text = " ".join((action.help or "").split()).replace("|", "\\|")
+            if "%(default)" in help_text:
+                help_text = help_text % {"default": action.default}
+            rows.append(f"| `roformer-hf {name}` | `{flag}` | {help_text} |")
+    return rows
 
 
 def field_meanings() -> dict[str, str]:
@@ -123,9 +217,33 @@ def render() -> str:
         "",
         "## Heads",
         "",
-        "| class | Auto class | pipeline task |",
-        "| --- | --- | --- |",
+        "| class | Auto class | Hub task (the model card's `pipeline_tag`) | `pipeline()` of that task in "
+        f"transformers {transformers.__version__} |",
+        "| --- | --- | --- | --- |",
         *head_rows(),
+
+        "",
+        "## Attention implementations",
+        "",
+        "The values of `attn_implementation` (`from_pretrained`, `set_attn_implementation`) the model classes take.",
+        "",
+        "| `attn_implementation` | what runs |",
+        "| --- | --- |",
+        *attention_rows(),
+        "",
+        "## Functions",
+        "",
+        "| function | what it does |",
+        "| --- | --- |",
+        *function_rows(),
+        "",
+        "## The `roformer-hf` command",
+        "",
+        "Its options, from its parser (`roformer-hf serve --help`); [serving](serving.md) says how to use them.",
+        "",
+        "| command | option | what it does |",
+        "| --- | --- | --- |",
+        *command_rows(),
         "",
         "## Configuration fields",
         "",
@@ -134,6 +252,13 @@ def render() -> str:
         "| field | type | default | meaning |",
         "| --- | --- | --- | --- |",
         *field_rows(),
+        "",
+        "Optional fields of config.json, for sentence embeddings (`SentenceTransformer(folder)`, `roformer_hf.similarity`, "
+        "`roformer-hf serve`), each read by one function:",
+        "",
+        "| field | read by | what it says |",
+        "| --- | --- | --- |",
+        *optional_field_rows(),
         "",
     ]
     return "\n".join(lines)
