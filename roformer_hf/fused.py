@@ -22,6 +22,7 @@ passes nothing down.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from typing import ClassVar, Protocol, TypeGuard, runtime_checkable
@@ -53,7 +54,7 @@ def _cpu_vendor() -> str:
 
 _INTEL = _cpu_vendor() == "GenuineIntel"
 PACKING_HINT = 16  # the rows oneDNN lays a packed weight out for; it serves every row count
-PACKED_MAX_ROWS = 256  # fp32: beyond, the GEMM is bound by its arithmetic, not by reading the weight, and gains little
+PACKED_MAX_ROWS = 256  # fp32 off Intel: beyond, the GEMM is bound by its arithmetic, not by reading the weight
 # Each layer's weight in oneDNN's blocked layout, with what it was packed from (`_source`): made at the layer's first
 # call that `_dense_kernel` packs for, made again once the weight changes, dropped with the layer.
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
@@ -186,16 +187,17 @@ def _dense_kernel(x: Tensor) -> str:
 
     - ``"packed"``: oneDNN's kernel on the weight packed in its blocked layout (`_PACK`, what torch.compile's CPU
       backend does with frozen weights), which reads faster and gives the same bits as the layer's own weight. fp32:
-      2 to `PACKED_MAX_ROWS` rows, where the GEMM waits on its weight (short sentences: up to 1.5x per dense layer);
-      past the range the GEMM is bound by its arithmetic and gains little. bf16: every row count (Intel Xeon with
-      AVX-512 bf16: 2x at one row, 1.3x at 16).
+      2 to `PACKED_MAX_ROWS` rows, where the GEMM waits on its weight (short sentences: up to 1.5x per dense layer;
+      AMD EPYC); past the range the GEMM is bound by its arithmetic and gained little there. On Intel CPUs every row
+      count above one: 1.05-1.10x from 626 to 2626 rows too (Intel Xeon with AVX-512). bf16: every row count (that
+      Xeon: 2x at one row, 1.3x at 16).
     - ``"module"``: the layer's own call (MKL's GEMM), the activation or addition applied after it. fp32, one row, on
       Intel CPUs, where MKL's matrix-vector product takes 0.7x oneDNN's time (a decoding step; a packed weight would
       sum in another order).
     - ``"onednn"``: oneDNN's kernel on the layer's own weight: every other input.
     """
     rows = x.numel() // x.shape[-1]
-    if _PACK is not None and (x.dtype == torch.bfloat16 or 1 < rows <= PACKED_MAX_ROWS):
+    if _PACK is not None and (x.dtype == torch.bfloat16 or 1 < rows <= (math.inf if _INTEL else PACKED_MAX_ROWS)):
         return "packed"
     if rows == 1 and _INTEL:
         return "module"

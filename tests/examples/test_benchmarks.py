@@ -24,6 +24,8 @@ from common import bf16_matrix_units, machine_lines  # noqa: E402
 # torch and transformers are imported once, not once a script.
 SCRIPTS = {
     "test_attention_benchmark_reports_both_kernels_in_both_dtypes": ("bench_attention.py", ["--quick"], 300, {}),
+    "test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule": (
+        "bench_dense.py", ["--quick", "--rows", "1", "16", "300", "--repeats", "3"], 300, {}),
     "test_generation_benchmark_reports_throughput_and_step_cost": ("bench_generate.py", ["--quick"], 300, {}),
     "test_quantization_benchmark_times_every_path_and_judges_the_targets": (
         "bench_quant.py", ["--quick", "--skip-compile", "--no-torchao", "--repeats", "1", "--warmup", "0"], 600,
@@ -135,6 +137,29 @@ def test_attention_benchmark_reports_both_kernels_in_both_dtypes(script_result):
     assert set(rows) == {(dtype, kernel) for dtype in ("fp32", "bf16") for kernel in ("SDPA", "explicit (eager)")}
     assert all(rows["fp32", kernel] < 1e-5 for kernel in ("SDPA", "explicit (eager)"))
     assert all(1e-4 < rows["bf16", kernel] < 5e-2 for kernel in ("SDPA", "explicit (eager)"))
+
+
+def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_result):
+    """`bench_dense.py --quick`: MKL, oneDNN and oneDNN on the packed weight, on each dense layer of an encoder layer
+    at each row count, the packed weight giving the bits of the unpacked one wherever the rule packs, and the rule's
+    choice against the fastest of the three."""
+    from roformer_hf import fused
+
+    result = script_result
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
+            if re.match(r"\| (fp32|bf16) \| \d", line)]
+    dtypes = ["fp32", "bf16"] if fused._BF16_GEMMS else ["fp32"]
+    layers = ["q/k/v", "attention output", "FFN up", "FFN down"]
+    assert [(row[0], row[1], row[2]) for row in rows] == [
+        (dtype, count, layer) for dtype in dtypes for count in ("1", "16", "300") for layer in layers]
+    for dtype, count, _, mkl, onednn, packed, same_bits, chosen, ratio in rows:
+        times = {"MKL": float(mkl), "oneDNN": float(onednn), "oneDNN packed": float(packed)}
+        assert all(time > 0 for time in times.values())
+        assert float(ratio.removesuffix("x")) == pytest.approx(times[chosen] / min(times.values()), rel=0.05, abs=0.01)
+        assert same_bits == "yes" or (dtype == "fp32" and count == "1")  # one fp32 row: sums in another order
+        assert chosen != "MKL" or (dtype == "fp32" and count == "1" and fused._INTEL)
+    assert re.search(r"The rule's choice at most [0-9.]+x the fastest", result.stdout)
 
 
 def test_quick_benchmark_times_the_compiled_model_and_skips_a_missing_onnxruntime():

@@ -198,11 +198,15 @@ def test_one_fp32_row_takes_mkl_on_intel_cpus_and_onednn_elsewhere(kernel, monke
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
-def test_long_inputs_leave_the_weight_unpacked():
+@pytest.mark.parametrize("intel", [True, False])
+def test_long_fp32_inputs_use_the_packed_weight_on_intel_cpus_only(monkeypatch, intel):
+    monkeypatch.setattr(fused, "_INTEL", intel)
     layer, x = nn.Linear(16, 8), torch.randn(fused.PACKED_MAX_ROWS + 1, 16)
     with torch.inference_mode():
-        fused_linear(layer, x)
-    assert layer not in fused._PACKED  # no second copy of the weight for bulk inference
+        output = fused_linear(layer, x)
+    # elsewhere no second copy of the weight for bulk inference
+    assert (layer in fused._PACKED) == intel
+    assert torch.equal(output, fused._KERNEL(x, layer.weight, layer.bias, "none", [], ""))
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
@@ -220,7 +224,7 @@ def test_layers_on_one_input_give_the_bits_of_each_alone(dtype, rows, bias):
         alone = [fused_linear(layer, x) for layer in layers]
         together = fused.fused_linears(layers, x)
         assert all(torch.equal(a, b) for a, b in zip(alone, together))
-        packed = dtype == "bf16" or 1 < rows <= fused.PACKED_MAX_ROWS
+        packed = dtype == "bf16" or 1 < rows <= fused.PACKED_MAX_ROWS or (rows > 1 and fused._INTEL)
         assert (layers[0] in fused._PACKED_SIDE_BY_SIDE) == packed
         with torch.no_grad():
             layers[2].weight.add_(1.0)  # the side-by-side copy follows each layer's weight
