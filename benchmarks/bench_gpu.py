@@ -35,27 +35,15 @@ from dataclasses import dataclass, field
 from statistics import median
 
 import torch
+import workload
 from common import machine_lines, progress, spread, time_interleaved, time_once, verdict
-from workload import (
-    Size,
-    forward_flops,
-    infer,
-    load_model,
-    padded_batch,
-    parse_args,
-    size_of,
-    sparse_head_forward_flops,
-    timing_parser,
-    train_step,
-    transformers_config,
-)
 
 TARGETS = {"infer speed-up": 3.0, "train speed-up": 3.0, "train MFU": 0.45}
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, matched against the device name; the first match wins.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0),
                     ("H200", 989.0))
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-MODES = {"infer": infer, "train": train_step}
+MODES = {"infer": workload.infer, "train": workload.train_step}
 
 
 @dataclass
@@ -98,7 +86,7 @@ def resolve_attention(requested: str, device: torch.device, dtype: torch.dtype) 
     return requested
 
 
-def modernbert_config(size: Size):
+def modernbert_config(size: workload.Size):
     """transformers' ModernBERT with RoFormer's hidden size, layers, heads and vocabulary, every layer global
     attention, no dropout, sparse prediction (as roformer_hf).
 
@@ -124,11 +112,12 @@ def build_contenders(args: argparse.Namespace, folder: str, device: torch.device
     """transformers' RoFormer (eager), roformer_hf on `args.attn`, and unless skipped roformer_hf compiled on SDPA
     (plus its eager-mode SDPA baseline when `args.attn` is not SDPA) and ModernBERT."""
     def ours(attn: str) -> torch.nn.Module:
-        return load_model("roformer_hf", folder, attn, dtype=dtype).to(device)
+        return workload.load_model("roformer_hf", folder, attn, dtype=dtype).to(device)
 
     contenders = {
         "transformers": Contender("transformers' RoFormer", "eager",
-                                  load_model("transformers", folder, dtype=dtype).to(device), sparse_head=False),
+                                  workload.load_model("transformers", folder, dtype=dtype).to(device),
+                                  sparse_head=False),
         "roformer_hf": Contender("roformer_hf", args.attn, ours(args.attn), sparse_head=True),
     }
     if not args.skip_compile:
@@ -141,8 +130,8 @@ def build_contenders(args: argparse.Namespace, folder: str, device: torch.device
         from transformers import AutoModelForMaskedLM
 
         torch.manual_seed(args.seed)
-        modernbert = AutoModelForMaskedLM.from_config(modernbert_config(size_of(args)), attn_implementation=args.attn,
-                                                      dtype=dtype)
+        modernbert = AutoModelForMaskedLM.from_config(modernbert_config(workload.size_of(args)),
+                                                      attn_implementation=args.attn, dtype=dtype)
         contenders["modernbert"] = Contender("ModernBERT", args.attn, modernbert.to(device), sparse_head=True)
     return contenders
 
@@ -181,8 +170,8 @@ def check_accuracy(folder: str, contenders: dict[str, Contender], batch, device:
     the logits. With a `tolerance`, roformer_hf's error must be within it."""
     _, attention_mask, labels = batch
     real = attention_mask.bool()
-    reference = load_model("transformers", folder, dtype=torch.float32).to(device).eval()
-    expected = infer(reference, batch)[real].float()  # (N, V)
+    reference = workload.load_model("transformers", folder, dtype=torch.float32).to(device).eval()
+    expected = workload.infer(reference, batch)[real].float()  # (N, V)
     del reference
 
     def loss(logits: torch.Tensor) -> float:
@@ -193,7 +182,7 @@ def check_accuracy(folder: str, contenders: dict[str, Contender], batch, device:
         if key == "modernbert":
             continue
         contender.model.eval()
-        logits = infer(contender.model, batch)[real].float()
+        logits = workload.infer(contender.model, batch)[real].float()
         error = (logits - expected).abs().max().item()
         results[key] = {"logits": error, "relative": error / expected.abs().max().item(), "loss": loss(logits)}
         if key != "transformers" and not error <= (math.inf if tolerance is None else tolerance):  # NaN fails
@@ -224,11 +213,11 @@ def device_lines(device: torch.device) -> list[str]:
     return lines + [f"- flash-attn {flash}"]
 
 
-def report(args, size: Size, lengths: tuple[int, ...], labelled: int, contenders: dict[str, Contender],
+def report(args, size: workload.Size, lengths: tuple[int, ...], labelled: int, contenders: dict[str, Contender],
            accuracy: dict[str, dict[str, float]], peak_tflops: float | None, device: torch.device) -> None:
-    flops = forward_flops(size, lengths)
+    flops = workload.forward_flops(size, lengths)
     tokens, padded = sum(lengths), len(lengths) * max(lengths)
-    dense, sparse = sum(flops.values()), sparse_head_forward_flops(flops, tokens, labelled)
+    dense, sparse = sum(flops.values()), workload.sparse_head_forward_flops(flops, tokens, labelled)
     # Per mode and whether the model's training forward runs the MLM head on the labelled tokens only.
     step_flops = {("infer", False): dense, ("infer", True): dense,
                   ("train", False): 3 * dense, ("train", True): 3 * sparse}
@@ -317,7 +306,7 @@ def report(args, size: Size, lengths: tuple[int, ...], labelled: int, contenders
 # ---------------------------------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = timing_parser(__doc__.split("\n\n")[0], repeats=10, warmup=3, timed="calls per model and mode")
+    parser = workload.timing_parser(__doc__.split("\n\n")[0], repeats=10, warmup=3, timed="calls per model and mode")
     parser.set_defaults(layers=12)  # the GPU targets are at base size
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
@@ -337,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(build_parser(), argv, repeat_batch=1)
+    args = workload.parse_args(build_parser(), argv, repeat_batch=1)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (`--device cpu --quick --dtype fp32` smoke-tests this)")
@@ -350,12 +339,12 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
 
-    size = size_of(args)
+    size = workload.size_of(args)
     lengths = tuple(args.lengths) * args.repeat_batch
-    batch = tuple(t.to(device) for t in padded_batch(lengths, args.vocab, args.seed))
+    batch = tuple(t.to(device) for t in workload.padded_batch(lengths, args.vocab, args.seed))
     with tempfile.TemporaryDirectory(prefix="roformer_bench_gpu_") as folder:
         torch.manual_seed(args.seed)
-        RoFormerForMaskedLM(transformers_config(size, max(lengths))).save_pretrained(folder)
+        RoFormerForMaskedLM(workload.transformers_config(size, max(lengths))).save_pretrained(folder)
         contenders = build_contenders(args, folder, device, dtype)
         if "compiled" in contenders:
             progress("torch.compile: first call of each mode")
