@@ -29,17 +29,20 @@ from roformer_hf.modeling import HEADS
 REFERENCE = Path(__file__).resolve().parent / "reference.md"
 SMALL = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
          "intermediate_size": 64}
+ANY_HEAD = ["each head"]  # a folder of any head: the row checks every one
 # Each kind of checkpoint a user finds: a config.json of that kind, and how to load it.
 CHECKPOINTS = (
     ("RoFormer (V1), transformers' `model_type: \"roformer\"`: `junnyu/roformer_chinese_base`, "
-     "`roformer_chinese_char_small`",
+     "`roformer_chinese_small`, `roformer_chinese_char_base`, `roformer_chinese_char_small`",
      {"model_type": "roformer", "architectures": ["RoFormerForMaskedLM"]},
      "`python -m roformer_hf.convert SRC DST`, then the Auto classes on DST; or `{cls}.from_pretrained(SRC)`"),
-    ("RoFormer-V2 (JunnYu's `junnyu/roformer_v2_chinese_char_base`): `norm_type: \"rms_norm\"`, `use_bias: false`",
+    ("RoFormer-V2 (JunnYu's `junnyu/roformer_v2_chinese_char_base`, `roformer_v2_chinese_char_small`): "
+     "`norm_type: \"rms_norm\"`, `use_bias: false`",
      {"model_type": "roformer", "architectures": ["RoFormerForMaskedLM"], "norm_type": "rms_norm",
       "use_bias": False, "hidden_act": "relu"},
      "the same: the config says V2, and V2 is built"),
-    ("RoFormer-Sim (`junnyu/roformer_chinese_sim_char_base`): `is_decoder`, `pooler_activation`",
+    ("RoFormer-Sim (`junnyu/roformer_chinese_sim_char_base`, `roformer_chinese_sim_char_small`, "
+     "`roformer_chinese_sim_char_ft_base`, `roformer_chinese_sim_char_ft_small`): `is_decoder`, `pooler_activation`",
      {"model_type": "roformer", "architectures": ["RoFormerForCausalLM"], "is_decoder": True,
       "pooler_activation": "linear"},
      "the same; `roformer_hf.similarity` for embeddings and `generate_similar`"),
@@ -48,19 +51,30 @@ CHECKPOINTS = (
      "`python -m roformer_hf.convert SRC DST` only: it reads the pickle with `torch.load(weights_only=True)`; "
      "`from_pretrained` refuses pickles"),
     ("a roformer_hf folder (`save_pretrained`, the converter, `push_to_hub`)",
-     {"model_type": "roformer_hf", "architectures": ["RoFormerForSequenceClassification"]},
+     {"model_type": "roformer_hf", "architectures": ANY_HEAD},
      "the Auto classes and pipelines (after `import roformer_hf`), or `trust_remote_code=True` without the "
      "package"),
 )
 
 
+def built_head(config: dict) -> tuple[type, RoFormerConfig]:
+    """The class and config the converter and `from_pretrained` build from a config.json holding `config`."""
+    with tempfile.TemporaryDirectory() as folder:  # the folder read as a user's would be
+        (Path(folder) / "config.json").write_text(json.dumps({**SMALL, **config}), encoding="utf-8")
+        return _head_class(Path(folder)), RoFormerConfig.from_pretrained(folder)
+
+
 def checkpoint_rows() -> list[str]:
     rows = []
     for kind, config, loader in CHECKPOINTS:
-        with tempfile.TemporaryDirectory() as folder:  # the folder read as a user's would be
-            (Path(folder) / "config.json").write_text(json.dumps({**SMALL, **config}), encoding="utf-8")
-            head = _head_class(Path(folder))
-            built = RoFormerConfig.from_pretrained(folder)
+        if config["architectures"] is ANY_HEAD:
+            for each in HEADS:
+                name = each.model_class.__name__
+                if built_head({**config, "architectures": [name]})[0].__name__ != name:
+                    raise ValueError(f"a roformer_hf folder of {name} is not built as {name}")
+            rows.append(f"| {kind} | the head its config.json's `architectures` names | {loader} |")
+            continue
+        head, built = built_head(config)
         facts = [f"`{name}={getattr(built, name)!r}`" for name in ("norm_type", "use_bias", "is_decoder", "prefix_lm",
                                                                      "add_pooling_layer")
                  if getattr(built, name) != getattr(RoFormerConfig(**SMALL), name)]
