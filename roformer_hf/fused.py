@@ -206,9 +206,9 @@ def _dense_kernel(x: Tensor) -> str:
 
 def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:
     """The weight `fused_linear` hands oneDNN: packed (a copy kept beside the layer, as much memory again as its
-    weight) where `_dense_kernel` says so, from the first such input on, and made anew when the weight changes; the layer's own
-    weight otherwise. A weight made under `torch.inference_mode()` keeps no count of its changes, so it is never
-    packed."""
+    weight) where `_dense_kernel` says so, from the first such input on, and made anew when the weight changes (as
+    `_source` tells); the layer's own weight otherwise. A weight made under `torch.inference_mode()` keeps no count of
+    its changes, so it is never packed."""
     weight = layer.weight
     if _dense_kernel(x) != "packed" or weight.is_inference():
         return weight
@@ -218,17 +218,33 @@ def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:
     return cached[1]
 
 
+# Entries of a weight compared at each call with those it was packed from (`_sample`).
+SAMPLED_ENTRIES = 256
+
+
+def _sample(tensor: Tensor) -> Tensor:
+    """`SAMPLED_ENTRIES` entries spread over `tensor`, one step apart of a length that is not a multiple of a row's, so
+    that they fall in different rows and columns (a view: copy it to keep it)."""
+    flat = tensor.detach().view(-1)
+    return flat[::flat.numel() // SAMPLED_ENTRIES + 1]
+
+
 def _source(tensors: Sequence[Tensor]) -> tuple:
     """What a packed copy was made from: for each tensor, the tensor itself (held weakly, so a replaced weight is
-    never mistaken for the one it replaced), where its data is, and its count of in-place changes."""
-    return tuple((weakref.ref(tensor), tensor.data_ptr(), tensor._version) for tensor in tensors)
+    never mistaken for the one it replaced), where its data is, its count of in-place changes, and `_sample` of it,
+    as a view (it sees every later write) and as a copy. The count alone misses changes: torch's fused AdamW
+    (Trainer's default optimizer) and writes through ``.data`` (PEFT merging an adapter, a user's edit) leave it as
+    it was; they change the sampled entries."""
+    return tuple((weakref.ref(tensor), tensor.data_ptr(), tensor._version, view, view.clone())
+                 for tensor in tensors for view in (_sample(tensor),))
 
 
 def _same_source(cached: tuple, tensors: Sequence[Tensor]) -> bool:
     if len(cached) != len(tensors):
         return False
-    for (ref, data_ptr, version), tensor in zip(cached, tensors):
-        if ref() is not tensor or data_ptr != tensor.data_ptr() or version != tensor._version:
+    for (ref, data_ptr, version, view, sample), tensor in zip(cached, tensors):
+        if (ref() is not tensor or data_ptr != tensor.data_ptr() or version != tensor._version
+                or not torch.equal(view, sample)):
             return False
     return True
 

@@ -184,6 +184,35 @@ def test_the_packed_weight_follows_the_weight_it_was_packed_from(monkeypatch):
     assert len(fused._PACKED) == packs - 1  # dropped with its layer
 
 
+@pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
+@pytest.mark.parametrize("change", ["fused AdamW step", "a write through .data", "an adapter merged through .data"])
+@pytest.mark.parametrize("side_by_side", [False, True])
+def test_the_packed_weight_follows_changes_that_leave_the_version_count_alone(change, side_by_side):
+    """torch's fused AdamW (Trainer's default) and writes through ``.data`` do not count as in-place changes of the
+    weight; the packed copy must follow them anyway, or inference after training would run on the old weights."""
+    torch.manual_seed(0)
+    layers, x = (nn.Linear(64, 48), nn.Linear(64, 48)), torch.randn(16, 64)
+
+    def outputs():
+        with torch.inference_mode():
+            return fused.fused_linears(layers, x) if side_by_side else (fused_linear(layers[0], x),)
+
+    outputs()  # packed
+    assert (layers[0] in fused._PACKED_SIDE_BY_SIDE) if side_by_side else (layers[0] in fused._PACKED)
+    versions = [layer.weight._version for layer in layers]
+    if change == "fused AdamW step":
+        optimizer = torch.optim.AdamW([p for layer in layers for p in layer.parameters()], lr=0.1, fused=True)
+        sum(layer(x).sum() for layer in layers).backward()
+        optimizer.step()
+    elif change == "a write through .data":
+        layers[-1 if side_by_side else 0].weight.data.copy_(torch.randn(48, 64))
+    else:
+        layers[0].weight.data += 0.01 * torch.randn(48, 4) @ torch.randn(4, 64)
+    assert [layer.weight._version for layer in layers] == versions  # the count did not see it
+    for output, layer in zip(outputs(), layers):
+        torch.testing.assert_close(output, reference(layer, x).float(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("intel", [True, False])
 def test_one_fp32_row_takes_mkl_on_intel_cpus_and_onednn_elsewhere(kernel, monkeypatch, intel):
     monkeypatch.setattr(fused, "_INTEL", intel)
