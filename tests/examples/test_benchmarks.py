@@ -342,7 +342,7 @@ def test_latency_benchmark_times_every_model_and_the_decoding_step(script_result
         ours, reference, openvino = (cell.split()[0] for cell in row[3:6])
         assert float(ours) > 0 and (reference == "–") == (row[0] == "int8")
         if openvino != "–":
-            assert float(row[7].split("x")[0]) == pytest.approx(float(ours) / float(openvino), rel=0.02, abs=0.01)
+            assert float(row[7].split("x")[0]) == pytest.approx(float(ours) / float(openvino), rel=0.05, abs=0.01)  # of rounded ms
         agreements = [cell.split(",") for cell in row[10].split(";") if cell.strip() != "–"]
         assert len(agreements) == (openvino != "–") + 1 + compiled
         for difference, cosine in agreements:
