@@ -8,17 +8,25 @@ What it does:
 1. Builds transformers' `RoFormerModel` (dropout 0, eager attention, its only kernel), saves it, and loads the folder in
    roformer_hf (`RoFormerModel`, SDPA): the same weights. Converts transformers' model to OpenVINO with
    `openvino.convert_model` (traced on the one-sentence input; both input dimensions stay dynamic, so one compiled
-   model serves every workload) and compiles it for the CPU plugin with the latency hint, `--threads` inference
-   threads and fp32 inference precision (the plugin would pick bf16 on CPUs with bf16 matrix units).
-2. The workloads (`--workloads`): one sentence of `--length` tokens (batch 1); 32 short sentences (8-32 tokens,
+   model serves every workload).
+2. For each precision of `--precisions` (default: those the CPU computes natively: fp32; bf16 where oneDNN has bf16
+   GEMMs, i.e. AVX-512 bf16 or AMX; int8): the PyTorch models cast to bf16 (`.to(torch.bfloat16)`), or roformer_hf's
+   `quantize_int8` (transformers has no int8 path); OpenVINO compiled for the CPU plugin with the latency hint,
+   `--threads` inference threads and the precision's inference precision hint, its int8 from nncf's post-training
+   quantization of the graph, calibrated on 64 short sentences (`pip install nncf`; without it, no OpenVINO int8).
+3. The workloads (`--workloads`): one sentence of `--length` tokens (batch 1); 32 short sentences (8-32 tokens,
    sorted longest first and right-padded, as sentence-transformers batches them); the padded batch of `--lengths`
-   (the CPU targets' 8 x 512..128). On each, checks roformer_hf's and OpenVINO's last hidden state against
-   transformers' at the real tokens (max abs difference at most `--tolerance`), then times one forward of each
-   (`torch.inference_mode`, fp32), interleaved, rotating which goes first, `--repeats` times after `--warmup`
-   rounds (`--block N`: N calls of a model in a row per turn, as a server runs one model, the first of each left
-   out); reports the median and the 90th percentile, and each median over OpenVINO's. `--compile` adds roformer_hf's
-   model compiled for latency (`compiled_for_latency`, docs/export.md's recipe) on the one sentence.
-3. `decode`: one decoding step of roformer_hf's `RoFormerForCausalLM` (batch 1, one token, on the cache it makes)
+   (the CPU targets' 8 x 512..128). On each, checks every model's last hidden state against transformers' fp32 one at
+   the real tokens (fp32: max abs difference at most `--tolerance`; bf16 and int8: every token's cosine at least
+   `--min-cosine`), then times one forward of each (`torch.inference_mode`), interleaved, rotating which goes first,
+   `--repeats` times after `--warmup` rounds (`--block N`: N calls of a model in a row per turn, as a server runs one
+   model, the first of each left out); reports the median and the 90th percentile, and each median over OpenVINO's.
+   `--compile` adds roformer_hf's fp32 model compiled for latency (`compiled_for_latency`, docs/export.md's recipe)
+   on the one sentence.
+4. The floor of the one sentence at each precision: the bytes of the encoder's parameters and buffers (what a
+   forward reads whatever its input) over the read bandwidth this process measures on a buffer of that size, read
+   again right after (as a forward reads the weights the previous one read), and the sentence's time over it.
+5. `decode`: one decoding step of roformer_hf's `RoFormerForCausalLM` (batch 1, one token, on the cache it makes)
    after a prompt of P tokens, for each P of `--prefixes`, interleaved the same way; each step adds a token to the
    cache. roformer_hf only (the first step's logits are checked against transformers' first), to follow the step's
    cost from commit to commit.
