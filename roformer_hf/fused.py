@@ -192,8 +192,8 @@ def _dense_kernel(x: Tensor) -> str:
       count above one: 1.05-1.10x from 626 to 2626 rows too (Intel Xeon with AVX-512). bf16: every row count (that
       Xeon: 2x at one row, 1.3x at 16).
     - ``"module"``: the layer's own call (MKL's GEMM), the activation or addition applied after it. fp32, one row, on
-      Intel CPUs, where MKL's matrix-vector product takes 0.7x oneDNN's time (a decoding step; a packed weight would
-      sum in another order).
+      Intel CPUs, where MKL's matrix-vector product takes 0.5-0.85x oneDNN's time (a decoding step; a packed weight
+      would sum in another order).
     - ``"onednn"``: oneDNN's kernel on the layer's own weight: every other input.
     """
     rows = x.numel() // x.shape[-1]
