@@ -97,16 +97,18 @@ def sdpa_varlen_attention_forward(
     if len(key_lengths) != len(query_lengths):
         raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k delimit {len(query_lengths)} and {len(key_lengths)} "
                          "sequences; expected the same number")
-    if getattr(module, "is_causal", False) and key_lengths != query_lengths:
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", False) if causal is None else causal
+    if causal and key_lengths != query_lengths:
         raise ValueError("causal attention on packed sequences needs as many keys as queries in each sequence "
                          f"(cu_seq_lens_q {cu_seq_lens_q.tolist()}, cu_seq_lens_k {cu_seq_lens_k.tolist()})")
     dropping = dropout and module.training
     sdpa = ALL_ATTENTION_FUNCTIONS[SDPA_DROPOUT if dropping else "sdpa"]
-    masks = causal_mask if dropping and getattr(module, "is_causal", False) else None
+    masks = causal_mask if dropping and causal else None
     queries = query.split(query_lengths, dim=2)  # (1, nh, n, d) each
     keys, values = (t.split(key_lengths, dim=2) for t in (key, value))
     outputs = [sdpa(module, q, k, v, None if masks is None else masks[..., :q.shape[2], :q.shape[2]], dropout=dropout,
-                    scaling=scaling)[0]
+                    scaling=scaling, is_causal=causal)[0]
                for q, k, v in zip(queries, keys, values) if q.shape[2]]  # sequences without queries hold no rows
     return torch.cat(outputs, dim=1), None  # (1, N, nh, d)
 
@@ -127,7 +129,7 @@ def blocked_dropout_attention_forward(module: nn.Module, query: Tensor, key: Ten
     attention_mask = causal_unless_masked(module, query, key, attention_mask, kwargs.get("is_causal"))
     if not dropout or query.shape[2] <= 2 * DROPOUT_BLOCK_ROWS:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
-                                               scaling=scaling)
+                                               scaling=scaling, is_causal=False)  # any causality is in the mask
     key, value = key_value_heads_for_every_query_head(module, key, value)
     if torch.compiler.is_compiling():  # plain ops the compiler can trace: each block recomputed in the backward pass
         blocks = [checkpoint(_attend_block, q, key, value, attention_mask, scaling, dropout, use_reentrant=False)
@@ -176,7 +178,7 @@ def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     tokens = query.shape[:-2]
     query, key, value = (t.flatten(0, -3).transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # (1, nh, N, d)
     output, _ = ALL_ATTENTION_FUNCTIONS[attention_mask.kernel](
-        module, query, key, value, None, dropout=dropout, scaling=scaling,
+        module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=attention_mask.is_causal,
         cu_seq_lens_q=layout.cu_seqlens, cu_seq_lens_k=layout.cu_seqlens,
         max_length_q=layout.max_seqlen, max_length_k=layout.max_seqlen, seq_lengths=layout.seq_lengths,
         **({} if attention_mask.dense is None else {"causal_mask": attention_mask.dense}),
@@ -195,7 +197,8 @@ def attend_padded(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     query = layout.scatter_tokens(query).transpose(1, 2)  # (B, nh, L, d)
     key, value = ((layout.scatter_tokens(t) if attention_mask.keys_are_queries else t).transpose(1, 2)
                   for t in (key, value))
-    output, weights = attention(module, query, key, value, attention_mask.tensor, dropout=dropout, scaling=scaling)
+    output, weights = attention(module, query, key, value, attention_mask.tensor, dropout=dropout, scaling=scaling,
+                                is_causal=attention_mask.is_causal)
     return layout.gather_tokens(output), weights
 
 

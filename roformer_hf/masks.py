@@ -18,7 +18,7 @@ renders it in the form the attention kernel takes (`AttentionMask.form`), for ev
   offsets of the layout. Only where the layout says everything: no cache, no prefix, keys that are the queries. A
   kernel that takes causality as a mask (attention dropout on CPU) gets the longest sequence's causal mask, rendered
   once, which each sequence slices.
-- ``"flash"``: the keys' padding ``(B, Lk)``, flash-attn's padded interface (causality from ``module.is_causal``).
+- ``"flash"``: the keys' padding ``(B, Lk)``, flash-attn's padded interface (causality from the mask's ``is_causal``).
 - ``"dense"``: ``(B, 1, Lq or 1, Lk)`` bool, True = may attend, or ``None`` when every query may see every key.
 
 Kernels given no mask are causal when their module is (transformers' convention): `causal_mask` is that mask.
@@ -115,6 +115,9 @@ class AttentionMask:
         key_padding: ``(B, Lk)`` bool, True at real keys, for the ``"flash"`` form; ``None``: every key is real.
         kernel: the name of the attention function that takes this form, in transformers' `ALL_ATTENTION_FUNCTIONS`
             (``"eager"`` is its fallback), chosen once per forward (`kernels.choose_kernel`).
+        is_causal: whether each query sees only the keys up to its own position, passed to the kernel as its
+            ``is_causal`` (transformers' override of the module's): a decoder's self-attention, unless the forward
+            reads as an encoder's (a prefix-LM whose queries all sit in the prefix).
     """
 
     layout: BatchLayout
@@ -123,6 +126,7 @@ class AttentionMask:
     dense: Tensor | None = None
     key_padding: Tensor | None = None
     kernel: str = "sdpa"
+    is_causal: bool = False
 
     @property
     def tensor(self) -> Tensor | None:
@@ -157,7 +161,7 @@ def create_attention_mask(layout: BatchLayout, kernel: Kernel, device: torch.dev
         # sequence's causal mask from the longest one's, rendered here once.
         longest = causal_mask(layout.max_seqlen, layout.max_seqlen, device) if causal and kernel.masks_causality \
             else None
-        return AttentionMask(layout, "varlen", dense=longest, kernel=kernel.varlen)
+        return AttentionMask(layout, "varlen", dense=longest, kernel=kernel.varlen, is_causal=causal)
     if kernel.takes_key_padding:
         if prefix is not None:
             raise ValueError("flash-attn cannot apply a bidirectional prefix (prefix_lm): use "
@@ -166,12 +170,13 @@ def create_attention_mask(layout: BatchLayout, kernel: Kernel, device: torch.dev
             raise ValueError("flash-attn on the padded layout cannot keep packed sequences apart; let the model skip "
                              "padding (config.unpad_inputs=True) and do not trace it")
         return AttentionMask(layout, "flash", keys_are_queries,
-                             key_padding=layout.token_mask if keys_are_queries else key_padding, kernel=kernel.padded)
+                             key_padding=layout.token_mask if keys_are_queries else key_padding, kernel=kernel.padded,
+                             is_causal=causal)
     if not keys_are_queries and key_padding is None and not past_length:  # cross-attention to every encoder token
-        return AttentionMask(layout, "dense", False, kernel=kernel.padded)
+        return AttentionMask(layout, "dense", False, kernel=kernel.padded)  # never causal
     return AttentionMask(layout, "dense", keys_are_queries, dense=dense_mask(layout, device, causal, past_length,
                                                                              key_padding, prefix),
-                         kernel=kernel.padded)
+                         kernel=kernel.padded, is_causal=causal)
 
 
 def dense_mask(layout: BatchLayout, device: torch.device | None, causal: bool, past_length: int,

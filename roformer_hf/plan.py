@@ -39,6 +39,7 @@ from .validation import (
     check_prefix_segments,
     check_same_offsets,
     check_values,
+    prefix_end_check,
     prefix_segment_check,
 )
 
@@ -104,26 +105,35 @@ class ForwardPlan:
         prefix = token_type_ids == 0 if config.prefix_lm else None
         keys_beyond_queries = past_key_values is not None or encoder_hidden_states is not None
         query_mask = attention_mask[:, -seq_len:] if attention_mask is not None else None
-        unpad = config.unpad_inputs and not output_hidden_states and not keys_beyond_queries and prefix is None
+        unpad = config.unpad_inputs and not output_hidden_states and not keys_beyond_queries
+        # A prefix-LM whose queries all sit in the prefix (RoFormer-Sim's sentence embeddings) attends as an encoder:
+        # bidirectionally, and without its padding.
+        past_prefix = None if keys_beyond_queries else prefix_end_check(config, token_type_ids, query_mask)
 
         # Everything the plan needs of the inputs' values, to the host in one copy.
         both_offsets = cu_seq_lens_q is not None and cu_seq_lens_k is not None  # to compare on the host
         reads = [check.extremes for check in value_checks]
         reads.append(prefix_segment_check(config, token_type_ids, attention_mask))
-        reads.append(layout_values := layout_reads(query_mask, packing_positions, offsets, unpad))
+        reads.append(past_prefix)
+        reads.append(layout_values := layout_reads(query_mask, packing_positions, offsets,
+                                                   unpad and (prefix is None or past_prefix is not None)))
         reads.append(cu_seq_lens_k.long() if both_offsets and layout_values is not None else None)
-        extremes, goes_back, layout_host, key_offsets = read_on_host(reads, len(value_checks))
+        extremes, goes_back, past_prefix, layout_host, key_offsets = read_on_host(reads, len(value_checks))
         check_values(value_checks, extremes)
         if goes_back is not None:
             check_prefix_segments(token_type_ids, goes_back)
         if key_offsets is not None:
             check_same_offsets(layout_host, key_offsets)
+        causal = config.is_decoder
+        if past_prefix == [0]:
+            prefix, causal = None, False
+        unpad = unpad and prefix is None
 
         layout = BatchLayout.from_inputs(batch_size, seq_len, query_mask, packing_positions, offsets, unpad,
                                          host=layout_host)
         kernel = choose_kernel("eager" if output_attentions else config._attn_implementation, device,
                                dropout=training and config.attention_probs_dropout_prob > 0)
-        self_mask = create_attention_mask(layout, kernel, device, causal=config.is_decoder, past_length=past_length,
+        self_mask = create_attention_mask(layout, kernel, device, causal=causal, past_length=past_length,
                                           key_padding=attention_mask if past_key_values is not None else None,
                                           prefix=prefix)
         cross_mask = None

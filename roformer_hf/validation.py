@@ -214,6 +214,18 @@ def prefix_segment_check(config, token_type_ids: torch.Tensor,
     return (real & (token_type_ids < seen)).any(dim=-1).long()
 
 
+def prefix_end_check(config, token_type_ids: torch.Tensor, query_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Whether a prefix-LM's real queries reach past the prefix (`token_type_ids` 1): ``(1,)`` int64 on the device, 0
+    when every one sits in the prefix, where the model attends as an encoder; ``None`` when there is nothing to read
+    (no prefix-LM, or tracing, which keeps the prefix's mask)."""
+    if not config.prefix_lm or is_tracing():
+        return None
+    past = token_type_ids != 0
+    if query_mask is not None:
+        past = past & query_mask.bool()
+    return past.any().long().reshape(1)
+
+
 def check_prefix_segments(token_type_ids: torch.Tensor, goes_back: list[int]) -> None:
     """Refuses the first row that `prefix_segment_check` found going back from segment 1 to 0."""
     if any(goes_back):

@@ -14,6 +14,7 @@ from helpers import TINY, padded_batch, tiny_config
 from safetensors.torch import load_file, save_file
 
 from roformer_hf import RoFormerForCausalLM, RoFormerModel
+from roformer_hf.plan import ForwardPlan
 
 
 def changed_after(ids: torch.Tensor, position: int, vocab_size: int = TINY["vocab_size"]) -> torch.Tensor:
@@ -355,6 +356,41 @@ def test_prefix_lm_loss_of_padded_rows_equals_the_reference(left):
         expected = reference_loss(reference_logits(model, ids, mask, types), ids, mask)
         torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{described(model)}: {m}")
+
+
+@PADDING_SIDES
+@pytest.mark.parametrize("types", ["zeros", "omitted", "ones at padding"])
+def test_prefix_lm_on_its_prefix_alone_reads_as_an_encoder_without_its_padding(left, types):
+    """Rows whose real tokens all sit in the prefix (RoFormer-Sim's sentence embeddings) attend bidirectionally: the
+    states equal the reference's on real tokens, and the forward skips the padding as an encoder's does."""
+    for seed in CONFIG_SEEDS:
+        model = random_decoder(seed, prefix_lm=True)
+        ids, mask, _ = random_prefix_batch(seed, left)
+        token_types = {"zeros": torch.zeros_like(ids), "omitted": None,
+                       "ones at padding": (mask == 0).long()}[types]
+        plan = ForwardPlan.build(model.config, ids, mask, token_type_ids=token_types, use_cache=False)
+        assert plan.layout.mode == "varlen" and not plan.attention_mask.is_causal
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask, token_type_ids=token_types, use_cache=False).logits
+            cached = model(ids, attention_mask=mask, token_type_ids=token_types).logits  # a cache: the prefix's mask
+        expected = reference_logits(model, ids, mask, torch.zeros_like(ids))
+        real = mask.bool()
+        for actual in (logits, cached):
+            torch.testing.assert_close(actual[real].double(), expected[real], rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"{described(model)}: {m}")
+
+
+def test_prefix_lm_with_a_row_past_its_prefix_keeps_the_prefix_mask():
+    model = random_decoder(0, prefix_lm=True)
+    ids, mask, types = random_prefix_batch(0, left=False)
+    types[1:] = 0  # one row reaches segment 1: the batch keeps the prefix-LM's mask, padded
+    plan = ForwardPlan.build(model.config, ids, mask, token_type_ids=types, use_cache=False)
+    assert plan.layout.mode == "padded" and plan.attention_mask.is_causal
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, token_type_ids=types, use_cache=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits[real].double(), reference_logits(model, ids, mask, types)[real], rtol=1e-4,
+                               atol=1e-4)
 
 
 def random_encoder_states(seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
