@@ -149,15 +149,14 @@ class Int8Linear(nn.Module):
         The joined copy is kept beside the first layer and made anew when a layer is replaced; ``None`` where the
         layers cannot be joined (other input widths, bias on some only, other `saturation_safe`)."""
         first = layers[0]
-        for layer in layers:
-            layer._check_packed()
+        states = [layer._check_packed() for layer in layers]
         if any(layer.in_features != first.in_features or layer.saturation_safe != first.saturation_safe
                or (layer.bias is None) != (first.bias is None) for layer in layers):
             return None
-        state = tuple((weakref.ref(layer), layer._buffers_state()) for layer in layers)
         cached = _SIDE_BY_SIDE.get(first)
-        if cached is None or any(ref() is not layer or held != layer._buffers_state()
-                                 for (ref, held), layer in zip(cached[0], layers)):
+        if cached is None or any(ref() is not layer or held != state
+                                 for (ref, held), layer, state in zip(cached[0], layers, states)):
+            state = tuple((weakref.ref(layer), held) for layer, held in zip(layers, states))
             joined = cls.__new__(cls)
             nn.Module.__init__(joined)
             joined._hold(torch.cat([layer.weight_int8 for layer in layers]),
@@ -165,13 +164,15 @@ class Int8Linear(nn.Module):
                          None if first.bias is None else torch.cat([layer.bias for layer in layers]),
                          first.saturation_safe)
             cached = _SIDE_BY_SIDE[first] = (state, joined)
-        return cached[1].fused(x).split([layer.out_features for layer in layers], dim=-1)
+        return cached[1].fused(x, checked=True).split([layer.out_features for layer in layers], dim=-1)
 
-    def _check_packed(self) -> None:
-        """Refuses to run on packed copies of buffers that have changed since."""
-        if self._buffers_state() != self._packed_from:
+    def _check_packed(self) -> tuple:
+        """Refuses to run on packed copies of buffers that have changed since; returns the buffers' state."""
+        state = self._buffers_state()
+        if state != self._packed_from:
             raise RuntimeError("Int8Linear's weights, scales or bias changed after they were packed for its kernels "
                                "(load_state_dict, .to(), an in-place edit): quantize the fp32 model again instead")
+        return state
 
     def _buffers_state(self) -> tuple:
         """What tells that the buffers were replaced or edited in place (inference tensors keep no version)."""
@@ -185,10 +186,12 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.fused(x)
 
-    def fused(self, x: Tensor, activation: str = "none", algorithm: str = "", residual: Tensor | None = None) -> Tensor:
+    def fused(self, x: Tensor, activation: str = "none", algorithm: str = "", residual: Tensor | None = None, *,
+              checked: bool = False) -> Tensor:
         """``residual + activation(self(x))``, both applied by the kernel: `activation` is oneDNN's name
         (``"none"``, ``"relu"``, ``"gelu"`` with `algorithm` ``"none"`` for the erf form); `residual`
-        ``(*, out_features)`` fp32, only without an activation."""
+        ``(*, out_features)`` fp32, only without an activation. `checked`: the caller checked the buffers
+        (`fused_side_by_side`, on the layers its joined copy was made from)."""
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("Int8Linear is for inference: its kernel has no backward (run under "
                                "torch.inference_mode() or torch.no_grad())")
@@ -200,7 +203,8 @@ class Int8Linear(nn.Module):
                              f"{sorted(_POST_OPS)}")
         if residual is not None and activation != "none":
             raise ValueError("Int8Linear.fused applies an activation or a residual add, not both")
-        self._check_packed()
+        if not checked:
+            self._check_packed()
         rows = x.reshape(-1, self.in_features).float()
         if rows.shape[0] == 0:
             return rows.new_empty(*x.shape[:-1], self.out_features)
@@ -283,15 +287,29 @@ def quantize_activations(x: Tensor, levels: int = 255,
     if levels == 255 and hasattr(torch, "quantize_per_tensor"):
         # fbgemm's vectorized kernel, then its bytes seen as uint8 (no copy). PyTorch deprecates its quantized tensors
         # (the wrapper here); until they go, this is 2.4-3.8x faster than the composite below.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            quantized = torch.quantize_per_tensor(x, scale, zero_point, torch.quint8)
+        quantized = _quantize_per_tensor(x, scale, zero_point)
         as_bytes = torch.empty(0, dtype=torch.uint8, device=x.device)
         return as_bytes.set_(quantized.untyped_storage(), quantized.storage_offset(), quantized.shape,
                              quantized.stride()), scale, zero_point
     # x / scale + zero_point, rounded half up: + 0.5 and the cast's truncation of values clamped non-negative.
     shifted = torch.add(torch.tensor(zero_point + 0.5), x, alpha=1 / scale)
     return shifted.clamp_(0, levels).to(torch.uint8).contiguous(), scale, zero_point
+
+
+_DEPRECATION_SEEN = False  # PyTorch warns of its quantized tensors once per process
+
+
+def _quantize_per_tensor(x: Tensor, scale: float, zero_point: int) -> Tensor:
+    """`torch.quantize_per_tensor` to quint8, its deprecation warning kept from the user; the filter is set around
+    the first call only, since the warning comes once (setting it costs as much as the call)."""
+    global _DEPRECATION_SEEN
+    if _DEPRECATION_SEEN:
+        return torch.quantize_per_tensor(x, scale, zero_point, torch.quint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        quantized = torch.quantize_per_tensor(x, scale, zero_point, torch.quint8)
+    _DEPRECATION_SEEN = True
+    return quantized
 
 
 def quantize_int8(model: nn.Module, include: Callable[[str, nn.Linear], bool] | None = None,
