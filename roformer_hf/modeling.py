@@ -442,7 +442,9 @@ class RoFormerModel(RoFormerPreTrainedModel):
         Positions the model derives itself never start a sequence. `plan.ForwardPlan` is where each input is read.
 
         Decoders (`config.is_decoder`) attend causally, or, with `config.prefix_lm`, bidirectionally within the
-        prefix (`token_type_ids` 0) and causally after it. With a cache (`past_key_values`, created when `use_cache`,
+        prefix (`token_type_ids` 0) and causally after it; a prefix-LM forward whose real tokens all sit in the prefix,
+        without a cache (RoFormer-Sim's sentence embeddings, `use_cache=False`), is an encoder's and skips the padding
+        as an encoder does. With a cache (`past_key_values`, created when `use_cache`,
         which defaults to `config.use_cache` outside training) the keys of earlier forwards come first:
         `attention_mask` then covers them too, `(B, past + L)`, and positions continue from the real tokens before
         (from the cache's length without an attention mask) unless `position_ids` say otherwise.
