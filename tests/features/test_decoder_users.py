@@ -360,18 +360,21 @@ def test_prefix_lm_loss_of_padded_rows_equals_the_reference(left):
 
 @PADDING_SIDES
 @pytest.mark.parametrize("types", ["zeros", "omitted", "ones at padding"])
-def test_prefix_lm_on_its_prefix_alone_reads_as_an_encoder_without_its_padding(left, types):
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_prefix_lm_on_its_prefix_alone_reads_as_an_encoder_without_its_padding(left, types, attn_implementation):
     """Rows whose real tokens all sit in the prefix (RoFormer-Sim's sentence embeddings) attend bidirectionally: the
     states equal the reference's on real tokens, and the forward skips the padding as an encoder's does."""
     for seed in CONFIG_SEEDS:
         model = random_decoder(seed, prefix_lm=True)
+        model.set_attn_implementation(attn_implementation)
         ids, mask, _ = random_prefix_batch(seed, left)
         token_types = {"zeros": torch.zeros_like(ids), "omitted": None,
                        "ones at padding": (mask == 0).long()}[types]
         plan = ForwardPlan.build(model.config, ids, mask, token_type_ids=token_types, use_cache=False)
         assert plan.layout.mode == "varlen" and not plan.attention_mask.is_causal
         with torch.no_grad():
-            logits = model(ids, attention_mask=mask, token_type_ids=token_types, use_cache=False).logits
+            logits = model(ids, attention_mask=mask, token_type_ids=token_types, use_cache=False,
+                           output_attentions=attn_implementation == "eager").logits  # eager attends padded
             cached = model(ids, attention_mask=mask, token_type_ids=token_types).logits  # a cache: the prefix's mask
         expected = reference_logits(model, ids, mask, torch.zeros_like(ids))
         real = mask.bool()
