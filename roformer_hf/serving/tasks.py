@@ -18,7 +18,10 @@ from .errors import RowError
 from .loaded import LoadedModel
 
 KINDS = ("embed", "classify", "fill_mask", "complete", "similar")
-EMBED_ROWS = 32  # rows per forward of an embedding batch, as `similarity.encode`'s default batch_size
+# Real tokens per forward of an embedding batch. On one thread and on two (Intel Xeon), forwards of 1.5-2 thousand real
+# tokens embedded 3-5% more sentences per second than `similarity.encode`'s 32 rows (~400 tokens of short sentences,
+# ~4000 of passages) (benchmarks/RESULTS.md).
+EMBED_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -88,13 +91,11 @@ class Tasks:
 
     @torch.no_grad()
     def embed(self, ids: list[list[int]]) -> list[torch.Tensor | RowError]:
-        """The sentence embeddings `(H,)` of token-id rows, not normalized: sorted by length and run `EMBED_ROWS` at a
-        time, as `encode` does (rows of one length need no per-sequence attention, and on CPU a forward of a few
-        hundred tokens runs faster per token than one of thousands)."""
+        """The sentence embeddings `(H,)` of token-id rows, not normalized: sorted by length, as `encode` does (rows of
+        one length need no per-sequence attention), and run about `EMBED_TOKENS` real tokens at a time."""
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         vectors: list = [None] * len(ids)
-        for start in range(0, len(order), EMBED_ROWS):
-            rows = order[start:start + EMBED_ROWS]
+        for rows in _by_tokens(order, [len(row) for row in ids], EMBED_TOKENS):
             batch = self.embed_batch(self._pad([ids[i] for i in rows], "right")).float().cpu()
             for row, vector in zip(rows, batch):
                 vectors[row] = _finite(vector, "embedding")
@@ -185,6 +186,19 @@ class _Sinks(BaseStreamer):
         pass
 
 
+def _by_tokens(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """`order` cut into consecutive runs of at most `budget` tokens (`lengths[i]` each); a row longer than the budget
+    goes alone."""
+    runs, run, tokens = [], [], 0
+    for i in order:
+        if run and tokens + lengths[i] > budget:
+            runs.append(run)
+            run, tokens = [], 0
+        run.append(i)
+        tokens += lengths[i]
+    return runs + [run] if run else runs
+
+
 def _finite(values: torch.Tensor, what: str) -> torch.Tensor | RowError:
     """`values`, or the row's error where the model gave NaN or infinity: JSON has no such numbers, and orjson would
     write them as null."""
@@ -198,4 +212,4 @@ def _row_error(error: Exception) -> RowError:
     return error if isinstance(error, RowError) else RowError(f"{type(error).__name__}: {error}")
 
 
-__all__ = ["Completion", "EMBED_ROWS", "Item", "KINDS", "Tasks"]
+__all__ = ["Completion", "EMBED_TOKENS", "Item", "KINDS", "Tasks"]

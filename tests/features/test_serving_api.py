@@ -75,6 +75,26 @@ def test_token_ids_are_run_as_given(served):
     assert len(cut["data"]) == 1
 
 
+@pytest.mark.parametrize("budget", [1, 8, 12, 10_000])
+def test_embedding_forwards_of_a_token_budget_give_each_sentence_alone(served, monkeypatch, budget):
+    """A request's sentences run sorted by length, `tasks.EMBED_TOKENS` real tokens a forward (a sentence longer than
+    the budget alone): each embedding is the sentence's own, whatever the cut."""
+    from roformer_hf.serving import tasks
+
+    monkeypatch.setattr(tasks, "EMBED_TOKENS", budget)
+    server = served["encoder"]
+    sentences = SENTENCES * 2
+    alone = torch.cat([encode(server.model, server.tokenizer, [sentence]) for sentence in sentences])
+    got = torch.tensor(server.answer("/embed", {"inputs": sentences, "normalize": False}))
+    torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+    lengths = [len(row) for row in server.tokenizer(sentences)["input_ids"]]
+    runs = tasks._by_tokens(sorted(range(len(lengths)), key=lambda i: -lengths[i]), lengths, budget)
+    assert sorted(i for run in runs for i in run) == list(range(len(lengths)))
+    assert all(len(run) == 1 or sum(lengths[i] for i in run) <= budget for run in runs)
+    expected_runs = {1: (len(lengths), len(lengths)), 10_000: (1, 1)}.get(budget, (2, len(lengths) - 1))
+    assert expected_runs[0] <= len(runs) <= expected_runs[1]
+
+
 def test_dimensions_only_where_the_folder_was_trained_for_them(served):
     server = served["encoder"]
     full = encode(server.model, server.tokenizer, SENTENCES)
