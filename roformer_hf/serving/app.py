@@ -33,7 +33,7 @@ from .errors import RequestError, RowError, error_body
 from .guards import Guarded, json_response
 from .protocol import ROUTES, Parsed, Route, validation_error
 from .served import ServedModel, raise_row_errors
-from .tasks import KINDS, Item
+from .tasks import KINDS, Item, by_tokens
 
 logger = logging.getLogger("ray.serve")  # Ray Serve shows its logger's lines in the replica's log and the driver's
 
@@ -93,15 +93,8 @@ class Chunk(NamedTuple):
 def chunks(items: list[Item], budget: int) -> list[Chunk]:
     """A request's items in consecutive chunks of at most `budget` tokens; an item costing more than the budget goes
     alone (the parsers keep inputs within the model's length, and the budget is at least that)."""
-    out, current, tokens = [], [], 0
-    for item in items:
-        if current and tokens + item.tokens > budget:
-            out.append(Chunk(current, min(tokens, budget)))
-            current, tokens = [], 0
-        current.append(item)
-        tokens += item.tokens
-    out.append(Chunk(current, min(tokens, budget)))
-    return out
+    runs = by_tokens(list(range(len(items))), [item.tokens for item in items], budget) or [[]]
+    return [Chunk([items[i] for i in run], min(sum(items[i].tokens for i in run), budget)) for run in runs]
 
 
 def _batch_tokens(batch: list[Chunk]) -> int:

@@ -95,7 +95,7 @@ class Tasks:
         one length need no per-sequence attention), and run about `EMBED_TOKENS` real tokens at a time."""
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         vectors: list = [None] * len(ids)
-        for rows in _by_tokens(order, [len(row) for row in ids], EMBED_TOKENS):
+        for rows in by_tokens(order, [len(row) for row in ids], EMBED_TOKENS):
             batch = self.embed_batch(self._pad([ids[i] for i in rows], "right")).float().cpu()
             for row, vector in zip(rows, batch):
                 vectors[row] = _finite(vector, "embedding")
@@ -186,7 +186,7 @@ class _Sinks(BaseStreamer):
         pass
 
 
-def _by_tokens(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+def by_tokens(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
     """`order` cut into consecutive runs of at most `budget` tokens (`lengths[i]` each); a row longer than the budget
     goes alone."""
     runs, run, tokens = [], [], 0
@@ -212,4 +212,4 @@ def _row_error(error: Exception) -> RowError:
     return error if isinstance(error, RowError) else RowError(f"{type(error).__name__}: {error}")
 
 
-__all__ = ["Completion", "EMBED_TOKENS", "Item", "KINDS", "Tasks"]
+__all__ = ["Completion", "EMBED_TOKENS", "Item", "KINDS", "Tasks", "by_tokens"]

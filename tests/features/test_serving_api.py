@@ -88,7 +88,7 @@ def test_embedding_forwards_of_a_token_budget_give_each_sentence_alone(served, m
     got = torch.tensor(server.answer("/embed", {"inputs": sentences, "normalize": False}))
     torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
     lengths = [len(row) for row in server.tokenizer(sentences)["input_ids"]]
-    runs = tasks._by_tokens(sorted(range(len(lengths)), key=lambda i: -lengths[i]), lengths, budget)
+    runs = tasks.by_tokens(sorted(range(len(lengths)), key=lambda i: -lengths[i]), lengths, budget)
     assert sorted(i for run in runs for i in run) == list(range(len(lengths)))
     assert all(len(run) == 1 or sum(lengths[i] for i in run) <= budget for run in runs)
     expected_runs = {1: (len(lengths), len(lengths)), 10_000: (1, 1)}.get(budget, (2, len(lengths) - 1))
