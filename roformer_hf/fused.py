@@ -39,7 +39,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _BF16_GEMMS else (torch.floa
 _PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _KERNEL is not None else None
 
 
-def _cpu_vendor() -> str:
+def cpu_vendor() -> str:
     """The CPU's vendor as /proc/cpuinfo names it (``"GenuineIntel"``, ``"AuthenticAMD"``); ``""`` where unknown."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
@@ -52,7 +52,7 @@ def _cpu_vendor() -> str:
     return ""
 
 
-_INTEL = _cpu_vendor() == "GenuineIntel"
+_INTEL = cpu_vendor() == "GenuineIntel"
 PACKING_HINT = 16  # the rows oneDNN lays a packed weight out for; it serves every row count
 PACKED_MAX_ROWS = 256  # fp32 off Intel: beyond, the GEMM is bound by its arithmetic, not by reading the weight
 # Each layer's weight in oneDNN's blocked layout, with what it was packed from (`_source`): made at the layer's first
@@ -218,15 +218,23 @@ def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:
     return cached[1]
 
 
-# Entries of a weight compared at each call with those it was packed from (`_sample`).
-SAMPLED_ENTRIES = 256
+# Entries of a weight compared at each call with those it was packed from (`_sample`): runs of adjacent entries, each
+# run one cache line of fp32.
+SAMPLED_RUNS, SAMPLED_RUN_LENGTH = 16, 16
+SAMPLED_ENTRIES = SAMPLED_RUNS * SAMPLED_RUN_LENGTH
 
 
 def _sample(tensor: Tensor) -> Tensor:
-    """`SAMPLED_ENTRIES` entries spread over `tensor`, one step apart of a length that is not a multiple of a row's, so
-    that they fall in different rows and columns (a view: copy it to keep it)."""
+    """`SAMPLED_ENTRIES` entries of `tensor` (all of them, if it holds no more): `SAMPLED_RUNS` runs of adjacent
+    entries, spread evenly from its first entry to its last, so that a tensor of at least as many rows has each run in
+    a row of its own (a view: copy it to keep it). Runs cost a read of 16 cache lines where lone entries cost one each:
+    256 lone entries of a weight held in L3 took 11 µs to compare, 24 weights 1.5-4% of a 16-token forward of base
+    width (Intel Xeon)."""
     flat = tensor.detach().view(-1)
-    return flat[::flat.numel() // SAMPLED_ENTRIES + 1]
+    if flat.numel() <= SAMPLED_ENTRIES:
+        return flat
+    step = (flat.numel() - SAMPLED_RUN_LENGTH) // (SAMPLED_RUNS - 1)
+    return flat.as_strided((SAMPLED_RUNS, SAMPLED_RUN_LENGTH), (step, 1))
 
 
 def _source(tensors: Sequence[Tensor]) -> tuple:

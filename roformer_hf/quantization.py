@@ -7,11 +7,13 @@ runs in `torch.ops.onednn.qlinear_pointwise` (what torch.compile's x86 backend e
 fp32 output, the bias, and the layer's GELU/ReLU or residual add applied before the result is stored
 (`fused.fused_linear`). Padding stays skipped: the layers see the batch's real tokens only.
 
-On CPUs without VNNI, calls with fewer than `SMALL_BATCH_ROWS` rows (a generation step, a short request) take
-fbgemm's `quantized::linear_dynamic` instead, whose weights were packed once: oneDNN's kernel packs them at every
-call there, which costs more than the product itself at a few rows (8 rows through a 768 x 3072 layer: 0.27 ms
-against 0.99 ms). Both compute the same integer product of the same quantized inputs; inputs whose range is too
-small for fbgemm's smallest scale (``_FBGEMM_SMALLEST_RANGE``) stay on oneDNN's path.
+Calls with fewer than `SMALL_BATCH_ROWS` rows (a generation step, a short request) take fbgemm's
+`quantized::linear_dynamic` instead, on weights packed once, where that was measured faster (`few_row_limit`). On CPUs
+without VNNI oneDNN's kernel packs the weights at every call, which costs more than the product itself at a few rows
+(8 rows through a 768 x 3072 layer: 0.27 ms against 0.99 ms); on an Intel Xeon with VNNI fbgemm's one call (it
+quantizes, multiplies and rescales) still costs less than the separate steps here below 32 rows. Both compute the same
+integer product of the same quantized inputs; inputs whose range is too small for fbgemm's smallest scale
+(``_FBGEMM_SMALLEST_RANGE``) stay on oneDNN's path.
 
 On CPUs without VNNI (plain AVX2/AVX-512), the kernel multiplies uint8 by int8 with ``vpmaddubsw``, which adds the
 products of neighbouring input features (``2i`` and ``2i + 1``) into an int16 that saturates: 255 * 127 * 2 > 32767.
@@ -55,12 +57,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .fused import cpu_vendor
+
 __all__ = ["Int8Linear", "quantize_int8", "int8_kernel_available"]
 
 
-# Below this many rows, fbgemm's kernel on weights packed once beats oneDNN's fused one (measured on AVX2 without
-# VNNI at hidden 768: 3-6x at 8 rows, 1.1-1.5x at 64-128, about even from 256 rows on).
-SMALL_BATCH_ROWS = 256
 # fbgemm raises scales below 6.1e-5 to that value, so it quantizes inputs spanning less than 255 of them
 # differently from `quantize_activations`; those take oneDNN's path (with a margin for its float32 arithmetic).
 _FBGEMM_SMALLEST_RANGE = 255 * 6.2e-5
@@ -90,6 +91,24 @@ def _cpu_has_vnni() -> bool:
         return False
     is_vnni_supported = getattr(torch.cpu, "_is_vnni_supported", None)
     return bool(is_vnni_supported and is_vnni_supported())
+
+
+def few_row_limit() -> int:
+    """The row count below which `Int8Linear` calls fbgemm's kernel on weights packed once rather than oneDNN's, by
+    CPU kind, as measured (`benchmarks/RESULTS.md`, "int8 kernels for few rows"):
+
+    - without VNNI (an AVX2 EPYC; or oneDNN held below VNNI): 256. oneDNN packs the weights at every call there;
+      fbgemm was 3-6x faster at 8 rows of base width, 1.1-1.5x at 64-128, about even from 256 rows on.
+    - with VNNI on Intel CPUs: 32. The 4-layer model of base width on an Intel Xeon with AVX-512 VNNI: 1.26x at one
+      row, 1.06x at 16, 1.03x at 32, 0.96x at 48, 0.94x at 64.
+    - with VNNI elsewhere (an AMD EPYC with AVX-512 VNNI): 0, oneDNN's kernel at every row count; not measured there.
+    """
+    if not _cpu_has_vnni():
+        return 256
+    return 32 if cpu_vendor() == "GenuineIntel" else 0
+
+
+SMALL_BATCH_ROWS = few_row_limit()
 
 
 class Int8Linear(nn.Module):
@@ -137,8 +156,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
         self._weight_zero_point = torch.zeros(self.out_features, dtype=torch.int32)
         self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)  # oneDNN's blocked layout
-        # For few rows, where oneDNN packs the weights at every call (no VNNI); None elsewhere or without fbgemm.
-        self._packed_small = None if _cpu_has_vnni() else _fbgemm_prepack(self.weight_int8, scale, self.bias)
+        # For calls of fewer than SMALL_BATCH_ROWS rows; None where no call takes fbgemm, or without it.
+        self._packed_small = _fbgemm_prepack(self.weight_int8, scale, self.bias) if SMALL_BATCH_ROWS > 0 else None
         self._packed_from = self._buffers_state()
 
     @classmethod

@@ -183,7 +183,7 @@ def kernel(request, monkeypatch):
     """Both of `Int8Linear`'s paths, whatever the inputs' row count: oneDNN's fused kernel (the many-row path) and
     fbgemm's on weights packed once (the few-row path)."""
     if request.param.startswith("fbgemm") and not has_few_row_path():
-        pytest.skip("no few-row path here: the CPU has VNNI, or PyTorch has no fbgemm")
+        pytest.skip("no few-row path here (`few_row_limit` is 0 on this CPU), or PyTorch has no fbgemm")
     monkeypatch.setattr(quantization, "SMALL_BATCH_ROWS", 0 if request.param.startswith("oneDNN") else 10 ** 9)
     return request.param
 
@@ -371,7 +371,7 @@ def test_both_kernels_compute_the_same_product_and_the_layer_picks_by_row_count(
     integer products of the same quantized inputs), with GELU and the residual applied alike; and a call takes the
     few-row path below `SMALL_BATCH_ROWS` rows only."""
     if not has_few_row_path():
-        pytest.skip("no few-row path here: the CPU has VNNI, or PyTorch has no fbgemm")
+        pytest.skip("no few-row path here (`few_row_limit` is 0 on this CPU), or PyTorch has no fbgemm")
     torch.manual_seed(0)
     layer, x, residual = Int8Linear(nn.Linear(48, 40)), torch.randn(rows, 48) * 2, torch.randn(rows, 40)
     outputs = {}
