@@ -25,7 +25,9 @@ What it does:
    on the one sentence.
 4. The floor of the one sentence at each precision: the bytes of the encoder's parameters and buffers (what a
    forward reads whatever its input) over the read bandwidth this process measures on a buffer of that size, read
-   again right after (as a forward reads the weights the previous one read), and the sentence's time over it.
+   again right after (as a forward reads the weights the previous one read), and the sentence's time over it; beside
+   it the arithmetic floor, the forward's FLOPs over the rate of a large GEMM at that precision (`gemm_rate`): at 16
+   tokens a forward of base width is bound by its arithmetic, not by reading its weights.
 5. `decode`: one decoding step of roformer_hf's `RoFormerForCausalLM` (batch 1, one token, on the cache it makes)
    after a prompt of P tokens, for each P of `--prefixes`, interleaved the same way; each step adds a token to the
    cache. roformer_hf only (the first step's logits are checked against transformers' first), to follow the step's
@@ -48,7 +50,7 @@ from statistics import median
 import torch
 from bench_embeddings import SETS, batches, sentences
 from common import available_cores, machine_lines, progress, time_interleaved, time_once, verdict
-from workload import add_size_arguments, padded_batch, parse_args, size_of, transformers_config
+from workload import add_size_arguments, forward_flops, padded_batch, parse_args, size_of, transformers_config
 
 import roformer_hf  # after workload, which puts this checkout first on sys.path
 
@@ -167,6 +169,27 @@ def read_bandwidth(size: int, repeats: int = 20) -> float:
     buffer = torch.ones(max(size // 4, 1))
     buffer.sum()
     return size / min(time_once(buffer.sum) for _ in range(repeats))
+
+
+def gemm_rate(precision: str, hidden: int, intermediate: int, rows: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s (two per multiply-add) of this process's threads on one large product at `precision`: the
+    feed-forward's expansion over `rows` tokens, ``(rows x hidden) @ (hidden x intermediate)``, where the GEMM runs at
+    the CPU's arithmetic rate rather than waiting on its weights; fp32 and bf16 through `nn.functional.linear`, int8
+    through `torch._int_mm` (int8 products summed in int32, as a VNNI kernel sums them). The best of `repeats`."""
+    if precision == "int8":
+        a = torch.randint(-128, 128, (rows, hidden), dtype=torch.int8)
+        b = torch.randint(-128, 128, (hidden, intermediate), dtype=torch.int8)
+
+        def product():
+            return torch._int_mm(a, b)
+    else:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        x, weight = torch.randn(rows, hidden, dtype=dtype), torch.randn(intermediate, hidden, dtype=dtype)
+
+        def product():
+            return torch.nn.functional.linear(x, weight)
+    product()
+    return 2 * rows * hidden * intermediate / min(time_once(product) for _ in range(repeats))
 
 
 def last_hidden_state(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -302,14 +325,18 @@ def report(args, size, threads: int, openvino_line: str | None, rows: dict, floo
     if floors:
         print(f"\nroformer_hf's one sentence against the machine's floor: the bytes of weights a forward reads (the "
               f"encoder's parameters and buffers) over the measured read bandwidth of a buffer that size, read again "
-              f"right after (best of 20 sums); target within {FLOOR_TARGET:.1f}x\n")
-        print("| precision | weights read (MB) | read bandwidth (GB/s) | floor (ms) | one sentence (ms) | over the floor |")
-        print("|---|---|---|---|---|---|")
-        for precision, (size_bytes, bandwidth, seconds) in floors.items():
-            floor = size_bytes / bandwidth
+              f"right after (best of 20 sums); target within {FLOOR_TARGET:.1f}x. Beside it the arithmetic floor: the "
+              f"forward's FLOPs (projections, feed-forward and attention on the real tokens) over the GEMM rate of a "
+              f"large product at the precision (`gemm_rate`); the larger of the two bounds the forward\n")
+        print("| precision | weights read (MB) | read bandwidth (GB/s) | floor (ms) | one sentence (ms) | over the floor "
+              "| GFLOP | GEMM rate (GFLOP/s) | arithmetic floor (ms) | over the arithmetic floor |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for precision, (size_bytes, bandwidth, seconds, flops, rate) in floors.items():
+            floor, arithmetic = size_bytes / bandwidth, flops / rate
             # Significant digits, not decimals: a small model's weights, read under load, can take a bandwidth below 0.1.
             print(f"| {precision} | {size_bytes / 1e6:.4g} | {bandwidth / 1e9:.3g} | {1e3 * floor:.3f} | "
-                  f"{1e3 * seconds:.2f} | {seconds / floor:.2f}x ({verdict(seconds / floor <= FLOOR_TARGET)}) |")
+                  f"{1e3 * seconds:.2f} | {seconds / floor:.2f}x ({verdict(seconds / floor <= FLOOR_TARGET)}) | "
+                  f"{flops / 1e9:.3g} | {rate / 1e9:.3g} | {1e3 * arithmetic:.3g} | {seconds / arithmetic:.2f}x |")
     if decode is not None:
         times, diff = decode
         print(f"\nroformer_hf's RoFormerForCausalLM, one decoding step (batch 1, one token) after a prompt of P "
@@ -393,8 +420,11 @@ def main(argv: list[str] | None = None) -> None:
                         timed, inputs[workload], precision, fp32["transformers"], args))
                 if "sentence" in encoder_workloads:
                     size_bytes = weight_bytes(models["roformer_hf"])
+                    flops = forward_flops(size, (args.length,))
                     floors[precision] = (size_bytes, read_bandwidth(size_bytes),
-                                         median(rows[precision, "sentence"][2]["roformer_hf"]))
+                                         median(rows[precision, "sentence"][2]["roformer_hf"]),
+                                         flops["linear"] + flops["attention"],  # RoFormerModel: no head
+                                         gemm_rate(precision, size.hidden, size.intermediate))
                 del models
         if "decode" in args.workloads:
             progress(f"timing roformer_hf's decoding step after {args.prefixes} tokens")

@@ -350,11 +350,17 @@ def test_latency_benchmark_times_every_model_and_the_decoding_step(script_result
     floors = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines
               if re.match(r"\| (fp32|bf16|int8) \| [0-9.]+ \| [0-9.]+ \|", line)]
     assert [row[0] for row in floors] == precisions
-    for _, megabytes, bandwidth, floor, ours, ratio in floors:
+    for _, megabytes, bandwidth, floor, ours, ratio, gflop, rate, arithmetic, over in floors:
         assert float(megabytes) > 0 and float(ours) > 0 and float(ratio.split("x")[0]) > 0
         if float(floor) >= 0.1:  # the quick model's weights (0.1 MB) take microseconds: rounded away
             assert float(floor) == pytest.approx(float(megabytes) / float(bandwidth), rel=0.05)
             assert float(ratio.split("x")[0]) == pytest.approx(float(ours) / float(floor), rel=0.05)
+        # the quick model (2 layers, hidden 64, intermediate 256) on 16 tokens, 2 FLOPs a multiply-add: per layer
+        # 16 * (4 * 64^2 + 2 * 64 * 256) in its dense layers, 2 * 16^2 * 64 in attention (scores, weighted values)
+        layer = 16 * (4 * 64 ** 2 + 2 * 64 * 256) + 2 * 16 ** 2 * 64
+        assert float(gflop) == pytest.approx(2 * 2 * layer / 1e9, rel=0.01)
+        assert float(arithmetic) == pytest.approx(1e3 * float(gflop) / float(rate), rel=0.05)
+        assert float(over.split("x")[0]) == pytest.approx(float(ours) / float(arithmetic), rel=0.05)
     assert any(re.match(r"- openvino \d", line) for line in lines)
     assert [line.split("|")[1].strip() for line in lines if re.match(r"\| (8|24) \| \d", line)] == ["8", "24"]
 
