@@ -185,6 +185,23 @@ def test_the_packed_weight_follows_the_weight_it_was_packed_from(monkeypatch):
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
+def test_an_in_place_edit_of_rows_the_samples_miss_is_followed():
+    """A weight edited in place under `torch.no_grad()` (the documented way to edit one) counts the change, so the
+    packed copy follows it even where the sampled entries cannot see it."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(64, 64), torch.randn(16, 64)
+    with torch.inference_mode():
+        fused_linear(layer, x)  # packed
+    sampled = torch.zeros(64 * 64, dtype=torch.bool)
+    sampled[fused._sample(torch.arange(64 * 64)).flatten()] = True
+    assert not sampled.view(64, 64)[1].any()  # row 1 lies between the sampled runs
+    with torch.no_grad():
+        layer.weight[1] = 3.0
+    with torch.inference_mode():
+        torch.testing.assert_close(fused_linear(layer, x), reference(layer, x).float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
 @pytest.mark.parametrize("change", ["fused AdamW step", "a write through .data", "an adapter merged through .data"])
 @pytest.mark.parametrize("side_by_side", [False, True])
 def test_the_packed_weight_follows_changes_that_leave_the_version_count_alone(change, side_by_side):
