@@ -17,14 +17,20 @@ usual; of any other layer it reads nothing but its type.
 Each call decides for itself: what holds for every layer of a forward alike (the device, the dtype, autograd, autocast,
 compiling or tracing, global hooks) is `fusion_applies` (about 2 µs), then the layer's own conditions, then the GEMM
 for the input's shape and the CPU (`_dense_kernel`), so the model's code calls ``fused_linear(self.dense, x)`` and
-passes nothing down.
+passes nothing down. Within a model's forward (`one_forward`, entered by `encode`), the calls that took the packed
+kernel in an earlier forward of that model are checked all together at its start, and each such call then only
+confirms that it is the call checked: the same checks, run before the first GEMM rather than between GEMMs, where each
+has just pushed Python's data out of the caches (6% of a 16-token forward of base width on an Intel Xeon).
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import torch
@@ -112,6 +118,113 @@ def fusion_applies(device: torch.device, dtype: torch.dtype) -> bool:
             and not (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks))
 
 
+@dataclass(frozen=True)
+class _Checked:
+    """A dense call of a model's forward that takes the packed kernel, checked at the start of the forward in
+    progress: the kernel's arguments, and what the call must bring to take them."""
+
+    layers: tuple[nn.Linear, ...]  # one layer, or layers side by side (`fused_linears`)
+    activation: nn.Module | None
+    adds: bool  # a residual is added (`_KERNEL.binary`)
+    weight: Tensor  # packed
+    bias: Tensor | None
+    out_features: int
+    post_op: tuple[str, str]  # oneDNN's activation and algorithm
+
+    def takes(self, x: Tensor, activation: nn.Module | None, residual: Tensor | None) -> bool:
+        """Whether a call with these arguments is the call checked: the same activation, a residual where it added
+        one (that the kernel can add), and an input that packs."""
+        return (activation is self.activation and (residual is not None) == self.adds
+                and _dense_kernel(x) == "packed" and (residual is None or _fits(residual, x, self.out_features)))
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """A model's forward in progress (`one_forward`)."""
+
+    dtype: torch.dtype
+    checked: dict[nn.Module, _Checked]  # by first layer
+    calls: dict[int, tuple]  # the model's recorded calls (`_CALLS`), to record this forward's new ones
+
+
+_FORWARD: ContextVar[_Forward | None] = ContextVar("roformer_hf_forward", default=None)
+# By model: each dense call that took the packed kernel in one of its forwards, by its first layer's id, as weak
+# references: (layers, activation or None, adds a residual).
+_CALLS: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple]] = weakref.WeakKeyDictionary()
+
+
+def one_forward(model: nn.Module, device: torch.device, dtype: torch.dtype) -> AbstractContextManager[None]:
+    """The scope of one forward of `model` computing in `dtype` on `device`: the calls of its earlier forwards that
+    took the packed kernel are checked here, all together, and those that still hold skip their checks within it. A
+    call that does not hold (its weight changed, a hook was added, the layer was replaced) decides for itself, as
+    outside any forward, and is packed again where it applies. Nothing where the kernel does not apply at all
+    (`fusion_applies`: compiling and tracing included)."""
+    if not fusion_applies(device, dtype):
+        return nullcontext()
+    return _one_forward(model, dtype)
+
+
+@contextmanager
+def _one_forward(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    calls = _CALLS.get(model)
+    if calls is None:
+        calls = _CALLS[model] = {}
+    checked = {}
+    for key, (refs, activation_ref, adds) in list(calls.items()):
+        layers = tuple(ref() for ref in refs)
+        activation = activation_ref() if activation_ref is not None else None
+        if any(layer is None for layer in layers) or (activation_ref is not None and activation is None):
+            calls.pop(key, None)
+            continue
+        call = _check(layers, activation, adds, dtype)
+        if call is not None:
+            checked[layers[0]] = call
+    token = _FORWARD.set(_Forward(dtype, checked, calls))
+    try:
+        yield
+    finally:
+        _FORWARD.reset(token)
+
+
+def _check(layers: tuple[nn.Linear, ...], activation: nn.Module | None, adds: bool,
+           dtype: torch.dtype) -> _Checked | None:
+    """A recorded call, checked as the call itself would check it for an input of `dtype` that packs (`fused_linear`,
+    `fused_linears`); None where it no longer takes the packed kernel as recorded."""
+    post_op = _fused_activation(activation)
+    if post_op is None or (adds and post_op[0] != "none") or not all(_layer_applies(layer, dtype) for layer in layers):
+        return None
+    if len(layers) == 1:
+        layer = layers[0]
+        cached = _PACKED.get(layer)
+        if (cached is None or layer.weight.is_inference()
+                or not _same_source(cached[0], (layer.weight,))):
+            return None
+        return _Checked(layers, activation, adds, cached[1], layer.bias, layer.weight.shape[0], post_op)
+    cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
+    if cached is None or not _same_source(cached[0], _side_by_side_tensors(layers)):
+        return None
+    return _Checked(layers, activation, adds, cached[1], cached[2], cached[1].shape[0], post_op)
+
+
+def _record(layers: tuple[nn.Linear, ...], activation: nn.Module | None, adds: bool) -> None:
+    """Notes, for the model's later forwards, a call that took the packed kernel in the forward in progress."""
+    forward = _FORWARD.get()
+    if forward is not None:
+        forward.calls[id(layers[0])] = (tuple(weakref.ref(layer) for layer in layers),
+                                        None if activation is None else weakref.ref(activation), adds)
+
+
+def _checked(layer: nn.Module, x: Tensor) -> _Checked | None:
+    """The call of `layer` checked at the start of the forward in progress, for an input `x` of its kind. None while
+    compiling, where a forward has none (and the compilers cannot read a context variable)."""
+    if torch.compiler.is_compiling():
+        return None
+    forward = _FORWARD.get()
+    if forward is None or x.dtype is not forward.dtype or not x.is_cpu:
+        return None
+    return forward.checked.get(layer)
+
+
 def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = None,
                  residual: Tensor | None = None) -> Tensor:
     """``residual + activation(layer(x))`` (both optional): one oneDNN call where it applies (see above).
@@ -123,6 +236,12 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
             and nothing to fuse for a dropout that is off.
         residual: ``(*, out_features)``, added last; fused when there is no activation to apply.
     """
+    checked = _checked(layer, x)
+    if checked is not None and len(checked.layers) == 1 and checked.takes(x, activation, residual):
+        if residual is not None:
+            return _KERNEL.binary(x, residual, checked.weight, checked.bias, "add")
+        name, algorithm = checked.post_op
+        return _KERNEL(x, checked.weight, checked.bias, name, [], algorithm)
     fused = _fused_activation(activation)
     if fused is not None and (residual is None or fused[0] == "none"):
         name, algorithm = fused
@@ -131,6 +250,8 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
             return layer.fused(x, name, algorithm, residual)
         if fusion_applies(x.device, x.dtype) and _kernel_applies(layer, x, residual) and _dense_kernel(x) != "module":
             weight = _packed_weight(layer, x)
+            if weight is not layer.weight:
+                _record((layer,), activation, residual is not None)
             if residual is not None:
                 return _KERNEL.binary(x, residual, weight, layer.bias, "add")
             return _KERNEL(x, weight, layer.bias, name, [], algorithm)
@@ -144,6 +265,10 @@ def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...
     (`_dense_kernel`, plain `nn.Linear`s), which reads them faster than three GEMMs and gives the same bits; the
     outputs are views of its output. Layers of a `FusesPostOps` class that defines ``fused_side_by_side(layers, x)``
     (`quantization.Int8Linear`) are handed to it."""
+    checked = _checked(layers[0], x)
+    if checked is not None and checked.layers == layers and checked.takes(x, None, None):
+        output = _KERNEL(x, checked.weight, checked.bias, "none", [], "")
+        return output.split([layer.out_features for layer in layers], dim=-1)
     kind = type(layers[0])
     if (_fuses_post_ops(layers[0]) and hasattr(kind, "fused_side_by_side")
             and all(type(layer) is kind and not _hooked(layer) for layer in layers)):
@@ -153,6 +278,7 @@ def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...
     packed = _side_by_side(layers, x) if fusion_applies(x.device, x.dtype) else None
     if packed is None:
         return tuple(fused_linear(layer, x) for layer in layers)
+    _record(layers, None, False)
     output = _KERNEL(x, *packed, "none", [], "")
     return output.split([layer.out_features for layer in layers], dim=-1)
 
@@ -163,13 +289,9 @@ def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Ten
     only, or a weight made under `torch.inference_mode()` (see `_packed_weight`)."""
     if _dense_kernel(x) != "packed":
         return None
-    tensors = []
-    for layer in layers:
-        if not _kernel_applies(layer, x, None):
-            return None
-        tensors.append(layer.weight)
-        if layer.bias is not None:
-            tensors.append(layer.bias)
+    if not all(_kernel_applies(layer, x, None) for layer in layers):
+        return None
+    tensors = _side_by_side_tensors(layers)
     if len(tensors) not in (len(layers), 2 * len(layers)) or any(tensor.is_inference() for tensor in tensors):
         return None
     cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
@@ -178,6 +300,11 @@ def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Ten
         bias = None if len(tensors) == len(layers) else torch.cat([layer.bias.detach() for layer in layers])
         cached = _PACKED_SIDE_BY_SIDE[layers[0]] = (_source(tensors), _PACK(weight, PACKING_HINT), bias)
     return cached[1], cached[2]
+
+
+def _side_by_side_tensors(layers: tuple[nn.Linear, ...]) -> list[Tensor]:
+    """What layers packed side by side are made from: each layer's weight, then its bias if it has one."""
+    return [tensor for layer in layers for tensor in (layer.weight, layer.bias) if tensor is not None]
 
 
 def _dense_kernel(x: Tensor) -> str:
@@ -273,15 +400,20 @@ def _fused_activation(activation: nn.Module | None) -> tuple[str, str] | None:
 
 
 def _kernel_applies(layer: nn.Module, x: Tensor, residual: Tensor | None) -> bool:
-    """The layer's own conditions, once `fusion_applies` holds. The layer's type first: a replacement
-    (quantized, adapted) may hold anything under `weight`, or nothing."""
+    """The layer's own conditions, once `fusion_applies` holds."""
+    return (x.is_cpu and _layer_applies(layer, x.dtype)
+            and (residual is None or _fits(residual, x, layer._parameters["weight"].shape[0])))
+
+
+def _layer_applies(layer: nn.Module, dtype: torch.dtype) -> bool:
+    """The layer's conditions for inputs of `dtype`. The layer's type first: a replacement (quantized, adapted) may
+    hold anything under `weight`, or nothing."""
     if type(layer) is not nn.Linear:
         return False
     parameters = layer._parameters  # what `layer.weight` reads, without `nn.Module.__getattr__`'s cost
     weight, bias = parameters.get("weight"), parameters.get("bias")
-    return (type(weight) is nn.Parameter and x.is_cpu and x.dtype in _KERNEL_DTYPES and weight.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype) and not _hooked(layer)
-            and (residual is None or _fits(residual, x, weight.shape[0])))
+    return (type(weight) is nn.Parameter and dtype in _KERNEL_DTYPES and weight.dtype == dtype
+            and (bias is None or bias.dtype == dtype) and not _hooked(layer))
 
 
 def _fits(residual: Tensor, x: Tensor, out_features: int) -> bool:

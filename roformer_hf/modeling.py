@@ -41,7 +41,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .attention import attend
 from .cache import CacheState, cached_cross_attention, generation_cache, past_length, update_layer
 from .configuration import ROPE_TYPES, RoFormerConfig
-from .fused import fused_linear, fused_linears
+from .fused import fused_linear, fused_linears, one_forward
 from .loading import CheckpointPolicy
 from .masks import AttentionMask
 from .padding import BatchLayout, logits_in_padded_layout
@@ -466,10 +466,12 @@ class RoFormerModel(RoFormerPreTrainedModel):
         )
         if hasattr(self, "embeddings_project"):
             hidden_states = self.embeddings_project(hidden_states)
-        hidden_states = self.encoder(
-            hidden_states, plan.attention_mask, position_embeddings=self.rotary_emb.rotation(plan.position_ids, layout),
-            past_key_values=plan.past_key_values, cache_state=plan.cache_state,
-            encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=plan.encoder_attention_mask)
+        with one_forward(self, hidden_states.device, hidden_states.dtype):  # the dense calls checked at its start
+            hidden_states = self.encoder(
+                hidden_states, plan.attention_mask,
+                position_embeddings=self.rotary_emb.rotation(plan.position_ids, layout),
+                past_key_values=plan.past_key_values, cache_state=plan.cache_state,
+                encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=plan.encoder_attention_mask)
         pooler_output = self.pooler(layout.edge_tokens(hidden_states)) if hasattr(self, "pooler") else None
         return RoFormerEncoding(last_hidden_state=hidden_states, layout=layout, pooler_output=pooler_output,
                                 past_key_values=plan.past_key_values if plan.use_cache else None)

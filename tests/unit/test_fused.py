@@ -310,3 +310,69 @@ def test_each_layer_of_a_forward_decides_for_itself(kernel):
     with torch.inference_mode():
         torch.testing.assert_close(model(input_ids).last_hidden_state, expected, atol=1e-5, rtol=1e-5)
     assert seen == ["hooked layer"] and len(kernel.calls) == 2 * calls - 1  # all but the hooked one fused
+
+
+def tiny_model():
+    import roformer_hf
+
+    config = roformer_hf.RoFormerConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=24)
+    torch.manual_seed(0)
+    return roformer_hf.RoFormerModel(config).eval(), torch.randint(0, 50, (2, 7))
+
+
+def module_path(model, input_ids):
+    """The model's output with oneDNN off: every dense layer's own call."""
+    with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):
+        return model(input_ids).last_hidden_state
+
+
+def test_a_models_later_forwards_take_the_calls_checked_at_their_start(kernel, monkeypatch):
+    """The dense calls that took the packed kernel in a model's forward are checked together at the start of its
+    next forward, which decides `fusion_applies` once for all of them, and they give the bits they gave before."""
+    model, input_ids = tiny_model()
+    with torch.inference_mode():
+        first = model(input_ids).last_hidden_state  # each call decides for itself, and is noted
+        decisions = []
+        decide = fused.fusion_applies
+        monkeypatch.setattr(fused, "fusion_applies", lambda *args: decisions.append(args) or decide(*args))
+        second = model(input_ids).last_hidden_state
+    assert torch.equal(first, second)
+    assert len(decisions) == 1 and len(kernel.calls) == 2 * 2 * 4  # per layer: q/k/v, output, FFN up, FFN down
+    torch.testing.assert_close(second, module_path(model, input_ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change", ["fused AdamW step", "a write through .data", "a hook on a dense layer",
+                                    "a dense layer replaced", "the value layer replaced", "the dropout trained"])
+def test_what_changes_between_forwards_is_followed(kernel, change):
+    """Whatever changed since a model's last forward (weights written without a count, hooks, layers, modes), its
+    next forward computes what the layers compute now."""
+    model, input_ids = tiny_model()
+    with torch.inference_mode():
+        model(input_ids)  # the calls noted
+    seen = []
+    replaced = []  # kept alive: the calls noted with them still check, but are not the calls made now
+    layer = model.encoder.layer[0]
+    if change == "fused AdamW step":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        model.train()
+        model(input_ids).last_hidden_state.sum().backward()
+        optimizer.step()
+        model.eval()
+    elif change == "a write through .data":
+        layer.intermediate.dense.weight.data.copy_(torch.randn(24, 16))
+    elif change == "a hook on a dense layer":
+        layer.output.dense.register_forward_hook(lambda *args: seen.append("hooked"))
+    elif change == "a dense layer replaced":
+        replaced.append(layer.output.dense)
+        layer.output.dense = nn.Linear(24, 16)
+    elif change == "the value layer replaced":
+        replaced.append(layer.attention.self.value)
+        layer.attention.self.value = nn.Linear(16, 16)
+    else:  # its residual add can no longer be fused: dropout applies, at p=1 all of the sublayer's output
+        replaced.append(layer.attention.output.dropout)
+        layer.attention.output.dropout = nn.Dropout(1.0).train()
+    with torch.inference_mode():
+        output = model(input_ids).last_hidden_state
+    assert seen == (["hooked"] if change == "a hook on a dense layer" else [])
+    torch.testing.assert_close(output, module_path(model, input_ids), atol=1e-5, rtol=1e-5)
