@@ -154,15 +154,16 @@ _FORWARD: ContextVar[_Forward | None] = ContextVar("roformer_hf_forward", defaul
 _CALLS: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple]] = weakref.WeakKeyDictionary()
 
 
-def one_forward(model: nn.Module, device: torch.device, dtype: torch.dtype) -> AbstractContextManager[None]:
-    """The scope of one forward of `model` computing in `dtype` on `device`: the calls of its earlier forwards that
-    took the packed kernel are checked here, all together, and those that still hold skip their checks within it. A
-    call that does not hold (its weight changed, a hook was added, the layer was replaced) decides for itself, as
-    outside any forward, and is packed again where it applies. Nothing where the kernel does not apply at all
-    (`fusion_applies`: compiling and tracing included)."""
-    if not fusion_applies(device, dtype):
+def one_forward(model: nn.Module, hidden_states: Tensor) -> AbstractContextManager[None]:
+    """The scope of one forward of `model` whose dense layers read `hidden_states` ``(*T, H)`` (the same rows, dtype
+    and device): the calls of its earlier forwards that took the packed kernel are checked here, all together, and
+    those that still hold skip their checks within it. A call that does not hold (its weight changed, a hook was added,
+    the layer was replaced) decides for itself, as outside any forward, and is packed again where it applies. Nothing
+    where no call packs: the kernel does not apply at all (`fusion_applies`, compiling and tracing included), or the
+    rows take another GEMM (`_dense_kernel`: one fp32 row on Intel CPUs, a decoding step)."""
+    if not fusion_applies(hidden_states.device, hidden_states.dtype) or _dense_kernel(hidden_states) != "packed":
         return nullcontext()
-    return _one_forward(model, dtype)
+    return _one_forward(model, hidden_states.dtype)
 
 
 @contextmanager

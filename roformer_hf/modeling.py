@@ -466,7 +466,7 @@ class RoFormerModel(RoFormerPreTrainedModel):
         )
         if hasattr(self, "embeddings_project"):
             hidden_states = self.embeddings_project(hidden_states)
-        with one_forward(self, hidden_states.device, hidden_states.dtype):  # the dense calls checked at its start
+        with one_forward(self, hidden_states):  # the dense calls checked at its start
             hidden_states = self.encoder(
                 hidden_states, plan.attention_mask,
                 position_embeddings=self.rotary_emb.rotation(plan.position_ids, layout),
