@@ -20,7 +20,7 @@ for the input's shape and the CPU (`_dense_kernel`), so the model's code calls `
 passes nothing down. Within a model's forward (`one_forward`, entered by `encode`), the calls that took the packed
 kernel in an earlier forward of that model are checked all together at its start, and each such call then only
 confirms that it is the call checked: the same checks, run before the first GEMM rather than between GEMMs, where each
-has just pushed Python's data out of the caches (a 16-token fp32 forward of base width 3.8-6.0% faster on an Intel
+has just pushed Python's data out of the caches (a 16-token fp32 forward of base width 3-6% faster on an Intel
 Xeon).
 """
 
