@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -76,6 +76,12 @@ class FusesPostOps(Protocol):
     product itself: `fused_linear` hands them to its `fused`, with oneDNN's names, instead of applying them to its
     output. Its class declares it with ``fuses_post_ops = True``.
 
+    A class may also let a model's forward check its layers' state once, at the forward's start (`one_forward`),
+    rather than at each call: ``checked_call(layer, activation, algorithm)`` returns the call that `fused` would make
+    once its checks pass (``run(x)``, or ``run(x, residual)``), or None where they fail now (the call itself then says
+    why); ``checked_side_by_side(layers)`` does the same for ``fused_side_by_side(layers, x)``, returning ``run(x)``.
+    Nothing the layer reads may change within a forward (`quantization.Int8Linear` does this).
+
     Example:
 
     ```python
@@ -121,22 +127,22 @@ def fusion_applies(device: torch.device, dtype: torch.dtype) -> bool:
 
 @dataclass(frozen=True)
 class _Checked:
-    """A dense call of a model's forward that takes the packed kernel, checked at the start of the forward in
-    progress: the kernel's arguments, and what the call must bring to take them."""
+    """A dense call of a model's forward, checked at the start of the forward in progress: its kernel with every
+    argument but the input bound, and what the call must bring to take it."""
 
-    layers: tuple[nn.Linear, ...]  # one layer, or layers side by side (`fused_linears`)
+    layers: tuple[nn.Module, ...]  # one layer, or layers side by side (`fused_linears`)
     activation: nn.Module | None
-    adds: bool  # a residual is added (`_KERNEL.binary`)
-    weight: Tensor  # packed
-    bias: Tensor | None
+    adds: bool  # a residual is added
+    run: Callable[..., Tensor | tuple[Tensor, ...]]  # run(x), or run(x, residual) where it adds; side by side: a tuple
     out_features: int
-    post_op: tuple[str, str]  # oneDNN's activation and algorithm
+    packs: bool  # oneDNN's packed weight, computed for rows that pack (`_dense_kernel`); else a `FusesPostOps` layer
 
     def takes(self, x: Tensor, activation: nn.Module | None, residual: Tensor | None) -> bool:
         """Whether a call with these arguments is the call checked: the same activation, a residual where it added
-        one (that the kernel can add), and an input that packs."""
+        one (that the kernel can add), and an input its kernel was checked for."""
         return (activation is self.activation and (residual is not None) == self.adds
-                and _dense_kernel(x) == "packed" and (residual is None or _fits(residual, x, self.out_features)))
+                and (not self.packs or _dense_kernel(x) == "packed")
+                and (residual is None or _fits(residual, x, self.out_features)))
 
 
 @dataclass(frozen=True)
@@ -188,12 +194,16 @@ def _one_forward(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
         _FORWARD.reset(token)
 
 
-def _check(layers: tuple[nn.Linear, ...], activation: nn.Module | None, adds: bool,
+def _check(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bool,
            dtype: torch.dtype) -> _Checked | None:
     """A recorded call, checked as the call itself would check it for an input of `dtype` that packs (`fused_linear`,
-    `fused_linears`); None where it no longer takes the packed kernel as recorded."""
+    `fused_linears`); None where it no longer takes the kernel it was recorded with."""
     post_op = _fused_activation(activation)
-    if post_op is None or (adds and post_op[0] != "none") or not all(_layer_applies(layer, dtype) for layer in layers):
+    if post_op is None or (adds and post_op[0] != "none"):
+        return None
+    if _fuses_post_ops(layers[0]):
+        return _check_fuses_post_ops(layers, activation, adds, post_op)
+    if not all(_layer_applies(layer, dtype) for layer in layers):
         return None
     if len(layers) == 1:
         layer = layers[0]
@@ -201,11 +211,52 @@ def _check(layers: tuple[nn.Linear, ...], activation: nn.Module | None, adds: bo
         if (cached is None or layer.weight.is_inference()
                 or not _same_source(cached[0], (layer.weight,))):
             return None
-        return _Checked(layers, activation, adds, cached[1], layer.bias, layer.weight.shape[0], post_op)
-    cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
-    if cached is None or not _same_source(cached[0], _side_by_side_tensors(layers)):
+        weight, bias, out_features = cached[1], layer.bias, layer.weight.shape[0]
+    else:
+        cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
+        if cached is None or not _same_source(cached[0], _side_by_side_tensors(layers)):
+            return None
+        weight, bias, out_features = cached[1], cached[2], cached[1].shape[0]
+    sizes = [layer.out_features for layer in layers] if len(layers) > 1 else None
+    return _Checked(layers, activation, adds, _packed_call(weight, bias, post_op, adds, sizes), out_features,
+                    packs=True)
+
+
+def _packed_call(weight: Tensor, bias: Tensor | None, post_op: tuple[str, str], adds: bool,
+                 sizes: list[int] | None) -> Callable[..., Tensor | tuple[Tensor, ...]]:
+    """oneDNN's kernel on a packed weight, every argument but the input bound: ``run(x)``, ``run(x, residual)``
+    where it adds one; layers side by side (their `sizes`): their outputs, as views of the one product."""
+    name, algorithm = post_op
+    if adds:
+        def run(x: Tensor, residual: Tensor) -> Tensor:
+            return _KERNEL.binary(x, residual, weight, bias, "add")
+    elif sizes is None:
+        def run(x: Tensor) -> Tensor:
+            return _KERNEL(x, weight, bias, name, [], algorithm)
+    else:
+        def run(x: Tensor) -> tuple[Tensor, ...]:
+            return _KERNEL(x, weight, bias, "none", [], "").split(sizes, dim=-1)
+    return run
+
+
+def _check_fuses_post_ops(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bool,
+                          post_op: tuple[str, str]) -> _Checked | None:
+    """`_check` for layers of a `FusesPostOps` class that checks its own state up front (`checked_call`,
+    `checked_side_by_side`): the call it makes once checked."""
+    kind = type(layers[0])
+    if any(type(layer) is not kind or _hooked(layer) for layer in layers):
         return None
-    return _Checked(layers, activation, adds, cached[1], cached[2], cached[1].shape[0], post_op)
+    if len(layers) == 1:
+        run = kind.checked_call(layers[0], *post_op)
+    else:
+        side_by_side = getattr(kind, "checked_side_by_side", None)
+        run = side_by_side(layers) if side_by_side is not None else None
+    return None if run is None else _Checked(layers, activation, adds, run, layers[0].out_features, packs=False)
+
+
+def _checks_up_front(layer: nn.Module) -> bool:
+    """Whether a `FusesPostOps` layer's class hands `one_forward` its checked calls (`checked_call`)."""
+    return hasattr(type(layer), "checked_call")
 
 
 def _record(layers: tuple[nn.Linear, ...], activation: nn.Module | None, adds: bool) -> None:
@@ -240,15 +291,14 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
     """
     checked = _checked(layer, x)
     if checked is not None and len(checked.layers) == 1 and checked.takes(x, activation, residual):
-        if residual is not None:
-            return _KERNEL.binary(x, residual, checked.weight, checked.bias, "add")
-        name, algorithm = checked.post_op
-        return _KERNEL(x, checked.weight, checked.bias, name, [], algorithm)
+        return checked.run(x) if residual is None else checked.run(x, residual)
     fused = _fused_activation(activation)
     if fused is not None and (residual is None or fused[0] == "none"):
         name, algorithm = fused
         if _fuses_post_ops(layer) and not _hooked(layer) and (
                 residual is None or _fits(residual, x, layer.out_features)):
+            if _checks_up_front(layer):
+                _record((layer,), activation, residual is not None)
             return layer.fused(x, name, algorithm, residual)
         if fusion_applies(x.device, x.dtype) and _kernel_applies(layer, x, residual) and _dense_kernel(x) != "module":
             weight = _packed_weight(layer, x)
@@ -269,13 +319,14 @@ def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...
     (`quantization.Int8Linear`) are handed to it."""
     checked = _checked(layers[0], x)
     if checked is not None and checked.layers == layers and checked.takes(x, None, None):
-        output = _KERNEL(x, checked.weight, checked.bias, "none", [], "")
-        return output.split([layer.out_features for layer in layers], dim=-1)
+        return checked.run(x)
     kind = type(layers[0])
     if (_fuses_post_ops(layers[0]) and hasattr(kind, "fused_side_by_side")
             and all(type(layer) is kind and not _hooked(layer) for layer in layers)):
         outputs = kind.fused_side_by_side(layers, x)
         if outputs is not None:
+            if _checks_up_front(layers[0]):
+                _record(layers, None, False)
             return outputs
     packed = _side_by_side(layers, x) if fusion_applies(x.device, x.dtype) else None
     if packed is None:

@@ -69,6 +69,7 @@ _FBGEMM_SMALLEST_RANGE = 255 * 6.2e-5
 _POST_OPS = {("none", ""), ("relu", ""), ("gelu", "none"), ("gelu", "tanh")}
 # `Int8Linear.fused_side_by_side`: layers' weights joined, by their first layer, with what they were joined from.
 _SIDE_BY_SIDE: weakref.WeakKeyDictionary[Int8Linear, tuple[tuple, Int8Linear]] = weakref.WeakKeyDictionary()
+_LINEAR_DYNAMIC = getattr(getattr(torch.ops.quantized, "linear_dynamic", None), "default", None)
 _ENGINE_LOCK = threading.Lock()  # `_fbgemm_prepack` switches PyTorch's global quantized engine for a moment
 
 
@@ -167,8 +168,33 @@ class Int8Linear(nn.Module):
         computed as its own layer computes it (the same quantized input, its own scale), so the bits are the same.
         The joined copy is kept beside the first layer and made anew when a layer is replaced; ``None`` where the
         layers cannot be joined (other input widths, bias on some only, other `saturation_safe`)."""
+        joined = cls._joined(layers, [layer._check_packed() for layer in layers])
+        if joined is None:
+            return None
+        return joined.fused(x, checked=True).split([layer.out_features for layer in layers], dim=-1)
+
+    @classmethod
+    def checked_side_by_side(cls, layers: tuple[Int8Linear, ...]) -> Callable[[Tensor], tuple[Tensor, ...]] | None:
+        """`fused_side_by_side` with the layers' buffers checked now, for a model's forward that checks its calls at
+        its start (`fused.one_forward`): ``run(x)``; None where a layer's buffers changed (its call then says so) or
+        the layers cannot be joined."""
+        states = [layer._buffers_state() for layer in layers]
+        if any(state != layer._packed_from for layer, state in zip(layers, states)):
+            return None
+        joined = cls._joined(layers, states)
+        if joined is None:
+            return None
+        sizes = [layer.out_features for layer in layers]
+
+        def run(x: Tensor) -> tuple[Tensor, ...]:
+            return joined._compute(x, "none", "", None).split(sizes, dim=-1)
+        return run
+
+    @classmethod
+    def _joined(cls, layers: tuple[Int8Linear, ...], states: list[tuple]) -> Int8Linear | None:
+        """The layers' weights side by side in one layer (see `fused_side_by_side`), for layers whose buffers were
+        checked (`states`: theirs, as packed)."""
         first = layers[0]
-        states = [layer._check_packed() for layer in layers]
         if any(layer.in_features != first.in_features or layer.saturation_safe != first.saturation_safe
                or (layer.bias is None) != (first.bias is None) for layer in layers):
             return None
@@ -183,7 +209,18 @@ class Int8Linear(nn.Module):
                          None if first.bias is None else torch.cat([layer.bias for layer in layers]),
                          first.saturation_safe)
             cached = _SIDE_BY_SIDE[first] = (state, joined)
-        return cached[1].fused(x, checked=True).split([layer.out_features for layer in layers], dim=-1)
+        return cached[1]
+
+    def checked_call(self, activation: str = "none", algorithm: str = "") -> Callable[..., Tensor] | None:
+        """`fused` for this activation with the buffers checked now, for a model's forward that checks its calls at
+        its start (`fused.one_forward`): ``run(x)``, or ``run(x, residual)`` without an activation; None where the
+        buffers changed since they were packed (the call then says so)."""
+        if (activation, algorithm) not in _POST_OPS or self._buffers_state() != self._packed_from:
+            return None
+
+        def run(x: Tensor, residual: Tensor | None = None) -> Tensor:
+            return self._compute(x, activation, algorithm, residual)
+        return run
 
     def _check_packed(self) -> tuple:
         """Refuses to run on packed copies of buffers that have changed since; returns the buffers' state."""
@@ -214,9 +251,6 @@ class Int8Linear(nn.Module):
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("Int8Linear is for inference: its kernel has no backward (run under "
                                "torch.inference_mode() or torch.no_grad())")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"Int8Linear expected inputs with {self.in_features} features, got shape "
-                             f"{tuple(x.shape)}")
         if (activation, algorithm) not in _POST_OPS:
             raise ValueError(f"Int8Linear.fused: activation={activation!r}, algorithm={algorithm!r}; expected one of "
                              f"{sorted(_POST_OPS)}")
@@ -224,6 +258,13 @@ class Int8Linear(nn.Module):
             raise ValueError("Int8Linear.fused applies an activation or a residual add, not both")
         if not checked:
             self._check_packed()
+        return self._compute(x, activation, algorithm, residual)
+
+    def _compute(self, x: Tensor, activation: str, algorithm: str, residual: Tensor | None) -> Tensor:
+        """`fused` once its arguments and the buffers are checked: the kernel for the rows, with the post-op."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Int8Linear expected inputs with {self.in_features} features, got shape "
+                             f"{tuple(x.shape)}")
         rows = x.reshape(-1, self.in_features).float()
         if rows.shape[0] == 0:
             return rows.new_empty(*x.shape[:-1], self.out_features)
@@ -246,7 +287,8 @@ class Int8Linear(nn.Module):
     def _few_rows(self, rows: Tensor, activation: str, algorithm: str, residual: Tensor | None) -> Tensor:
         """fbgemm's dynamic int8 linear (it quantizes `rows` as `quantize_activations` does, for inputs spanning at
         least `_FBGEMM_SMALLEST_RANGE`), then the activation or residual that oneDNN would have fused."""
-        output = torch.ops.quantized.linear_dynamic(rows, self._packed_small, False)  # full 8-bit inputs
+        # full 8-bit inputs; the overload itself spares the packet's search of its arguments for script objects
+        output = _LINEAR_DYNAMIC(rows, self._packed_small, False)
         if activation == "gelu":
             # in place on the kernel's own fresh output ("none": the erf form): at 16 x 3072, 54 µs against 92 for a
             # new tensor (Intel Xeon)

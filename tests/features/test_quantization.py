@@ -4,6 +4,7 @@ and roformer_hf's own `quantize_int8`, on every head, for batches on both sides 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -17,10 +18,10 @@ from helpers import padded_batch, tiny_config
 from torch import nn
 from transformers.activations import ACT2FN
 
-from roformer_hf import quantization
+from roformer_hf import modeling, quantization
 from roformer_hf.fused import FusesPostOps, fused_linear, fused_linears
 from roformer_hf.loading import RefusesSaving
-from roformer_hf.modeling import HEADS, RoFormerForCausalLM, RoFormerForMaskedLM
+from roformer_hf.modeling import HEADS, RoFormerForCausalLM, RoFormerForMaskedLM, RoFormerModel
 from roformer_hf.quantization import Int8Linear, int8_kernel_available, quantize_activations, quantize_int8
 
 needs_int8_kernel = pytest.mark.skipif(not int8_kernel_available(), reason="this torch has no oneDNN int8 kernel")
@@ -419,6 +420,50 @@ def test_layers_on_one_input_give_the_bits_of_each_alone(rows, kernel):
     layers[1].load_state_dict(Int8Linear(nn.Linear(32, 16)).state_dict())
     with torch.inference_mode(), pytest.raises(RuntimeError, match="changed after they were packed"):
         fused_linears(layers, x)
+
+
+def per_call(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's output with every dense call checking for itself (no checks at the forward's start)."""
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+        patch.setattr(modeling, "one_forward", lambda *args: contextlib.nullcontext())
+        return model(ids).last_hidden_state
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("change", [None, "a hook on a layer", "a layer replaced", "the key layer replaced",
+                                    "buffers loaded"])
+def test_an_int8_models_calls_are_checked_at_the_forwards_start_and_changes_are_followed(change, kernel,
+                                                                                          monkeypatch):
+    """From its second forward on, a quantized model checks its layers once, at the forward's start
+    (`fused.one_forward`), and no call checks again; whatever changed since (hooks, layers, loaded buffers) is seen:
+    the forward computes what the layers compute now, or refuses stale packed weights, as each call would."""
+    torch.manual_seed(0)
+    model = quantize_int8(RoFormerModel(tiny_config()).eval())
+    ids = torch.randint(5, 90, (2, 9))
+    with torch.inference_mode():
+        first = model(ids).last_hidden_state
+    layer, seen = model.encoder.layer[0], []
+    if change == "a hook on a layer":
+        layer.output.dense.register_forward_hook(lambda *args: seen.append("hooked"))
+    elif change == "a layer replaced":
+        layer.intermediate.dense = Int8Linear(nn.Linear(*layer.intermediate.dense.weight_int8.shape[::-1]))
+    elif change == "the key layer replaced":
+        layer.attention.self.key = Int8Linear(nn.Linear(*layer.attention.self.key.weight_int8.shape[::-1]))
+    elif change == "buffers loaded":
+        dense = layer.attention.output.dense
+        dense.load_state_dict(Int8Linear(nn.Linear(*dense.weight_int8.shape[::-1])).state_dict())
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="changed after they were packed"):
+            model(ids)
+        return
+    checked_calls = []
+    monkeypatch.setattr(Int8Linear, "_check_packed", lambda self: checked_calls.append(self) or self._packed_from)
+    with torch.inference_mode():
+        second = model(ids).last_hidden_state
+    monkeypatch.undo()
+    if change is None:
+        assert torch.equal(second, first) and not checked_calls  # every call was checked at the start
+    assert seen == (["hooked"] if change == "a hook on a layer" else [])
+    assert torch.equal(second, per_call(model, ids))
 
 
 @needs_int8_kernel
