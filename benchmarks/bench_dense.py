@@ -15,19 +15,29 @@ an encoder layer (query/key/value side by side, attention output, FFN up, FFN do
 medians of `--repeats` calls after warm-up, and whether the packed weight gives the bits of the unpacked one. Then
 the kernel `_dense_kernel` chooses for each shape, and how much slower it is than the fastest (1.00x: the rule picks
 the best kernel). A rule that another CPU kind measures wrong shows here first.
+
+Then the encoder's dense calls in a row (`DenseChain`: each layer's query/key/value, attention output with its
+residual, FFN up with GELU, FFN down with its residual; no attention between them), fp32, at each row count:
+roformer_hf's calls (`fused_linear`), plain `nn.Linear`s (MKL) and, where it is installed, OpenVINO's CPU plugin on
+the same module (`openvino.convert_model`, the latency hint, fp32), with the kernels it chose for its dense layers.
+What the model's dense layers cost against what the same layers cost in the runtime the latency target names.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
+from collections import Counter
 from statistics import median
 
 import torch
 from common import machine_lines
+from transformers.activations import ACT2FN
 from workload import add_size_arguments, parse_args, size_of
 
 from roformer_hf import fused
+from roformer_hf.fused import fused_linear, fused_linears
 
 KERNELS = ("MKL", "oneDNN", "oneDNN packed")
 CHOSEN = {"module": "MKL", "onednn": "oneDNN", "packed": "oneDNN packed"}  # `_dense_kernel`'s names
@@ -65,12 +75,81 @@ def measure(dtype: torch.dtype, rows: int, in_features: int, out_features: int, 
         return {name: 1e6 * time_call(call, repeats) for name, call in calls.items()}, same_bits
 
 
+class DenseChain(torch.nn.Module):
+    """The dense calls of `layers` encoder layers in a row, as the model makes them: query, key and value side by side,
+    then the attention output (fed their sum, so that none is left unused) plus the residual, FFN up with GELU, FFN
+    down plus the residual."""
+
+    def __init__(self, size, layers: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "query": torch.nn.Linear(size.hidden, size.hidden), "key": torch.nn.Linear(size.hidden, size.hidden),
+            "value": torch.nn.Linear(size.hidden, size.hidden), "output": torch.nn.Linear(size.hidden, size.hidden),
+            "up": torch.nn.Linear(size.hidden, size.intermediate), "down": torch.nn.Linear(size.intermediate, size.hidden),
+        }) for _ in range(layers))
+        self.gelu = ACT2FN["gelu"]  # transformers' (the erf form), RoFormer's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            query, key, value = fused_linears((block["query"], block["key"], block["value"]), x)
+            x = fused_linear(block["output"], query + key + value, None, x)
+            x = fused_linear(block["down"], fused_linear(block["up"], x, self.gelu), None, x)
+        return x
+
+
+CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after one untimed: its weights as a server keeps them
+
+
+def chain_times(size, layers: int, rows: int, repeats: int, threads: int) -> tuple[dict[str, float], str]:
+    """Milliseconds per `DenseChain` forward of each path (the median over `repeats` of the mean of `CHAIN_BLOCK`
+    calls in a row, the paths taking turns), and OpenVINO's kernels for its dense layers (or why it did not run)."""
+    torch.manual_seed(0)
+    chain, x = DenseChain(size, layers).eval(), torch.randn(rows, size.hidden)
+    calls = {"roformer_hf (fused_linear)": lambda: chain(x)}
+
+    def plain_linear():
+        with torch.backends.mkldnn.flags(enabled=False):  # `fusion_applies` false: each call is the layer's own
+            return chain(x)
+
+    calls["nn.Linear (MKL)"] = plain_linear
+    kernels = "openvino is not installed (the `bench` extra)"
+    if importlib.util.find_spec("openvino") is not None:
+        import openvino
+
+        compiled = openvino.compile_model(
+            openvino.convert_model(chain, example_input=x), "CPU",
+            config={"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"})
+        request, array = compiled.create_infer_request(), x.numpy()
+        calls["OpenVINO"] = lambda: request.infer({0: array})
+    samples = {name: [] for name in calls}
+    with torch.inference_mode():
+        expected = chain(x)
+        torch.testing.assert_close(plain_linear(), expected, rtol=1e-4, atol=1e-4)
+        for call in calls.values():
+            call()
+        for _ in range(repeats):
+            for name, call in calls.items():
+                call()
+                start = time.perf_counter()
+                for _ in range(CHAIN_BLOCK):
+                    call()
+                samples[name].append((time.perf_counter() - start) / CHAIN_BLOCK)
+    if "OpenVINO" in calls:  # its kernels are chosen at the first inference
+        chosen = Counter(node.get_rt_info()["primitiveType"].astype(str)
+                         for node in compiled.get_runtime_model().get_ops()
+                         if node.get_rt_info()["layerType"].astype(str) == "FullyConnected")
+        kernels = ", ".join(f"{name} x{count}" for name, count in chosen.most_common())
+    return {name: 1e3 * median(times) for name, times in samples.items()}, kernels
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_arguments(parser)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 626])
     parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--chain-rows", type=int, nargs="*", default=[16, 64, 626],
+                        help="row counts of the dense calls in a row (none: leave that table out)")
     return parser
 
 
@@ -100,6 +179,18 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"| {label} | {rows} | {layer} | " + " | ".join(f"{times[name]:.1f}" for name in KERNELS)
                       + f" | {'yes' if same_bits else 'no'} | {chosen} | {ratio:.2f}x |")
     print(f"\nThe rule's choice at most {worst:.2f}x the fastest kernel's time on a shape here.")
+    if args.chain_rows:
+        print(f"\n## The dense calls of {args.layers} encoder layers in a row, fp32 (ms per chain: median of "
+              f"{args.repeats} turns, each the mean of {CHAIN_BLOCK} calls in a row)\n")
+        for rows in args.chain_rows:
+            times, kernels = chain_times(size, args.layers, rows, args.repeats, torch.get_num_threads())
+            if rows == args.chain_rows[0]:
+                print("| rows | " + " | ".join(times) + " | roformer_hf / the fastest other |")
+                print("|---|" + "---|" * (len(times) + 1))
+            ours = times["roformer_hf (fused_linear)"]
+            others = min(time for name, time in times.items() if name != "roformer_hf (fused_linear)")
+            print(f"| {rows} | " + " | ".join(f"{time:.3f}" for time in times.values()) + f" | {ours / others:.2f}x |")
+        print(f"\nOpenVINO's kernels for the dense layers: {kernels}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from common import bf16_matrix_units, machine_lines  # noqa: E402
 SCRIPTS = {
     "test_attention_benchmark_reports_both_kernels_in_both_dtypes": ("bench_attention.py", ["--quick"], 300, {}),
     "test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule": (
-        "bench_dense.py", ["--quick", "--rows", "1", "16", "300", "--repeats", "3"], 300, {}),
+        "bench_dense.py", ["--quick", "--rows", "1", "16", "300", "--repeats", "3", "--chain-rows", "16", "300"], 300,
+        {}),
     "test_generation_benchmark_reports_throughput_and_step_cost": ("bench_generate.py", ["--quick"], 300, {}),
     "test_quantization_benchmark_times_every_path_and_judges_the_targets": (
         "bench_quant.py", ["--quick", "--skip-compile", "--no-torchao", "--repeats", "1", "--warmup", "0"], 600,
@@ -142,7 +143,8 @@ def test_attention_benchmark_reports_both_kernels_in_both_dtypes(script_result):
 def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_result):
     """`bench_dense.py --quick`: MKL, oneDNN and oneDNN on the packed weight, on each dense layer of an encoder layer
     at each row count, the packed weight giving the bits of the unpacked one wherever the rule packs, and the rule's
-    choice against the fastest of the three."""
+    choice against the fastest of the three; then the dense calls in a row through each path (OpenVINO's where it is
+    installed, with the kernels it chose)."""
     from roformer_hf import fused
 
     result = script_result
@@ -160,6 +162,20 @@ def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_re
         assert same_bits == "yes" or (dtype == "fp32" and count == "1")  # one fp32 row: sums in another order
         assert chosen != "MKL" or (dtype == "fp32" and count == "1" and fused._INTEL)
     assert re.search(r"The rule's choice at most [0-9.]+x the fastest", result.stdout)
+    # the dense calls in a row: each path at each row count, and the ratio to the fastest other path
+    header = next(line for line in result.stdout.splitlines() if line.startswith("| rows | roformer_hf"))
+    paths = [cell.strip() for cell in header.split("|")[2:-2]]
+    has_openvino = importlib.util.find_spec("openvino") is not None
+    assert paths == ["roformer_hf (fused_linear)", "nn.Linear (MKL)"] + (["OpenVINO"] if has_openvino else [])
+    chain = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
+             if re.match(r"\| (16|300) \| [0-9.]+ \|", line)]
+    assert [row[0] for row in chain] == ["16", "300"]
+    for row in chain:
+        times = [float(cell) for cell in row[1:-1]]
+        assert all(time > 0 for time in times)
+        assert float(row[-1].removesuffix("x")) == pytest.approx(times[0] / min(times[1:]), rel=0.05, abs=0.01)
+    kernels = re.search(r"OpenVINO's kernels for the dense layers: (.*)", result.stdout).group(1)
+    assert re.search(r" x\d+", kernels) if has_openvino else "not installed" in kernels
 
 
 def test_quick_benchmark_times_the_compiled_model_and_skips_a_missing_onnxruntime():
