@@ -17,15 +17,17 @@ the kernel `_dense_kernel` chooses for each shape, and how much slower it is tha
 the best kernel). A rule that another CPU kind measures wrong shows here first.
 
 Then the encoder's dense calls in a row (`DenseChain`: each layer's query/key/value, attention output with its
-residual, FFN up with GELU, FFN down with its residual; no attention between them), fp32, at each row count:
+residual, FFN up with GELU, FFN down with its residual; no attention between them), at each row count: in fp32
 roformer_hf's calls (`fused_linear`), plain `nn.Linear`s (MKL) and, where it is installed, OpenVINO's CPU plugin on
-the same module (`openvino.convert_model`, the latency hint, fp32), with the kernels it chose for its dense layers.
-What the model's dense layers cost against what the same layers cost in the runtime the latency target names.
+the same module (`openvino.convert_model`, the latency hint, fp32); in int8 roformer_hf's `quantize_int8` and
+OpenVINO's graph quantized by nncf. With the kernels OpenVINO chose for its dense layers: what the model's dense
+layers cost against what the same layers cost in the runtime the latency target names.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import time
 from collections import Counter
@@ -38,6 +40,7 @@ from workload import add_size_arguments, parse_args, size_of
 
 from roformer_hf import fused
 from roformer_hf.fused import fused_linear, fused_linears
+from roformer_hf.quantization import quantize_int8
 
 KERNELS = ("MKL", "oneDNN", "oneDNN packed")
 CHOSEN = {"module": "MKL", "onednn": "oneDNN", "packed": "oneDNN packed"}  # `_dense_kernel`'s names
@@ -98,35 +101,61 @@ class DenseChain(torch.nn.Module):
 
 
 CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after one untimed: its weights as a server keeps them
+CHAIN_PATHS = ("roformer_hf", "nn.Linear (MKL)", "OpenVINO")
 
 
-def chain_times(size, layers: int, rows: int, repeats: int, threads: int) -> tuple[dict[str, float], str]:
-    """Milliseconds per `DenseChain` forward of each path (the median over `repeats` of the mean of `CHAIN_BLOCK`
-    calls in a row, the paths taking turns), and OpenVINO's kernels for its dense layers (or why it did not run)."""
+def openvino_chain(chain: DenseChain, x: torch.Tensor, precision: str, threads: int):
+    """The chain compiled by OpenVINO's CPU plugin (latency hint, fp32 inference precision), its dense layers
+    quantized by nncf for int8 (calibrated on random inputs of `x`'s shape, as a transformer); None without openvino
+    (or nncf, for int8)."""
+    if importlib.util.find_spec("openvino") is None or (precision == "int8" and importlib.util.find_spec("nncf") is None):
+        return None
+    import openvino
+
+    graph = openvino.convert_model(chain, example_input=x)
+    if precision == "int8":
+        import nncf
+
+        generator = torch.Generator().manual_seed(1)
+        samples = [torch.randn(x.shape, generator=generator).numpy() for _ in range(8)]
+        graph = nncf.quantize(graph, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
+                              subset_size=len(samples))
+    return openvino.compile_model(graph, "CPU", config={"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads,
+                                                        "INFERENCE_PRECISION_HINT": "f32"})
+
+
+def chain_times(size, layers: int, rows: int, precision: str, repeats: int,
+                threads: int) -> tuple[dict[str, float], str]:
+    """Milliseconds per `DenseChain` forward of each path at `precision` (``"fp32"``; ``"int8"``: roformer_hf's
+    `quantize_int8` against OpenVINO's nncf quantization): the median over `repeats` of the mean of `CHAIN_BLOCK`
+    calls in a row, the paths taking turns. And the kernels OpenVINO chose for its dense layers, or why it did not
+    run."""
     torch.manual_seed(0)
     chain, x = DenseChain(size, layers).eval(), torch.randn(rows, size.hidden)
-    calls = {"roformer_hf (fused_linear)": lambda: chain(x)}
+    compiled = openvino_chain(chain, x, precision, threads)
+    calls = {}
+    if precision == "int8":
+        quantized = quantize_int8(copy.deepcopy(chain))
+        calls["roformer_hf"] = lambda: quantized(x)
+    else:
+        calls["roformer_hf"] = lambda: chain(x)
 
-    def plain_linear():
-        with torch.backends.mkldnn.flags(enabled=False):  # `fusion_applies` false: each call is the layer's own
-            return chain(x)
+        def plain_linear():
+            with torch.backends.mkldnn.flags(enabled=False):  # `fusion_applies` false: each call is the layer's own
+                return chain(x)
 
-    calls["nn.Linear (MKL)"] = plain_linear
-    kernels = "openvino is not installed (the `bench` extra)"
-    if importlib.util.find_spec("openvino") is not None:
-        import openvino
-
-        compiled = openvino.compile_model(
-            openvino.convert_model(chain, example_input=x), "CPU",
-            config={"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"})
+        calls["nn.Linear (MKL)"] = plain_linear
+    if compiled is not None:
         request, array = compiled.create_infer_request(), x.numpy()
         calls["OpenVINO"] = lambda: request.infer({0: array})
     samples = {name: [] for name in calls}
     with torch.inference_mode():
         expected = chain(x)
-        torch.testing.assert_close(plain_linear(), expected, rtol=1e-4, atol=1e-4)
-        for call in calls.values():
-            call()
+        for name, call in calls.items():
+            output = call()
+            if name != "OpenVINO":
+                cosine = torch.nn.functional.cosine_similarity(output.flatten(), expected.flatten(), dim=0)
+                assert cosine > 0.99, f"{name} ({precision}) strays from fp32: cosine {cosine:.4f}"
         for _ in range(repeats):
             for name, call in calls.items():
                 call()
@@ -134,7 +163,8 @@ def chain_times(size, layers: int, rows: int, repeats: int, threads: int) -> tup
                 for _ in range(CHAIN_BLOCK):
                     call()
                 samples[name].append((time.perf_counter() - start) / CHAIN_BLOCK)
-    if "OpenVINO" in calls:  # its kernels are chosen at the first inference
+    kernels = "openvino (and for int8 nncf) not installed: the `bench` extra"
+    if compiled is not None:  # its kernels are chosen at the first inference
         chosen = Counter(node.get_rt_info()["primitiveType"].astype(str)
                          for node in compiled.get_runtime_model().get_ops()
                          if node.get_rt_info()["layerType"].astype(str) == "FullyConnected")
@@ -150,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--chain-rows", type=int, nargs="*", default=[16, 64, 626],
                         help="row counts of the dense calls in a row (none: leave that table out)")
+    parser.add_argument("--chain-precisions", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"])
     return parser
 
 
@@ -180,18 +211,16 @@ def main(argv: list[str] | None = None) -> None:
                       + f" | {'yes' if same_bits else 'no'} | {chosen} | {ratio:.2f}x |")
     print(f"\nThe rule's choice at most {worst:.2f}x the fastest kernel's time on a shape here.")
     if args.chain_rows:
-        print(f"\n## The dense calls of {args.layers} encoder layers in a row, fp32 (ms per chain: median of "
-              f"{args.repeats} turns, each the mean of {CHAIN_BLOCK} calls in a row)\n")
-        for rows in args.chain_rows:
-            times, kernels = chain_times(size, args.layers, rows, args.repeats, torch.get_num_threads())
-            if rows == args.chain_rows[0]:
-                print("| rows | " + " | ".join(times) + " | roformer_hf / the fastest other |")
-                print("|---|" + "---|" * (len(times) + 1))
-            ours = times["roformer_hf (fused_linear)"]
-            others = min(time for name, time in times.items() if name != "roformer_hf (fused_linear)")
-            print(f"| {rows} | " + " | ".join(f"{time:.3f}" for time in times.values()) + f" | {ours / others:.2f}x |")
-        print(f"\nOpenVINO's kernels for the dense layers: {kernels}")
-
+        print(f"\n## The dense calls of {args.layers} encoder layers in a row (ms per chain: median of {args.repeats} "
+              f"turns, each the mean of {CHAIN_BLOCK} calls in a row)\n")
+        print("| precision | rows | " + " | ".join(CHAIN_PATHS) + " | roformer_hf / OpenVINO | OpenVINO's kernels |")
+        print("|---|---|" + "---|" * (len(CHAIN_PATHS) + 2))
+        for precision in args.chain_precisions:
+            for rows in args.chain_rows:
+                times, kernels = chain_times(size, args.layers, rows, precision, args.repeats, torch.get_num_threads())
+                cells = [f"{times[path]:.3f}" if path in times else "–" for path in CHAIN_PATHS]
+                ratio = f"{times['roformer_hf'] / times['OpenVINO']:.2f}x" if "OpenVINO" in times else "–"
+                print(f"| {precision} | {rows} | " + " | ".join(cells) + f" | {ratio} | {kernels} |")
 
 if __name__ == "__main__":
     main()
