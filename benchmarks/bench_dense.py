@@ -19,8 +19,8 @@ the best kernel). A rule that another CPU kind measures wrong shows here first.
 Then the encoder's dense calls in a row (`DenseChain`: each layer's query/key/value, attention output with its
 residual, FFN up with GELU, FFN down with its residual; no attention between them), at each row count: in fp32
 roformer_hf's calls (`fused_linear`), plain `nn.Linear`s (MKL) and, where it is installed, OpenVINO's CPU plugin on
-the same module (`openvino.convert_model`, the latency hint, fp32); in int8 roformer_hf's `quantize_int8` and
-OpenVINO's graph quantized by nncf. With the kernels OpenVINO chose for its dense layers: what the model's dense
+the same module (`openvino.convert_model`, the latency hint, fp32); in bf16 the module cast, and OpenVINO's bf16
+inference precision; in int8 roformer_hf's `quantize_int8` and OpenVINO's graph quantized by nncf. With the kernels OpenVINO chose for its dense layers: what the model's dense
 layers cost against what the same layers cost in the runtime the latency target names.
 """
 
@@ -105,9 +105,9 @@ CHAIN_PATHS = ("roformer_hf", "nn.Linear (MKL)", "OpenVINO")
 
 
 def openvino_chain(chain: DenseChain, x: torch.Tensor, precision: str, threads: int):
-    """The chain compiled by OpenVINO's CPU plugin (latency hint, fp32 inference precision), its dense layers
-    quantized by nncf for int8 (calibrated on random inputs of `x`'s shape, as a transformer); None without openvino
-    (or nncf, for int8)."""
+    """The chain compiled by OpenVINO's CPU plugin (latency hint; bf16 inference precision for bf16, else fp32), its
+    dense layers quantized by nncf for int8 (calibrated on random inputs of `x`'s shape, as a transformer); None
+    without openvino (or nncf, for int8)."""
     if importlib.util.find_spec("openvino") is None or (precision == "int8" and importlib.util.find_spec("nncf") is None):
         return None
     import openvino
@@ -120,16 +120,17 @@ def openvino_chain(chain: DenseChain, x: torch.Tensor, precision: str, threads: 
         samples = [torch.randn(x.shape, generator=generator).numpy() for _ in range(8)]
         graph = nncf.quantize(graph, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
                               subset_size=len(samples))
+    hint = "bf16" if precision == "bf16" else "f32"
     return openvino.compile_model(graph, "CPU", config={"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads,
-                                                        "INFERENCE_PRECISION_HINT": "f32"})
+                                                        "INFERENCE_PRECISION_HINT": hint})
 
 
 def chain_times(size, layers: int, rows: int, precision: str, repeats: int,
                 threads: int) -> tuple[dict[str, float], str]:
-    """Milliseconds per `DenseChain` forward of each path at `precision` (``"fp32"``; ``"int8"``: roformer_hf's
-    `quantize_int8` against OpenVINO's nncf quantization): the median over `repeats` of the mean of `CHAIN_BLOCK`
-    calls in a row, the paths taking turns. And the kernels OpenVINO chose for its dense layers, or why it did not
-    run."""
+    """Milliseconds per `DenseChain` forward of each path at `precision` (``"fp32"``; ``"bf16"``: the chain cast,
+    OpenVINO's bf16 inference precision; ``"int8"``: roformer_hf's `quantize_int8` against OpenVINO's nncf
+    quantization): the median over `repeats` of the mean of `CHAIN_BLOCK` calls in a row, the paths taking turns. And
+    the kernels OpenVINO chose for its dense layers, or why it did not run."""
     torch.manual_seed(0)
     chain, x = DenseChain(size, layers).eval(), torch.randn(rows, size.hidden)
     compiled = openvino_chain(chain, x, precision, threads)
@@ -137,6 +138,9 @@ def chain_times(size, layers: int, rows: int, precision: str, repeats: int,
     if precision == "int8":
         quantized = quantize_int8(copy.deepcopy(chain))
         calls["roformer_hf"] = lambda: quantized(x)
+    elif precision == "bf16":  # plain `nn.Linear` in bf16 is oneDNN's kernel already: no MKL path to time
+        cast, x_bf16 = copy.deepcopy(chain).to(torch.bfloat16), x.bfloat16()
+        calls["roformer_hf"] = lambda: cast(x_bf16).float()
     else:
         calls["roformer_hf"] = lambda: chain(x)
 
@@ -180,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--chain-rows", type=int, nargs="*", default=[16, 64, 626],
                         help="row counts of the dense calls in a row (none: leave that table out)")
-    parser.add_argument("--chain-precisions", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"])
+    parser.add_argument("--chain-precisions", nargs="+", choices=["fp32", "bf16", "int8"],
+                        default=["fp32", *(["bf16"] if fused._BF16_GEMMS else []), "int8"],
+                        help="default: fp32, bf16 where oneDNN computes it here, int8")
     return parser
 
 

@@ -165,12 +165,13 @@ def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_re
     # the dense calls in a row: each path at each precision and row count, and roformer_hf's time over OpenVINO's
     has_openvino = importlib.util.find_spec("openvino") is not None
     chain = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
-             if re.match(r"\| (fp32|int8) \| (16|300) \| [0-9.]+ \|", line)]
-    assert [(row[0], row[1]) for row in chain] == [(precision, rows) for precision in ("fp32", "int8")
+             if re.match(r"\| (fp32|bf16|int8) \| (16|300) \| [0-9.]+ \|", line)]
+    precisions = ["fp32", *(["bf16"] if fused._BF16_GEMMS else []), "int8"]
+    assert [(row[0], row[1]) for row in chain] == [(precision, rows) for precision in precisions
                                                    for rows in ("16", "300")]
     for precision, _, ours, plain, openvino, ratio, kernels in chain:
         assert float(ours) > 0 and (float(plain) > 0 if precision == "fp32" else plain == "–")
-        if has_openvino and (precision == "fp32" or importlib.util.find_spec("nncf")):
+        if has_openvino and (precision != "int8" or importlib.util.find_spec("nncf")):
             assert float(ratio.removesuffix("x")) == pytest.approx(float(ours) / float(openvino), rel=0.05, abs=0.01)
             assert re.fullmatch(r"\w+ x\d+(, \w+ x\d+)*", kernels)
         else:
