@@ -1,7 +1,7 @@
 """The GEMM kernels a dense layer can take in CPU inference, per input shape, on this machine: the measurements behind
 `roformer_hf.fused._dense_kernel`, the rule that picks one per call.
 
-    python benchmarks/bench_dense.py            # the encoder's layers at base width (about a minute on 2 cores)
+    python benchmarks/bench_dense.py            # the encoder's layers at base width (about 7 minutes on 2 cores)
     python benchmarks/bench_dense.py --quick    # hidden 64 (seconds)
 
 For each dtype oneDNN computes here (fp32; bf16 on CPUs with AVX-512 bf16 or AMX), each row count of `--rows` (one
@@ -20,8 +20,9 @@ Then the encoder's dense calls in a row (`DenseChain`: each layer's query/key/va
 residual, FFN up with GELU, FFN down with its residual; no attention between them), at each row count: in fp32
 roformer_hf's calls (`fused_linear`), plain `nn.Linear`s (MKL) and, where it is installed, OpenVINO's CPU plugin on
 the same module (`openvino.convert_model`, the latency hint, fp32); in bf16 the module cast, and OpenVINO's bf16
-inference precision; in int8 roformer_hf's `quantize_int8` and OpenVINO's graph quantized by nncf. With the kernels OpenVINO chose for its dense layers: what the model's dense
-layers cost against what the same layers cost in the runtime the latency target names.
+inference precision; in int8 roformer_hf's `quantize_int8` and OpenVINO's graph quantized by nncf. With the kernels
+OpenVINO chose for its dense layers: what the model's dense layers cost against what the same layers cost in the
+runtime the latency target names.
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                 cells = [f"{times[path]:.3f}" if path in times else "–" for path in CHAIN_PATHS]
                 ratio = f"{times['roformer_hf'] / times['OpenVINO']:.2f}x" if "OpenVINO" in times else "–"
                 print(f"| {precision} | {rows} | " + " | ".join(cells) + f" | {ratio} | {kernels} |")
+
 
 if __name__ == "__main__":
     main()
