@@ -307,8 +307,9 @@ def report(args, size, flops, parity, low_precision, onnx, times, rates, referen
     print(f"| forward GFLOP: what each computes (transformers includes padding) | {padded_total / 1e9:.1f} | "
           f"{total / 1e9:.1f} | {padded_total / total:.2f}x: skipping padding alone, at equal GFLOP/s | | |")
     labelled = int((batch_labels(args) != -100).sum())
-    # What roformer_hf computes in a training step: with sparse prediction the head sees the labelled tokens only.
-    train_total = total if args.dense_prediction else sparse_head_forward_flops(flops, tokens, labelled)
+    # What roformer_hf computes in a training step: with sparse prediction the head and the last layer's queries
+    # see the labelled tokens only.
+    train_total = total if args.dense_prediction else sparse_head_forward_flops(flops, tokens, labelled, size)
     for mode, label, multiple, key in (("infer", "inference", 1, "gemm fraction"),
                                        ("train", "training", 3, "train gemm fraction")):
         if mode not in times:

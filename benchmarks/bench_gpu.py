@@ -38,6 +38,8 @@ import torch
 import workload
 from common import machine_lines, progress, spread, time_interleaved, time_once, verdict
 
+from roformer_hf.kernels import choose_kernel
+
 TARGETS = {"infer speed-up": 3.0, "train speed-up": 3.0, "train MFU": 0.45}
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, matched against the device name; the first match wins.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0),
@@ -54,6 +56,7 @@ class Contender:
     attention: str
     model: torch.nn.Module  # possibly the torch.compile wrapper
     sparse_head: bool  # its training forward runs the MLM head on the labelled tokens only
+    sparse_last_layer: bool = False  # and its last layer's queries (roformer_hf with a varlen attention kernel)
     times: dict[str, list[float]] = field(default_factory=dict)  # mode -> seconds per call
     memory: dict[str, float | None] = field(default_factory=dict)  # mode -> MiB, None off CUDA
     compile_seconds: dict[str, float] = field(default_factory=dict)  # mode -> first call, compiled models only
@@ -118,7 +121,8 @@ def build_contenders(args: argparse.Namespace, folder: str, device: torch.device
         "transformers": Contender("transformers' RoFormer", "eager",
                                   workload.load_model("transformers", folder, dtype=dtype).to(device),
                                   sparse_head=False),
-        "roformer_hf": Contender("roformer_hf", args.attn, ours(args.attn), sparse_head=True),
+        "roformer_hf": Contender("roformer_hf", args.attn, ours(args.attn), sparse_head=True,
+                                 sparse_last_layer=choose_kernel(args.attn, device).varlen is not None),
     }
     if not args.skip_compile:
         if args.attn != "sdpa":
@@ -217,15 +221,22 @@ def report(args, size: workload.Size, lengths: tuple[int, ...], labelled: int, c
            accuracy: dict[str, dict[str, float]], peak_tflops: float | None, device: torch.device) -> None:
     flops = workload.forward_flops(size, lengths)
     tokens, padded = sum(lengths), len(lengths) * max(lengths)
-    dense, sparse = sum(flops.values()), workload.sparse_head_forward_flops(flops, tokens, labelled)
-    # Per mode and whether the model's training forward runs the MLM head on the labelled tokens only.
-    step_flops = {("infer", False): dense, ("infer", True): dense,
-                  ("train", False): 3 * dense, ("train", True): 3 * sparse}
+    dense = sum(flops.values())
+    sparse_head = workload.sparse_head_forward_flops(flops, tokens, labelled)
+    sparse_last = workload.sparse_head_forward_flops(flops, tokens, labelled, size)
+
+    def step_flops(contender: Contender, mode: str) -> float:
+        """What the contender computes: a training forward's sparse head (and last layer) on the labelled tokens."""
+        if mode == "infer":
+            return dense
+        if not contender.sparse_head:
+            return 3 * dense
+        return 3 * (sparse_last if contender.sparse_last_layer else sparse_head)
 
     def mfu(contender: Contender, mode: str) -> float | None:
         if peak_tflops is None:
             return None
-        return step_flops[mode, contender.sparse_head] / median(contender.times[mode]) / (peak_tflops * 1e12)
+        return step_flops(contender, mode) / median(contender.times[mode]) / (peak_tflops * 1e12)
 
     def percent(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.1%}"
@@ -294,7 +305,8 @@ def report(args, size: workload.Size, lengths: tuple[int, ...], labelled: int, c
     print(f"\nReal-token FLOPs of one forward: {dense / 1e9:.3g} GFLOP (" +
           ", ".join(f"{name} {value / dense:.0%}" for name, value in flops.items()) +
           f"); a training step counts 3x its forward, with the MLM head on the {labelled} labelled tokens only for "
-          f"the models with sparse prediction ({sparse / 1e9:.3g} GFLOP per forward) and on "
+          f"the models with sparse prediction ({sparse_head / 1e9:.3g} GFLOP per forward; "
+          f"{sparse_last / 1e9:.3g} where roformer_hf's last layer also queries those tokens only) and on "
           "every real token for transformers' RoFormer (it has no such option). MFU = those FLOPs / median time / "
           "peak; padding that a model computes anyway earns nothing. Peak memory: torch.cuda.max_memory_allocated "
           "during one call above what was allocated before it (weights excluded; a training step's gradients "

@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = args.batch * args.length
     labelled = int((example()["labels"] != -100).sum())
     flops = forward_flops(size, (args.length,) * args.batch)
-    step_flops = {"roformer_hf": 3 * sparse_head_forward_flops(flops, tokens, labelled),
+    step_flops = {"roformer_hf": 3 * sparse_head_forward_flops(flops, tokens, labelled, size),
                   "transformers": 3 * sum(flops.values())}
     print(f"# Training step at hidden {args.hidden}, {args.layers} layers, {args.heads} heads, intermediate "
           f"{args.intermediate}, vocabulary {args.vocab}; {args.batch} x {args.length} tokens ({labelled} masked); "

@@ -193,7 +193,8 @@ class RoFormerConfig(PreTrainedConfig):
         unpad_inputs: run every token-wise layer on the real tokens only when the batch is padded (faster, the same
             results); `False` keeps padded tensors and masks the padding in attention.
         sparse_prediction: in training with labels, run the MLM head on the labelled tokens only (-100 elsewhere)
-            and return only their logits; a large saving with big vocabularies.
+            and return only their logits; a large saving with big vocabularies. The last layer's queries are then
+            those tokens only too (every token still a key and value), where nothing else reads its output.
 
     Positions are encoded from `position_ids` on the fly, so `max_position_embeddings` does not cap the sequence
     length. It is kept as metadata: the longest sequence the model was trained on, which tokenizers and

@@ -17,7 +17,8 @@ renders it in the form the attention kernel takes (`AttentionMask.form`), for ev
 - ``"varlen"``: no tensor; the varlen kernels (flash-attn's, or SDPA sequence by sequence on CPU) read the sequence
   offsets of the layout. Only where the layout says everything: no cache, no prefix, keys that are the queries. A
   kernel that takes causality as a mask (attention dropout on CPU) gets the longest sequence's causal mask, rendered
-  once, which each sequence slices.
+  once, which each sequence slices. With `QuerySubset` (`query_subset_mask`), some of the tokens are the only
+  queries, each seeing every key of its sequence: the last layer of a model whose head reads only those tokens.
 - ``"flash"``: the keys' padding ``(B, Lk)``, flash-attn's padded interface (causality from the mask's ``is_causal``).
 - ``"dense"``: ``(B, 1, Lq or 1, Lk)`` bool, True = may attend, or ``None`` when every query may see every key.
 
@@ -26,6 +27,7 @@ Kernels given no mask are causal when their module is (transformers' convention)
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -101,6 +103,36 @@ def causal_mask(q_length: int, kv_length: int, device: torch.device | None = Non
 
 
 @dataclass(frozen=True)
+class QuerySubset:
+    """Some of the layout's tokens as the only queries of a layer, each attending bidirectionally to every token of its
+    sequence (`query_subset_mask`): what the last layer computes when the head reads those tokens only.
+
+    Attributes:
+        indices: ``(M,)``, ascending: the queries' flat positions among the layout's tokens.
+        token_dims: how many leading dimensions the layout's token shape has (1: ``(N,)``, 2: ``(B, L)``).
+        cu_seqlens_q: ``(S + 1,)`` int32 offsets of each sequence's queries among the ``M``.
+        cu_seqlens_k: ``(S + 1,)`` int32 offsets of each sequence's keys among the layout's tokens.
+        query_lengths, key_lengths: each sequence's count of queries and of keys, on the host.
+    """
+
+    indices: Tensor
+    token_dims: int
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    query_lengths: tuple[int, ...]
+    key_lengths: tuple[int, ...]
+
+    @property
+    def longest(self) -> tuple[int, int]:
+        """The most queries and the most keys of a sequence."""
+        return max(self.query_lengths), max(self.key_lengths)
+
+    def select(self, x: Tensor) -> Tensor:
+        """The queries' rows of `x`, given in the layout's token shape ``(*T, ...)``: ``(M, ...)``."""
+        return x.flatten(0, self.token_dims - 1).index_select(0, self.indices)
+
+
+@dataclass(frozen=True)
 class AttentionMask:
     """The keys each query of a forward may attend to, rendered once (`create_attention_mask`) for every layer.
 
@@ -118,6 +150,8 @@ class AttentionMask:
         is_causal: whether each query sees only the keys up to its own position, passed to the kernel as its
             ``is_causal`` (transformers' override of the module's): a decoder's self-attention, unless the forward
             reads as an encoder's (a prefix-LM whose queries all sit in the prefix).
+        queries: in the ``"varlen"`` form, the tokens that are the only queries (`QuerySubset`); ``None``: every token
+            of the layout queries.
     """
 
     layout: BatchLayout
@@ -127,11 +161,42 @@ class AttentionMask:
     key_padding: Tensor | None = None
     kernel: str = "sdpa"
     is_causal: bool = False
+    queries: QuerySubset | None = None
 
     @property
     def tensor(self) -> Tensor | None:
         """The mask a kernel on the padded layout takes: the keys' padding for flash-attn, else the dense mask."""
         return self.key_padding if self.form == "flash" else self.dense
+
+    def select_queries(self, x: Tensor) -> Tensor:
+        """`x` ``(*T, ...)`` in the layout's token shape, at the queries only: ``(M, ...)`` with a `QuerySubset`, else
+        `x` itself."""
+        return x if self.queries is None else self.queries.select(x)
+
+
+def query_subset_mask(layout: BatchLayout, kernel: Kernel, read: Tensor) -> AttentionMask | None:
+    """Self-attention whose only queries are the tokens `read` marks, ``(B, L)`` bool, each seeing every token of its
+    sequence (bidirectional, without a cache or a prefix), through `kernel`'s varlen function: a layer's output at
+    those tokens alone, for a last layer whose head reads nothing else. ``None`` where that cannot run: a kernel
+    without a varlen function (eager), a padded layout (whose keys need a mask). Reads the queries' count per
+    sequence on the host (one copy)."""
+    if kernel.varlen is None or layout.mode == "padded":
+        return None
+    flat = layout.gather_tokens(read).flatten()
+    if layout.cu_seqlens is None:  # one whole row per sequence
+        key_lengths = (layout.seq_len,) * layout.batch_size
+        cu_seqlens_k = torch.arange(0, flat.numel() + 1, layout.seq_len, dtype=torch.int32, device=flat.device)
+    else:
+        key_lengths, cu_seqlens_k = layout.seq_lengths, layout.cu_seqlens
+    running = torch.nn.functional.pad(flat.long().cumsum(0), (1, 0))
+    counts = running[cu_seqlens_k[1:].long()] - running[cu_seqlens_k[:-1].long()]
+    query_lengths = tuple(counts.tolist())
+    offsets = [0, *itertools.accumulate(query_lengths)]
+    subset = QuerySubset(
+        indices=torch.nonzero_static(flat, size=offsets[-1]).squeeze(-1), token_dims=1 if layout.mode == "varlen" else 2,
+        cu_seqlens_q=torch.tensor(offsets, dtype=torch.int32, device=flat.device), cu_seqlens_k=cu_seqlens_k,
+        query_lengths=query_lengths, key_lengths=key_lengths)
+    return AttentionMask(layout, "varlen", kernel=kernel.varlen, queries=subset)
 
 
 def create_attention_mask(layout: BatchLayout, kernel: Kernel, device: torch.device | None = None, *,

@@ -43,6 +43,7 @@ from .cache import CacheState, cached_cross_attention, generation_cache, past_le
 from .configuration import ROPE_TYPES, RoFormerConfig
 from .fused import fused_linear, fused_linears, one_forward
 from .loading import CheckpointPolicy
+from .loss import masked_lm_loss
 from .masks import AttentionMask
 from .padding import BatchLayout, logits_in_padded_layout
 from .plan import ForwardPlan
@@ -161,7 +162,8 @@ class RoFormerSelfAttention(nn.Module):
     Project, rotate, update the cache (`past_key_values.update(k, v, self.layer_idx)`), attend (`attention.attend`,
     with the kernel of `config._attn_implementation`), reshape. As cross-attention (`is_cross_attention`, in decoders
     with `config.add_cross_attention`) keys and values come from the encoder and nothing rotates, as in transformers'
-    RoFormer. Returns the context `(*T, H)` and, from the eager kernel only, the weights `(B, nh, L, Lk)`.
+    RoFormer. Returns the context `(*T, H)` (`(M, H)` when the mask's `queries` are some tokens only) and, from the
+    eager kernel only, the weights `(B, nh, L, Lk)`.
     """
 
     def __init__(self, config: RoFormerConfig, layer_idx: int | None = None, is_cross_attention: bool = False):
@@ -208,6 +210,7 @@ class RoFormerSelfAttention(nn.Module):
             query, key = rotate(query, phases, rotary_layout), rotate(key, phases, rotary_layout)
             if self.rotary_value:
                 value = rotate(value, phases, rotary_layout)
+            query = attention_mask.select_queries(query)  # (M, nh, d) when only some tokens query
             # With a cache the layout is padded, (B, L, nkv, d); after the update (B, past + L, nkv, d).
             key, value = update_layer(past_key_values, self.layer_idx, key, value)
 
@@ -252,7 +255,7 @@ class RoFormerAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask,
                 **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
         context, _ = self.self(self.output.normalize_input(hidden_states), attention_mask, **kwargs)
-        return self.output(context, hidden_states)
+        return self.output(context, attention_mask.select_queries(hidden_states))
 
 
 class RoFormerIntermediate(nn.Module):
@@ -312,9 +315,13 @@ class RoFormerEncoder(nn.Module):
         self.gradient_checkpointing = False
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask,
-                **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
-        for layer in self.layer:
-            hidden_states = layer(hidden_states, attention_mask, **kwargs)
+                last_layer_mask: AttentionMask | None = None, **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
+        """`last_layer_mask`, when given, is the last layer's: some tokens as its only queries
+        (`masks.query_subset_mask`), whose states alone it returns, `(M, H)`."""
+        last = len(self.layer) - 1
+        for index, layer in enumerate(self.layer):
+            mask = last_layer_mask if index == last and last_layer_mask is not None else attention_mask
+            hidden_states = layer(hidden_states, mask, **kwargs)
         if hasattr(self, "final_layer_norm"):
             hidden_states = self.final_layer_norm(hidden_states)
         return hidden_states
@@ -338,8 +345,11 @@ class RoFormerEncoding(ModelOutput):
     """What `RoFormerModel.encode` hands to the heads.
 
     Attributes:
-        last_hidden_state: `(*T, H)`, in the batch's layout: only the real tokens when padding is skipped.
+        last_hidden_state: `(*T, H)`, in the batch's layout: only the real tokens when padding is skipped; `(M, H)`,
+            the `read_tokens` only, when the caller asked for some.
         layout: where those tokens sit in the `(B, L)` batch (`layout.scatter_tokens` puts them back).
+        read_tokens: `(M,)` flat positions among the layout's tokens of the states in `last_hidden_state`, when the
+            last layer computed the `read_tokens` passed to `encode` only; `None`: all of them.
         pooler_output: `(B, H)`, the pooler on each sequence's first token (`config.add_pooling_layer`).
         past_key_values: the cache, updated with this forward's keys and values (decoders with `use_cache`).
         hidden_states: `(B, L, H)` each, the embeddings' output and every layer's, when requested.
@@ -353,6 +363,7 @@ class RoFormerEncoding(ModelOutput):
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
     cross_attentions: tuple[torch.Tensor, ...] | None = None
+    read_tokens: torch.Tensor | None = None
 
 
 class RoFormerPreTrainedModel(CheckpointPolicy, PreTrainedModel):
@@ -425,8 +436,15 @@ class RoFormerModel(RoFormerPreTrainedModel):
                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                inputs_embeds: torch.Tensor | None = None, past_key_values: Cache | None = None,
                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
-               use_cache: bool | None = None, **kwargs: Unpack[TransformersKwargs]) -> RoFormerEncoding:
+               use_cache: bool | None = None, read_tokens: torch.Tensor | None = None,
+               **kwargs: Unpack[TransformersKwargs]) -> RoFormerEncoding:
         """Runs the model and leaves the last hidden state in the batch's layout, for the heads to consume.
+
+        `read_tokens` `(B, L)` bool: the only tokens whose last hidden state the caller reads (a masked LM's labelled
+        tokens in training with `sparse_prediction`). Where the forward allows (bidirectional, no cache, no hidden
+        states requested, no pooler, a kernel with a varlen form), the last layer computes only them, every token a
+        key and value but only these queries, and the last hidden state is theirs alone, `(M, H)`, in the layout's
+        order (`RoFormerEncoding.read_tokens` then says which); elsewhere it holds every token, as without.
 
         Rows may hold several sequences back to back (`DataCollatorWithFlattening`): their offsets come from
         `cu_seq_lens_q`/`cu_seq_lens_k` in `kwargs`, or, without an attention mask, from `position_ids` that
@@ -455,7 +473,7 @@ class RoFormerModel(RoFormerPreTrainedModel):
             output_attentions=bool(kwargs.get("output_attentions", self.config.output_attentions)),
             output_hidden_states=kwargs.get("output_hidden_states", self.config.output_hidden_states),
             cu_seq_lens_q=kwargs.get("cu_seq_lens_q"), cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
-            cache_position=kwargs.get("cache_position"))
+            cache_position=kwargs.get("cache_position"), read_tokens=read_tokens, full_last_layer=hasattr(self, "pooler"))
         layout = plan.layout
 
         # Token-wise from here on: gather the real tokens first so nothing is computed for padding.
@@ -471,10 +489,12 @@ class RoFormerModel(RoFormerPreTrainedModel):
                 hidden_states, plan.attention_mask,
                 position_embeddings=self.rotary_emb.rotation(plan.position_ids, layout),
                 past_key_values=plan.past_key_values, cache_state=plan.cache_state,
-                encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=plan.encoder_attention_mask)
+                encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=plan.encoder_attention_mask,
+                last_layer_mask=plan.last_layer_mask)
         pooler_output = self.pooler(layout.edge_tokens(hidden_states)) if hasattr(self, "pooler") else None
+        read = None if plan.last_layer_mask is None else plan.last_layer_mask.queries.indices
         return RoFormerEncoding(last_hidden_state=hidden_states, layout=layout, pooler_output=pooler_output,
-                                past_key_values=plan.past_key_values if plan.use_cache else None)
+                                past_key_values=plan.past_key_values if plan.use_cache else None, read_tokens=read)
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
@@ -517,12 +537,17 @@ class RoFormerHeadModel(RoFormerPreTrainedModel):
     def encode_and_predict(self, inputs: dict, labels, **predict_kwargs) -> ModelOutput:
         """The encoder on `inputs`, then `predict` with `predict_kwargs` only: each argument reaches the one that reads
         it (Trainer's `num_items_in_batch` the loss, `cu_seq_lens_q` the encoder)."""
-        encoding = self.roformer.encode(**inputs, return_dict=True)
+        encoding = self.roformer.encode(**inputs, read_tokens=self.tokens_read(inputs, labels), return_dict=True)
         output = self.predict(encoding, labels, **predict_kwargs)
         for name in ("hidden_states", "attentions", "cross_attentions"):
             if encoding.get(name) is not None and name in output.__dataclass_fields__:
                 output[name] = encoding[name]
         return output
+
+    def tokens_read(self, inputs: dict, labels) -> torch.Tensor | None:
+        """`(B, L)` bool, the only tokens whose last hidden state `predict` reads (`RoFormerModel.encode`'s
+        `read_tokens`); `None`: all of them."""
+        return None
 
     def predict(self, encoding: RoFormerEncoding, labels, **kwargs) -> ModelOutput:
         """The head's output (and loss, with `labels`) from the encoder's result; `kwargs`: the loss's (Trainer's
@@ -624,23 +649,50 @@ class RoFormerForMaskedLM(RoFormerLanguageModel):
     ```
     """
 
+    @property
+    def loss_function(self):
+        """transformers' masked-LM loss (`loss.masked_lm_loss`: the same arguments and result, a cheaper backward
+        pass), unless another was set (`model.loss_function = ...`) or `config.loss_type` names one."""
+        if hasattr(self, "_loss_function") or self.loss_type != "ForMaskedLM":
+            return super().loss_function
+        return masked_lm_loss
+
+    @loss_function.setter
+    def loss_function(self, value):
+        self._loss_function = value
+
+    def tokens_read(self, inputs: dict, labels: torch.Tensor | None) -> torch.Tensor | None:
+        """With `config.sparse_prediction`, in training with labels: the labelled tokens (the labels checked here,
+        before the encoder runs). Not while compiling, where a last layer whose query count changes with each batch
+        would compile again and again."""
+        if not self._sparse(labels) or torch.compiler.is_compiling():
+            return None
+        source = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
+        if source is None:  # the encoder says what is missing
+            return None
+        check_token_labels(labels, tuple(source.shape[:2]), self.config.vocab_size)
+        return labels != -100
+
+    def _sparse(self, labels: torch.Tensor | None) -> bool:
+        return labels is not None and self.training and self.config.sparse_prediction
+
     def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, **kwargs) -> MaskedLMOutput:
-        hidden_states, layout = encoding.last_hidden_state, encoding.layout  # (*T, H)
-        if labels is not None:
-            check_token_labels(labels, (layout.batch_size, layout.seq_len), self.config.vocab_size)
-            labels = layout.gather_tokens(labels).long()  # int32 labels too (cross-entropy wants int64)
-        sparse = labels is not None and self.training and self.config.sparse_prediction
-        if sparse:  # the head only where there is something to predict (~15% of tokens)
-            labelled = (labels.flatten() != -100).nonzero().squeeze(-1)
-            hidden_states = hidden_states.flatten(0, -2).index_select(0, labelled)  # (M, H)
-            labels = labels.flatten().index_select(0, labelled)
+        hidden_states, layout = encoding.last_hidden_state, encoding.layout  # (*T, H), or (M, H): `read_tokens`
         if labels is None:
-            logits, loss = logits_in_padded_layout(self.cls.predictions, hidden_states, layout), None  # (B, L, V)
-        else:
-            logits = self.cls.predictions(hidden_states)  # (*T, V) or (M, V)
-            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-            logits = logits if sparse else layout.to_padded(logits)
-        return MaskedLMOutput(loss=loss, logits=logits)
+            return MaskedLMOutput(logits=logits_in_padded_layout(self.cls.predictions, hidden_states, layout))
+        if encoding.read_tokens is None:  # checked in `tokens_read` otherwise
+            check_token_labels(labels, (layout.batch_size, layout.seq_len), self.config.vocab_size)
+        labels = layout.gather_tokens(labels).long()  # int32 labels too (cross-entropy wants int64)
+        sparse = self._sparse(labels)
+        if sparse:  # the head only where there is something to predict (~15% of tokens)
+            labelled = encoding.read_tokens
+            if labelled is None:  # the last layer computed every token: keep the labelled ones
+                labelled = (labels.flatten() != -100).nonzero().squeeze(-1)
+                hidden_states = hidden_states.flatten(0, -2).index_select(0, labelled)  # (M, H)
+            labels = labels.flatten().index_select(0, labelled)
+        logits = self.cls.predictions(hidden_states)  # (*T, V) or (M, V)
+        loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MaskedLMOutput(loss=loss, logits=logits if sparse else layout.to_padded(logits))
 
 
 @dataclass

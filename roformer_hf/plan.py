@@ -14,10 +14,12 @@ layers as transformers' Llama does; the layers only read what the plan decided. 
   are filled); made (`cache.create_cache`) when ``use_cache`` asks for one.
 
 The kernel is chosen once (`kernels.choose_kernel`) and the masks rendered once in the form it takes
-(`masks.create_attention_mask`). Everything the plan must know of the inputs' values (ids in range, the mask's
+(`masks.create_attention_mask`). A head that reads a few tokens only (a masked LM in training with
+`sparse_prediction`) passes them as ``read_tokens``: where the forward allows, the last layer's queries are those
+tokens alone (`masks.query_subset_mask`), since no other token's last state is read. Everything the plan must know of the inputs' values (ids in range, the mask's
 lengths, packed offsets, a prefix-LM's segments) comes to the host in one copy: one host sync per forward. Packed
 rows found from ``position_ids`` take a second (their offsets), the ``"longrope"`` rope type one inside transformers'
-frequencies, and labels one in the heads' checks.
+frequencies, labels one in the heads' checks, and ``read_tokens`` one (their count in each sequence).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from transformers.cache_utils import Cache
 
 from .cache import CacheState, check_cache, create_cache
 from .kernels import choose_kernel
-from .masks import AttentionMask, create_attention_mask
+from .masks import AttentionMask, create_attention_mask, query_subset_mask
 from .padding import BatchLayout, layout_reads
 from .validation import (
     check_cross_attention_inputs,
@@ -57,6 +59,8 @@ class ForwardPlan:
         past_key_values: the cache this forward extends (given, or made for ``use_cache``); ``None``: none.
         use_cache: whether the forward returns the cache.
         cache_state: what the cache held before this forward.
+        last_layer_mask: the last layer's self-attention mask, whose only queries are the tokens the caller reads
+            (``read_tokens`` of `build`); ``None``: the last layer computes every token, as the others.
     """
 
     layout: BatchLayout
@@ -67,6 +71,7 @@ class ForwardPlan:
     past_key_values: Cache | None = None
     use_cache: bool = False
     cache_state: CacheState = CacheState()
+    last_layer_mask: AttentionMask | None = None
 
     @classmethod
     def build(cls, config, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -76,9 +81,12 @@ class ForwardPlan:
               use_cache: bool | None = None, *, training: bool = False, dtype: torch.dtype | None = None,
               output_attentions: bool = False, output_hidden_states: bool = False,
               cu_seq_lens_q: Tensor | None = None, cu_seq_lens_k: Tensor | None = None,
-              cache_position: Tensor | None = None) -> ForwardPlan:
+              cache_position: Tensor | None = None, read_tokens: Tensor | None = None,
+              full_last_layer: bool = False) -> ForwardPlan:
         """The plan of `RoFormerModel.encode` on these inputs (its docstring says how each is read); `training`: the
-        model's mode, `dtype`: its parameters' (what a cache must hold, unless autocast is on)."""
+        model's mode, `dtype`: its parameters' (what a cache must hold, unless autocast is on). `read_tokens`:
+        ``(B, L)`` bool, the only tokens whose last state the caller reads, ``None``: all; `full_last_layer`: the
+        model reads other tokens' last states itself (a pooler), so the last layer must compute them all."""
         if use_cache is None:
             use_cache = config.is_decoder and config.use_cache and not training
         source = input_ids if input_ids is not None else inputs_embeds
@@ -141,8 +149,13 @@ class ForwardPlan:
             encoder_padding = None if encoder_attention_mask is None else encoder_attention_mask.bool()
             cross_mask = create_attention_mask(layout, kernel, device, key_padding=encoder_padding,
                                                keys_are_queries=False)
+        # The last layer's other tokens are read by nothing when they are neither hidden states to return nor keys
+        # kept for later (a cache), and its queries see their whole sequence (no causality, no prefix).
+        only_read = read_tokens is not None and not (full_last_layer or output_hidden_states or causal
+                                                     or prefix is not None or keys_beyond_queries)
+        last_layer_mask = query_subset_mask(layout, kernel, read_tokens) if only_read else None
         return cls(layout, position_ids, token_type_ids, self_mask, cross_mask, past_key_values, use_cache,
-                   cache_state)
+                   cache_state, last_layer_mask)
 
 
 def resolve_positions(config, position_ids: Tensor | None, attention_mask: Tensor | None, batch_size: int,

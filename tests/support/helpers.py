@@ -90,15 +90,20 @@ def varlen_stand_in(module, query, key, value, attention_mask, dropout=0.0, scal
     """A flash-attn kernel for CPU: attends with SDPA, asserting what transformers' flash-attn wrapper requires, and
     causal when `module.is_causal`, as flash-attn is (the queries aligned to the last keys, as after a cache)."""
     causal = getattr(module, "is_causal", False)
-    if "cu_seq_lens_q" in kwargs:  # packed: (1, nh, N, d), one run of tokens per sequence
-        offsets = kwargs["cu_seq_lens_q"]
+    if "cu_seq_lens_q" in kwargs:  # packed: (1, nh, N, d), one run of tokens per sequence (of queries: a subset)
+        query_offsets, key_offsets = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
         assert attention_mask is None and query.shape[0] == 1 and query.shape[2] > 0
-        assert offsets.dtype == torch.int32 and torch.equal(offsets, kwargs["cu_seq_lens_k"])
-        assert isinstance(kwargs["max_length_q"], int) and kwargs["max_length_q"] == offsets.diff().max().item()
-        bounds = offsets.tolist()
-        output = torch.cat([F.scaled_dot_product_attention(*(t[:, :, start:end] for t in (query, key, value)),
+        assert query_offsets.dtype == key_offsets.dtype == torch.int32
+        for side, offsets in (("q", query_offsets), ("k", key_offsets)):
+            longest = kwargs[f"max_length_{side}"]
+            assert isinstance(longest, int) and longest == offsets.diff().max().item()
+        assert not causal or torch.equal(query_offsets, key_offsets)
+        queries, keys = query_offsets.tolist(), key_offsets.tolist()
+        output = torch.cat([F.scaled_dot_product_attention(query[:, :, q_start:q_end],
+                                                           *(t[:, :, k_start:k_end] for t in (key, value)),
                                                            scale=scaling, is_causal=causal)
-                            for start, end in zip(bounds, bounds[1:])], dim=2)
+                            for q_start, q_end, k_start, k_end in zip(queries, queries[1:], keys, keys[1:])
+                            if q_end > q_start], dim=2)
         stand_in_calls.append("varlen")
     else:  # padded: (B, nh, L, d) with the (B, L) mask flash-attn unpads by itself
         assert attention_mask is None or attention_mask.dim() == 2

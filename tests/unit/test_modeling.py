@@ -380,6 +380,91 @@ def test_sparse_prediction_gives_the_same_loss_and_gradients():
         assert sparse(ids, attention_mask=mask, labels=labels).logits.shape == (*ids.shape, dense.config.vocab_size)
 
 
+def _last_layer_rows(model) -> list[int]:
+    """Records how many tokens the last layer's feed-forward receives at each call (several with
+    `chunk_size_feed_forward`)."""
+    rows = []
+    model.roformer.encoder.layer[-1].intermediate.dense.register_forward_hook(
+        lambda module, args, output: rows.append(args[0].flatten(0, -2).shape[0]))
+    return rows
+
+
+def _sparse_batch(layout: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Ids, labels (~30% of the real tokens) and the other inputs of a batch in the `layout` named."""
+    ids, mask = padded_batch([13, 6, 10, 1], seed=int(torch.randint(100, (1,), generator=generator)),
+                             left=layout == "left padded")
+    inputs = {"attention_mask": mask} if layout.endswith("padded") else {}
+    if layout == "dense":
+        ids = ids[:, :6]
+    if layout == "packed":  # positions that restart: each row holds several sequences
+        inputs = {"position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4]] * len(ids))}
+    real = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones_like(ids, dtype=torch.bool)
+    labelled = (torch.rand(ids.shape, generator=generator) < 0.3) & real
+    return ids, ids.masked_fill(~labelled, -100), inputs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sparse_last_layer_computes_the_labelled_tokens_only_and_agrees_with_the_full_one(seed):
+    """In training with sparse prediction the last layer's queries are the labelled tokens only (keys and values are
+    every token): loss, sparse logits and every gradient equal those of the model without sparse prediction (the
+    full last layer, the head on every token), across random configurations and layouts; the last layer's
+    feed-forward sees the labelled tokens only."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=generator))]
+
+    overrides = {"norm_position": pick("post", "pre"), "num_key_value_heads": pick(4, 2, 1),
+                 "rotary_value": pick(False, True), "rotary_layout": pick("interleaved", "half"),
+                 "chunk_size_feed_forward": pick(0, 3), "num_hidden_layers": pick(1, 2, 3)}
+    layout = pick("dense", "right padded", "left padded", "packed")
+    ids, labels, inputs = _sparse_batch(layout, generator)
+    dense, sparse = _model(**overrides).train(), _model(sparse_prediction=True, **overrides).train()
+    rows = _last_layer_rows(sparse)
+    out_dense = dense(ids, labels=labels, **inputs)
+    out_sparse = sparse(ids, labels=labels, **inputs)
+    labelled = labels != -100
+    assert sum(rows) == int(labelled.sum()), (overrides, layout)
+    torch.testing.assert_close(out_sparse.loss, out_dense.loss, msg=f"{overrides} {layout}")
+    torch.testing.assert_close(out_sparse.logits, out_dense.logits[labelled], atol=1e-5, rtol=1e-5)
+    out_dense.loss.backward(), out_sparse.loss.backward()
+    for (name, a), (_, b) in zip(dense.named_parameters(), sparse.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=f"{name} {overrides} {layout}")
+
+
+@pytest.mark.parametrize("case", ["hidden states", "eager", "padded layout", "pooler", "flash stand-in",
+                                  "attention dropout", "no label"])
+def test_sparse_last_layer_falls_back_or_takes_the_other_kernels(case, stand_in_flash):
+    """Where the last layer's other tokens are read (hidden states, a pooler) or the kernel has no varlen form (eager,
+    a padded layout), the last layer computes every token; the flash-attn path and attention dropout's blocked
+    kernel take the labelled queries alone. Every case gives the loss of the model without sparse prediction."""
+    from helpers import STAND_IN
+
+    ids, mask = padded_batch([13, 6, 10, 1])
+    labels = ids.masked_fill((mask == 0) | (torch.arange(13) % 3 != 1), -100)
+    overrides = {"unpad_inputs": False} if case == "padded layout" else {}
+    overrides |= {"attention_probs_dropout_prob": 1e-9} if case == "attention dropout" else {}  # keeps every weight
+    dense, sparse = _model(**overrides).train(), _model(sparse_prediction=True, **overrides).train()
+    for model in (dense, sparse):
+        if case == "eager":
+            model.set_attn_implementation("eager")
+        if case == "pooler":
+            model.roformer.pooler = roformer_hf.modeling.RoFormerPooler(model.config)
+    if case == "flash stand-in":
+        sparse.set_attn_implementation(STAND_IN)
+    if case == "no label":
+        labels = torch.full_like(ids, -100)
+    rows = _last_layer_rows(sparse)
+    kwargs = {"output_hidden_states": True} if case == "hidden states" else {}
+    expected = dense(ids, attention_mask=mask, labels=labels, **kwargs).loss
+    actual = sparse(ids, attention_mask=mask, labels=labels, **kwargs).loss
+    torch.testing.assert_close(actual, expected, equal_nan=True)
+    full = case in ("hidden states", "eager", "padded layout", "pooler")
+    real = mask.numel() if case in ("padded layout", "hidden states") else int(mask.sum())  # padding kept or not
+    assert sum(rows) == (real if full else int((labels != -100).sum()))
+    assert (stand_in_flash == ["varlen"] * 2) == (case == "flash stand-in")
+
+
 def test_hidden_states_attentions_and_tuples():
     model = _model(attn_implementation="sdpa")
     ids, mask = padded_batch(LENGTHS)
