@@ -76,8 +76,7 @@ def sdpa_varlen_attention_forward(
     *,
     cu_seq_lens_q: torch.Tensor,  # (S + 1,) offsets of the sequences among the N query tokens
     cu_seq_lens_k: torch.Tensor | None = None,  # (S + 1,) among the key tokens; default: those of the queries
-    seq_lengths: tuple[int, ...] | None = None,  # the S lengths of the queries on the host
-    key_seq_lengths: tuple[int, ...] | None = None,  # the keys', where they differ from the queries' (else theirs)
+    seq_lengths: tuple[int, ...] | None = None,  # the S lengths on the host, when queries and keys share them
     causal_mask: torch.Tensor | None = None,  # (1, 1, L, L) of the longest sequence, for kernels that take a mask
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
@@ -91,8 +90,7 @@ def sdpa_varlen_attention_forward(
     longest sequence, which each sequence slices (else the dropout kernel renders its own, per sequence).
     """
     if seq_lengths is not None:
-        query_lengths = list(seq_lengths)
-        key_lengths = query_lengths if key_seq_lengths is None else list(key_seq_lengths)
+        query_lengths = key_lengths = list(seq_lengths)
     else:
         query_lengths = cu_seq_lens_q.diff().tolist()
         key_lengths = query_lengths if cu_seq_lens_k is None else cu_seq_lens_k.diff().tolist()
@@ -178,11 +176,9 @@ def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     layout, subset = attention_mask.layout, attention_mask.queries
     if subset is None:
         offsets_q = offsets_k = layout.cu_seqlens
-        lengths_q = lengths_k = layout.seq_lengths
         longest_q = longest_k = layout.max_seqlen
-    else:
+    else:  # the kernel reads the queries' and the keys' lengths from their offsets
         offsets_q, offsets_k = subset.cu_seqlens_q, subset.cu_seqlens_k
-        lengths_q, lengths_k = subset.query_lengths, subset.key_lengths
         longest_q, longest_k = subset.longest
     if not longest_q:  # not a single query: nothing to attend, no kernel to call
         return torch.zeros_like(query), None
@@ -191,7 +187,7 @@ def attend_varlen(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     output, _ = ALL_ATTENTION_FUNCTIONS[attention_mask.kernel](
         module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=attention_mask.is_causal,
         cu_seq_lens_q=offsets_q, cu_seq_lens_k=offsets_k, max_length_q=longest_q, max_length_k=longest_k,
-        seq_lengths=lengths_q, key_seq_lengths=None if subset is None else lengths_k,
+        seq_lengths=layout.seq_lengths if subset is None else None,
         **({} if attention_mask.dense is None else {"causal_mask": attention_mask.dense}),
     )
     return output.squeeze(0).unflatten(0, tokens), None

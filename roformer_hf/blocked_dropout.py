@@ -19,8 +19,8 @@ DROPOUT_BLOCK_ROWS = 256  # queries per block of `BlockedDropoutAttention`, used
 
 class BlockedDropoutAttention(torch.autograd.Function):
     """``dropout(softmax(q k^T * scaling, masked)) v`` one block of queries of one head at a time, flash-attention
-    style in plain torch ops: query, key, value ``(B, nh, L, d)``, attention_mask ``(B, 1 or nh, 1 or L, L)``
-    (bool, True = may attend; or additive) or ``None``; returns ``(B, nh, L, d)``.
+    style in plain torch ops: query ``(B, nh, Lq, d)``, key and value ``(B, nh, Lk, d)``, attention_mask ``(B, 1 or
+    nh, 1 or Lq, Lk)`` (bool, True = may attend; or additive) or ``None``; returns ``(B, nh, Lq, d)``.
 
     Each weight is dropped with probability `dropout` (`draw_dropout_mask`) and each kept one scaled by
     ``1 / (1 - dropout)``, as `nn.functional.dropout` does. The forward pass keeps q, k, v, the output and the
@@ -39,23 +39,23 @@ class BlockedDropoutAttention(torch.autograd.Function):
         ctx.input_dtype = query.dtype
         dtype = torch.promote_types(query.dtype, torch.float32)
         query, key, value = (t.to(dtype) for t in (query, key, value))
-        batch, heads, length, _ = query.shape
+        (batch, heads, queries, _), keys = query.shape, key.shape[2]
         query = query * scaling
         output = query.new_empty(*query.shape[:-1], value.shape[-1])
-        kept_bits = torch.empty(batch, heads, length, _packed_length(length), dtype=torch.uint8, device=query.device)
+        kept_bits = torch.empty(batch, heads, queries, _packed_length(keys), dtype=torch.uint8, device=query.device)
         seeds = torch.randint(1 << 62, (batch, heads)).tolist()  # from the default generator
 
         def attend_head(b: int, h: int, block: _Block) -> None:
             generator = torch.Generator(query.device).manual_seed(seeds[b][h])
-            for rows in _row_blocks(length, block_rows):
-                weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
-                kept = block.draw_kept(len(weights), dropout, generator)  # (rows, L up to 8 n) uint8, 1 = kept
+            for rows in _row_blocks(queries, block_rows):
+                weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, Lk)
+                kept = block.draw_kept(len(weights), dropout, generator)  # (rows, Lk up to 8 n) uint8, 1 = kept
                 kept_bits[b, h, rows] = block.pack(kept)
                 weights.mul_(block.as_multiplier(kept))
                 torch.addmm(output[b, h, rows], weights, value[b, h], beta=0, alpha=1 / (1 - dropout),
                             out=output[b, h, rows])
 
-        _for_each_head(attend_head, batch, heads, partial(_Block, min(block_rows, length), length, dtype, query.device))
+        _for_each_head(attend_head, batch, heads, partial(_Block, min(block_rows, queries), keys, dtype, query.device))
         ctx.save_for_backward(query, key, value, output, kept_bits, attention_mask)
         ctx.dropout, ctx.block_rows, ctx.scaling = dropout, block_rows, scaling
         return output.to(ctx.input_dtype)
@@ -63,15 +63,15 @@ class BlockedDropoutAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         query, key, value, output, kept_bits, attention_mask = ctx.saved_tensors
-        batch, heads, length, _ = query.shape
+        (batch, heads, queries, _), keys = query.shape, key.shape[2]
         grad_output = grad_output.to(query.dtype)
         row_dot = (grad_output * output).sum(-1, keepdim=True)  # (B, nh, L, 1): rowsum(dO * O) = rowsum(P * dP)
         grad_output = grad_output / (1 - ctx.dropout)  # contiguous, like the gradients below
         grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
 
         def differentiate_head(b: int, h: int, block: _Block) -> None:
-            for rows in _row_blocks(length, ctx.block_rows):
-                weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, L)
+            for rows in _row_blocks(queries, ctx.block_rows):
+                weights = block.softmax(query[b, h, rows], key[b, h], attention_mask, b, h, rows)  # (rows, Lk)
                 kept = block.kept_weights(weights, kept_bits[b, h, rows])  # 0 where dropped
                 grad_value[b, h].addmm_(kept.T, grad_output[b, h, rows])
                 grad_scores = block.product(grad_output[b, h, rows], value[b, h].T)  # dP
@@ -81,7 +81,7 @@ class BlockedDropoutAttention(torch.autograd.Function):
                 grad_key[b, h].addmm_(grad_scores.T, query[b, h, rows])
 
         _for_each_head(differentiate_head, batch, heads,
-                       partial(_Block, min(ctx.block_rows, length), length, query.dtype, query.device, backward=True))
+                       partial(_Block, min(ctx.block_rows, queries), keys, query.dtype, query.device, backward=True))
         grads = (g.to(ctx.input_dtype) for g in (grad_query, grad_key, grad_value))
         return *grads, None, None, None, None
 

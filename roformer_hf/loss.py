@@ -21,13 +21,13 @@ class CrossEntropySum(torch.autograd.Function):
     def forward(ctx, logits: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
         log_probs = torch.log_softmax(logits, dim=-1)
         labelled = labels != ignore_index
-        labels = labels.where(labelled, 0).unsqueeze(-1)  # (M, 1), any class where the row is ignored
-        ctx.save_for_backward(log_probs, labels, labelled)
-        return -log_probs.gather(-1, labels).squeeze(-1).where(labelled, 0).sum()
+        ctx.save_for_backward(log_probs, labels.where(labelled, 0).unsqueeze(-1), labelled)
+        # NLL as PyTorch's cross-entropy computes it: the same value, to the bit
+        return torch.nn.functional.nll_loss(log_probs, labels, ignore_index=ignore_index, reduction="sum")
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        log_probs, labels, labelled = ctx.saved_tensors
+        log_probs, labels, labelled = ctx.saved_tensors  # labels (M, 1), any class where the row is ignored
         grad_logits = log_probs.exp()  # softmax
         grad_logits.scatter_add_(-1, labels, torch.full_like(labels, -1, dtype=grad_logits.dtype))
         return grad_logits.mul_((labelled * grad).unsqueeze(-1)), None, None

@@ -56,22 +56,28 @@ def explicit_dropout_attention(query, key, value, mask, scaling, dropped, p):
 
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "packed"])
 @pytest.mark.parametrize("groups", [1, 3])
-def test_blocked_dropout_equals_explicit_attention_with_the_same_mask(mask_kind, groups, monkeypatch):
+@pytest.mark.parametrize("queries", ["all", "every other"])
+def test_blocked_dropout_equals_explicit_attention_with_the_same_mask(mask_kind, groups, queries, monkeypatch):
     """Output and gradients of q, k, v equal autograd through the explicit formula with the dropout mask the kernel
     drew. Values carry an identity matrix beside the real values, so the output also holds every dropped weight
     matrix: the mask is read off the output, whatever order the kernel draws it in. The backward pass draws no
-    random numbers (it reads the forward's mask back)."""
+    random numbers (it reads the forward's mask back). Every other token as the only queries: fewer queries than
+    keys, as a last layer that computes the labelled tokens only."""
     monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 16)
     batch, heads, length, dim, scaling, p = 2, 6, 77, 8, 0.3, 0.2  # 77: blocks and bytes of bits left over
     generator = torch.Generator().manual_seed(0)
-    query = torch.randn(batch, heads, length, dim, dtype=torch.float64, generator=generator, requires_grad=True)
+    query = torch.randn(batch, heads, length, dim, dtype=torch.float64, generator=generator)
+    rows = slice(None) if queries == "all" else slice(None, None, 2)  # 39 queries: three blocks of 16 rows
+    query = query[:, :, rows].contiguous().requires_grad_()
     key = torch.randn(batch, heads // groups, length, dim, dtype=torch.float64, generator=generator,
                       requires_grad=True)
     value = torch.cat([torch.randn(batch, heads // groups, length, dim, dtype=torch.float64, generator=generator),
                        torch.eye(length, dtype=torch.float64).expand(batch, heads // groups, length, length)], dim=-1)
     value.requires_grad_()
     mask = key_masks(mask_kind, batch, length)
-    grad = torch.randn(batch, length, heads, dim + length, dtype=torch.float64, generator=generator)
+    if mask is not None and mask.shape[2] > 1:
+        mask = mask[:, :, rows]
+    grad = torch.randn(batch, query.shape[2], heads, dim + length, dtype=torch.float64, generator=generator)
 
     torch.manual_seed(1)
     output, _ = blocked_dropout_attention_forward(GroupedQueryModule(groups).train(), query, key, value, mask,

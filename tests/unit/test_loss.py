@@ -1,4 +1,5 @@
-"""The masked-LM loss against transformers' `ForMaskedLMLoss` (PyTorch's cross-entropy): values and gradients."""
+"""The masked-LM loss against transformers' `ForMaskedLMLoss` (PyTorch's cross-entropy): values (to the bit) and
+gradients."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_masked_lm_loss_and_its_gradient_equal_transformers(seed):
         results.append((loss, leaf.grad))
     (expected, expected_grad), (actual, actual_grad) = results
     assert actual.dtype == expected.dtype == torch.float32
-    torch.testing.assert_close(actual, expected, equal_nan=True)
+    torch.testing.assert_close(actual, expected, equal_nan=True, atol=0, rtol=0)  # the same value, to the bit
     if ignored.all():
         assert count is not None or actual.isnan()  # the mean over no labelled token
     else:
