@@ -1,9 +1,11 @@
-"""Attention dropout on CPU without the ``(B, nh, L, L)`` weights: `BlockedDropoutAttention`, a kernel on tensors.
+"""Dropout on CPU, its mask drawn four elements to a 64-bit random number (`Tensor.bernoulli_` draws one each, about
+4x slower): attention dropout without the ``(B, nh, L, L)`` weights, `BlockedDropoutAttention`, and the hidden
+states' dropout, `dropout`.
 
 PyTorch's fused CPU attention has no dropout: with dropout, SDPA falls back to its math kernel, which keeps the
-weights, their dropout mask and the dropped weights for the backward pass. This kernel attends one block of queries
-of one head at a time and keeps only the dropout mask, as bits (`attention.blocked_dropout_attention_forward` is its
-entry point in transformers' attention interface).
+weights, their dropout mask and the dropped weights for the backward pass. `BlockedDropoutAttention` attends one block
+of queries of one head at a time and keeps only the dropout mask, as bits (`attention.blocked_dropout_attention_forward`
+is its entry point in transformers' attention interface).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 DROPOUT_BLOCK_ROWS = 256  # queries per block of `BlockedDropoutAttention`, used beyond two blocks
 
@@ -183,6 +185,44 @@ class _Block:
     def product(self, left: Tensor, right: Tensor) -> Tensor:
         """``left @ right``, ``(rows, L)``, in the block's gradient buffer."""
         return torch.mm(left, right, out=self.grad_scores[:len(left)])
+
+
+class HiddenDropout(torch.autograd.Function):
+    """`nn.functional.dropout` in training: each element zeroed with probability `p` (rounded to a multiple of 2**-16,
+    as `draw_dropout_mask` draws it), the others scaled by ``1 / (1 - p)``; the mask kept as bool for the backward
+    pass, which draws nothing."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float) -> Tensor:
+        words = torch.empty(-(-x.numel() // 4), dtype=torch.int64, device=x.device)
+        kept = (_random_int16(words).view(-1)[:x.numel()] >= _drop_threshold(p)).view(x.shape)
+        ctx.save_for_backward(kept)
+        ctx.scale = 1 / (1 - p)
+        return x.mul(kept).mul_(ctx.scale)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (kept,) = ctx.saved_tensors
+        return grad.mul(kept).mul_(ctx.scale), None
+
+
+def dropout(module: nn.Module, x: Tensor) -> Tensor:
+    """``module(x)`` for a dropout module: through `HiddenDropout` where it is a plain `nn.Dropout` in training, on
+    CPU, with ``0 < p < 1`` and no hooks, out of `torch.compile` (whose own dropout kernel draws fast); else the
+    module's own call."""
+    if (type(module) is nn.Dropout and module.training and 0 < module.p < 1 and not module.inplace
+            and x.device.type == "cpu" and not _hooked(module) and not torch.compiler.is_compiling()):
+        return HiddenDropout.apply(x, module.p)
+    return module(x)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling `module` would run more than its forward: hooks of its own or global ones, or a replaced
+    `forward`."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks,
+             nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
+             nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks)
+    return any(hooks) or "forward" in vars(module)
 
 
 def draw_dropout_mask(rows: int, columns: int, dropout: float, device: torch.device | None = None) -> Tensor:

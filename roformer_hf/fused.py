@@ -39,6 +39,8 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 from transformers.activations import GELUActivation
 
+from .blocked_dropout import dropout
+
 _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 # oneDNN has bf16 GEMMs only on CPUs with AVX-512 (or AMX); elsewhere it cannot build the primitive at all.
 _BF16_GEMMS = _KERNEL is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -286,7 +288,7 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
         layer: the dense layer, ``in_features -> out_features``.
         x: ``(*, in_features)``.
         activation: applied to the layer's output; fused for transformers' ``"gelu"`` (the erf form) and ``"relu"``,
-            and nothing to fuse for a dropout that is off.
+            and nothing to fuse for a dropout that is off (one that is on: `blocked_dropout.dropout`).
         residual: ``(*, out_features)``, added last; fused when there is no activation to apply.
     """
     checked = _checked(layer, x)
@@ -307,7 +309,7 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
             if residual is not None:
                 return _KERNEL.binary(x, residual, weight, layer.bias, "add")
             return _KERNEL(x, weight, layer.bias, name, [], algorithm)
-    output = layer(x) if activation is None else activation(layer(x))
+    output = layer(x) if activation is None else dropout(activation, layer(x))
     return output if residual is None else residual + output
 
 

@@ -39,6 +39,7 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attention import attend
+from .blocked_dropout import dropout
 from .cache import CacheState, cached_cross_attention, generation_cache, past_length, update_layer
 from .configuration import ROPE_TYPES, RoFormerConfig
 from .fused import fused_linear, fused_linears, one_forward
@@ -92,7 +93,7 @@ class RoFormerEmbeddings(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
         embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
-        return self.dropout(self.LayerNorm(embeddings))
+        return dropout(self.dropout, self.LayerNorm(embeddings))
 
 
 class Rotation(NamedTuple):
@@ -895,7 +896,7 @@ class RoFormerForTokenClassification(RoFormerHeadModel):
 
     def predict(self, encoding: RoFormerEncoding, labels: torch.Tensor | None, **kwargs) -> TokenClassifierOutput:
         layout = encoding.layout
-        logits = self.classifier(self.dropout(encoding.last_hidden_state))  # (*T, num_labels)
+        logits = self.classifier(dropout(self.dropout, encoding.last_hidden_state))  # (*T, num_labels)
         loss = None
         if labels is not None:
             check_token_labels(labels, (layout.batch_size, layout.seq_len), self.num_labels)

@@ -176,3 +176,59 @@ def test_blocked_dropout_masks_are_repeated_by_the_seed_whatever_the_thread_coun
     for one_thread, three_threads in zip(*results[:2]):
         torch.testing.assert_close(one_thread, three_threads, atol=1e-6, rtol=1e-5)
     assert not torch.allclose(results[1][0], results[2][0])  # another seed, another mask
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_hidden_dropout_drops_at_the_rate_and_scales_as_nn_dropout(p):
+    """Each element zeroed with probability p, the others divided by 1 - p; the gradient passes where the forward
+    kept; the same seed draws the same mask. 300 x 257 elements: not a multiple of the four drawn per number."""
+    x = torch.randn(300, 257, requires_grad=True)
+    module = torch.nn.Dropout(p).train()
+    torch.manual_seed(0)
+    output = blocked_dropout.dropout(module, x)
+    kept = output != 0
+    assert abs((~kept).float().mean().item() - p) < 0.01
+    torch.testing.assert_close(output[kept], x[kept] / (1 - p), atol=0, rtol=1e-6)
+    grad = torch.randn(x.shape)
+    output.backward(grad)
+    torch.testing.assert_close(x.grad, torch.where(kept, grad / (1 - p), 0), atol=0, rtol=1e-6)
+    torch.manual_seed(0)
+    assert torch.equal(blocked_dropout.dropout(module, x) != 0, kept)
+    rows, columns = kept.float().mean(1), kept.float().mean(0)  # no row or column drawn apart from the rest
+    assert rows.std() < 3 * (p * (1 - p) / 257) ** 0.5 and columns.std() < 3 * (p * (1 - p) / 300) ** 0.5
+
+
+def test_hidden_dropout_is_the_modules_own_call_where_it_must_be(monkeypatch):
+    """Evaluation, p 0 or 1, an in-place or hooked module (torchinfo hooks every module): the module's own call."""
+    calls = []
+    monkeypatch.setattr(blocked_dropout.HiddenDropout, "apply", lambda *args: calls.append(args) or args[0])
+    x = torch.randn(4, 6)
+    assert torch.equal(blocked_dropout.dropout(torch.nn.Dropout(0.3).eval(), x), x)
+    assert torch.equal(blocked_dropout.dropout(torch.nn.Dropout(0.0).train(), x), x)
+    assert (blocked_dropout.dropout(torch.nn.Dropout(1.0).train(), x) == 0).all()
+    hooked = torch.nn.Dropout(0.3).train()
+    hooked.register_forward_hook(lambda module, args, output: calls.append("hook"))
+    blocked_dropout.dropout(hooked, x)
+    assert calls == ["hook"]
+    blocked_dropout.dropout(torch.nn.Dropout(0.3).train(), x)
+    assert len(calls) == 2  # the plain module in training: HiddenDropout
+
+
+def test_a_models_hidden_dropout_in_training_draws_through_hidden_dropout(monkeypatch):
+    from helpers import tiny_config
+
+    from roformer_hf import RoFormerForMaskedLM, RoFormerForTokenClassification
+
+    calls = []
+    original = blocked_dropout.HiddenDropout.apply
+    monkeypatch.setattr(blocked_dropout.HiddenDropout, "apply", lambda x, p: calls.append(p) or original(x, p))
+    ids = torch.randint(1, 97, (2, 7))
+    for model in (RoFormerForMaskedLM(tiny_config(hidden_dropout_prob=0.2)),
+                  RoFormerForTokenClassification(tiny_config(hidden_dropout_prob=0.2))):
+        calls.clear()
+        model.train()(ids, labels=torch.zeros_like(ids)).loss.backward()
+        # the embeddings' and each layer's two sublayers' (and the token head's)
+        assert calls == [0.2] * (1 + 2 * model.config.num_hidden_layers + hasattr(model, "classifier"))
+        calls.clear()
+        model.eval()(ids)
+        assert calls == []
