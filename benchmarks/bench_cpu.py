@@ -362,8 +362,9 @@ def report(args, size, flops, parity, low_precision, onnx, times, rates, referen
           ", ".join(f"{name} {value / total:.0%}" for name, value in flops.items()) +
           "); the decoder counts on every real token, a training step counts 3x the forward"
           + ("." if args.dense_prediction else
-             f"; roformer_hf's training step runs the MLM head on the {labelled} labelled tokens only "
-             f"(sparse_prediction), {train_total / 1e9:.1f} GFLOP per forward, and its rate is counted on that."))
+             f"; roformer_hf's training step runs the MLM head and its last layer's queries on the {labelled} "
+             f"labelled tokens only (sparse_prediction), {train_total / 1e9:.1f} GFLOP per forward, and its rate is "
+             "counted on that."))
     kernels = list(dict.fromkeys(kernel for _, kernel in rates))
     print(f"\n{args.dtype} GEMM rate of the model's shapes with the real tokens as rows, GFLOP/s, median of repeats, "
           "with MKL (torch.mm, what nn.Linear runs) and oneDNN (what roformer_hf's fused_linear runs in inference); "
