@@ -162,14 +162,14 @@ def sparse_head_forward_flops(flops: dict[str, float], tokens: int, labelled: in
     `tokens` real ones: what a training forward with sparse prediction computes (roformer_hf, ModernBERT).
 
     With `size`, the last layer's queries are the labelled tokens only as well, as roformer_hf's last layer computes
-    when its attention kernel has a varlen form (SDPA on CPU, flash-attn): its attention and output projection and
-    its feed-forward run on those tokens, its query, key and value projections on all. The labelled tokens are taken
-    as spread evenly over the sequences (the attention part)."""
+    when its attention kernel has a varlen form (SDPA on CPU, flash-attn): its query projection, attention, output
+    projection and feed-forward run on those tokens, its key and value projections on all. The labelled tokens are
+    taken as spread evenly over the sequences (the attention part)."""
     head = flops["head transform"] + flops["decoder"]
     total = sum(flops.values()) - head + head * labelled / tokens
     if size is not None:
         unread = tokens - labelled
-        total -= 2 * unread * (size.hidden * size.hidden + 2 * size.hidden * size.intermediate)
+        total -= 2 * unread * (2 * size.hidden * size.hidden + 2 * size.hidden * size.intermediate)
         total -= flops["attention"] / size.layers * unread / tokens
     return total
 

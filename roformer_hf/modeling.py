@@ -204,14 +204,19 @@ class RoFormerSelfAttention(nn.Module):
                               for t in fused_linears((self.key, self.value), encoder_hidden_states))
                 key, value = update_layer(past_key_values, self.layer_idx, key, value, cross_attention=True)
         else:
-            query, key, value = fused_linears((self.query, self.key, self.value), hidden_states)
+            phases = position_embeddings.for_rotate
+            if attention_mask.queries is None:
+                query, key, value = fused_linears((self.query, self.key, self.value), hidden_states)
+                query_phases = phases
+            else:  # only some tokens query: (M, nh, d), projected and rotated alone
+                query = fused_linear(self.query, attention_mask.select_queries(hidden_states))
+                key, value = fused_linears((self.key, self.value), hidden_states)
+                query_phases = attention_mask.select_queries(phases)
             query = query.unflatten(-1, heads)  # (*T, nh, d)
             key, value = key.unflatten(-1, key_value_heads), value.unflatten(-1, key_value_heads)  # (*T, nkv, d)
-            rotary_layout, phases = self.rotary_layout, position_embeddings.for_rotate
-            query, key = rotate(query, phases, rotary_layout), rotate(key, phases, rotary_layout)
+            query, key = rotate(query, query_phases, self.rotary_layout), rotate(key, phases, self.rotary_layout)
             if self.rotary_value:
-                value = rotate(value, phases, rotary_layout)
-            query = attention_mask.select_queries(query)  # (M, nh, d) when only some tokens query
+                value = rotate(value, phases, self.rotary_layout)
             # With a cache the layout is padded, (B, L, nkv, d); after the update (B, past + L, nkv, d).
             key, value = update_layer(past_key_values, self.layer_idx, key, value)
 
