@@ -14,8 +14,8 @@ gradients zeroed.
 
 What it does:
 1. Builds transformers' `RoFormerForMaskedLM`, saves it, loads the folder in both libraries (roformer_hf with its
-   sparse prediction, the MLM head only on masked tokens, as the demo trains), and checks that both give the same
-   loss and gradients with dropout off.
+   sparse prediction, the MLM head and the last layer's queries only on masked tokens, as the demo trains), and checks
+   that both give the same loss and gradients with dropout off.
 2. Times the step of each, interleaved (rotating which goes first), with the CPU's fp32 GEMM rate sampled between
    them at the model's largest product (the FFN expansion): the step's analytic FLOPs (3x the forward's, real
    tokens; see `workload.forward_flops`) per second as a share of that rate.
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n{COMPILED}: its first {COMPILE_CALLS} calls took {compile_seconds:.1f} s (compiling), "
                   f"{saved * 1e3:+.1f} ms a step afterwards against eager; it pays that back after {payback}.")
         print(f"\n(roformer_hf's step counts {step_flops['roformer_hf'] / 1e9:.1f} GFLOP, transformers' "
-              f"{step_flops['transformers'] / 1e9:.1f}: its MLM decoder runs on every token.)\n")
+              f"{step_flops['transformers'] / 1e9:.1f}: its MLM decoder and last layer run on every token.)\n")
         print("Phases of the step (median seconds over the timed repeats):\n")
         names = list(phases[next(iter(phases))][0])
         print("| step | " + " | ".join(names) + " |")
