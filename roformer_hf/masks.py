@@ -193,8 +193,8 @@ def query_subset_mask(layout: BatchLayout, kernel: Kernel, read: Tensor) -> Atte
     query_lengths = tuple(counts.tolist())
     offsets = [0, *itertools.accumulate(query_lengths)]
     subset = QuerySubset(
-        indices=torch.nonzero_static(flat, size=offsets[-1]).squeeze(-1), token_dims=1 if layout.mode == "varlen" else 2,
-        cu_seqlens_q=torch.tensor(offsets, dtype=torch.int32, device=flat.device), cu_seqlens_k=cu_seqlens_k,
+        indices=torch.nonzero_static(flat, size=offsets[-1]).squeeze(-1),
+        token_dims=1 if layout.mode == "varlen" else 2, cu_seqlens_q=torch.tensor(offsets, dtype=torch.int32, device=flat.device), cu_seqlens_k=cu_seqlens_k,
         query_lengths=query_lengths, key_lengths=key_lengths)
     return AttentionMask(layout, "varlen", kernel=kernel.varlen, queries=subset)
 

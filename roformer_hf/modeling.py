@@ -479,7 +479,8 @@ class RoFormerModel(RoFormerPreTrainedModel):
             output_attentions=bool(kwargs.get("output_attentions", self.config.output_attentions)),
             output_hidden_states=kwargs.get("output_hidden_states", self.config.output_hidden_states),
             cu_seq_lens_q=kwargs.get("cu_seq_lens_q"), cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
-            cache_position=kwargs.get("cache_position"), read_tokens=read_tokens, full_last_layer=hasattr(self, "pooler"))
+            cache_position=kwargs.get("cache_position"), read_tokens=read_tokens,
+            full_last_layer=hasattr(self, "pooler"))
         layout = plan.layout
 
         # Token-wise from here on: gather the real tokens first so nothing is computed for padding.
@@ -686,7 +687,7 @@ class RoFormerForMaskedLM(RoFormerLanguageModel):
         hidden_states, layout = encoding.last_hidden_state, encoding.layout  # (*T, H), or (M, H): `read_tokens`
         if labels is None:
             return MaskedLMOutput(logits=logits_in_padded_layout(self.cls.predictions, hidden_states, layout))
-        if encoding.read_tokens is None:  # checked in `tokens_read` otherwise
+        if encoding.read_tokens is None:  # else `tokens_read` checked them
             check_token_labels(labels, (layout.batch_size, layout.seq_len), self.config.vocab_size)
         labels = layout.gather_tokens(labels).long()  # int32 labels too (cross-entropy wants int64)
         sparse = self._sparse(labels)

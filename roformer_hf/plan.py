@@ -16,10 +16,11 @@ layers as transformers' Llama does; the layers only read what the plan decided. 
 The kernel is chosen once (`kernels.choose_kernel`) and the masks rendered once in the form it takes
 (`masks.create_attention_mask`). A head that reads a few tokens only (a masked LM in training with
 `sparse_prediction`) passes them as ``read_tokens``: where the forward allows, the last layer's queries are those
-tokens alone (`masks.query_subset_mask`), since no other token's last state is read. Everything the plan must know of the inputs' values (ids in range, the mask's
-lengths, packed offsets, a prefix-LM's segments) comes to the host in one copy: one host sync per forward. Packed
-rows found from ``position_ids`` take a second (their offsets), the ``"longrope"`` rope type one inside transformers'
-frequencies, labels one in the heads' checks, and ``read_tokens`` one (their count in each sequence).
+tokens alone (`masks.query_subset_mask`), since no other token's last state is read. Everything the plan must know
+of the inputs' values (ids in range, the mask's lengths, packed offsets, a prefix-LM's segments) comes to the host
+in one copy: one host sync per forward. Packed rows found from ``position_ids`` take a second (their offsets), the
+``"longrope"`` rope type one inside transformers' frequencies, labels one in the heads' checks, and ``read_tokens``
+one (their count in each sequence).
 """
 
 from __future__ import annotations
