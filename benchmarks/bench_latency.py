@@ -21,8 +21,9 @@ What it does:
    `--min-cosine`), then times one forward of each (`torch.inference_mode`), interleaved, rotating which goes first,
    `--repeats` times after `--warmup` rounds (`--block N`: N calls of a model in a row per turn, as a server runs one
    model, the first of each left out); reports the median and the 90th percentile, and each median over OpenVINO's.
-   `--compile` adds roformer_hf's fp32 model compiled for latency (`compiled_for_latency`, docs/export.md's recipe)
-   on the one sentence.
+   `--compile` adds roformer_hf's model compiled for latency at each precision (`compiled_for_latency`:
+   docs/export.md's recipe; in bf16 on the model cast; in int8 on docs/quantization.md's static quantization, torchao's
+   PT2E flow calibrated on OpenVINO's sentences) on the one sentence.
 4. The floor of the one sentence at each precision: the bytes of the encoder's parameters and buffers (what a
    forward reads whatever its input) over the read bandwidth this process measures on a buffer of that size, read
    again right after (as a forward reads the weights the previous one read), and the sentence's time over it; beside
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import math
 import os
 import tempfile
@@ -74,18 +76,47 @@ def load_pair(head: str, config, folder: str) -> dict[str, torch.nn.Module]:
     return {"roformer_hf": ours.eval(), "transformers": reference}
 
 
-def compiled_for_latency(folder: str, backend: str = "inductor") -> torch.nn.Module:
+def compiled_for_latency(folder: str, backend: str = "inductor", precision: str = "fp32",
+                         calibration: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.nn.Module:
     """roformer_hf's model of `folder` as docs/export.md compiles it for latency: the padded layout
     (``unpad_inputs=False``: nothing depends on the mask's values, so the forward is one graph), dynamic shapes (a new
-    length compiles nothing new) and frozen weights (inductor packs them and fuses the activations into its
-    oneDNN GEMMs). It compiles on its first call, which must run without autograd. Freezing is inductor's global
-    setting, read when a graph compiles: `torch.compile`'s ``options={"freezing": True}`` does not reach it (measured
-    with torch 2.13: the GEMMs stayed unpacked, 2.2x slower). `backend`: torch.compile's (freezing is inductor's)."""
+    length compiles nothing new), frozen weights (inductor packs them and fuses the activations into its oneDNN
+    GEMMs) and inductor's C++ wrapper (its kernels called from C++, not one by one from Python). It compiles on its
+    first call, which must run without autograd. Both are inductor's global settings, read when a graph compiles:
+    `torch.compile`'s ``options={"freezing": True}`` does not reach it (measured with torch 2.13: the GEMMs stayed
+    unpacked, 2.2x slower). `backend`: torch.compile's (both settings are inductor's).
+
+    `precision`: ``"fp32"``; ``"bf16"``, the model cast first; ``"int8"``, the model exported and quantized
+    statically as docs/quantization.md does it (`static_int8`), its activations' scales from `calibration`."""
     import torch._inductor.config
 
-    torch._inductor.config.freezing = True
+    torch._inductor.config.freezing = torch._inductor.config.cpp_wrapper = True
     model = roformer_hf.RoFormerModel.from_pretrained(folder, unpad_inputs=False).eval()
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    elif precision == "int8":
+        model = static_int8(model, calibration)
     return torch.compile(model, dynamic=True, backend=backend)
+
+
+def static_int8(model: torch.nn.Module, calibration: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.nn.Module:
+    """docs/quantization.md's static int8 for latency: `model` (padded layout) exported with a dynamic batch and
+    length, quantized by torchao's PT2E flow for inductor's x86 kernels (`X86InductorQuantizer`: int8 weights per
+    channel, int8 activations with one scale each, fixed from the `calibration` batches ``(input_ids,
+    attention_mask)``), for `torch.compile` with frozen weights to turn into oneDNN's int8 GEMMs."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+
+    input_ids, attention_mask = calibration[0]
+    dims = {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("length", max=512)}
+    graph = torch.export.export(model, (), {"input_ids": input_ids, "attention_mask": attention_mask},
+                                dynamic_shapes={"input_ids": dims, "attention_mask": dims}).module()
+    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(graph, quantizer)
+    with torch.no_grad():
+        for input_ids, attention_mask in calibration:
+            prepared(input_ids=input_ids, attention_mask=attention_mask)
+    return convert_pt2e(prepared)
 
 
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -135,8 +166,6 @@ class OpenVinoModel:
 
 def openvino_available(precision: str) -> str | None:
     """Why OpenVINO cannot run `precision` here, or None."""
-    import importlib.util
-
     if importlib.util.find_spec("openvino") is None:
         return "openvino is not installed (the `bench` extra)"
     if precision == "int8" and importlib.util.find_spec("nncf") is None:
@@ -294,10 +323,11 @@ def report(args, size, threads: int, openvino_line: str | None, rows: dict, floo
     names = [*MODELS, COMPILED] if args.compile else list(MODELS)
     against = [name for name in names if name != "OpenVINO"]
     if args.compile:
-        frozen = ", frozen weights" if args.compile_backend == "inductor" else ""
+        frozen = ", frozen weights, C++ wrapper" if args.compile_backend == "inductor" else ""
         print(f"- {COMPILED}: `compiled_for_latency` (torch.compile with {args.compile_backend}, dynamic shapes{frozen}, "
-              "the padded layout), fp32, on the one sentence only (batches run faster in eager mode, which skips "
-              "padding); compiled on its first call, before timing")
+              "the padded layout; bf16: the model cast; int8: `static_int8`, torchao's static PT2E quantization for "
+              "inductor's x86 kernels, calibrated on OpenVINO's sentences), on the one sentence only (batches run "
+              "faster in eager mode, which skips padding); compiled on its first call, before timing")
     if rows:
         print("\n| precision | workload | tokens (real / padded) | " + " | ".join(names) + " | "
               + " | ".join(f"{name} / OpenVINO" for name in against)
@@ -401,17 +431,20 @@ def main(argv: list[str] | None = None) -> None:
                                  f"length), compiled for the CPU plugin with "
                                  f"{{'PERFORMANCE_HINT': 'LATENCY', 'INFERENCE_NUM_THREADS': {threads}}} and the "
                                  f"precision's INFERENCE_PRECISION_HINT {OPENVINO_HINTS}")
+            # int8's calibration, for OpenVINO's nncf and for the compiled path's static quantization alike
+            calibration = batches(sentences(*SETS["short"], 64, args.vocab, args.seed + 1), 8)
             for precision in args.precisions:
                 progress(f"{precision}: preparing the models")
                 models = at_precision(fp32, precision)
                 missing = openvino_available(precision)
                 if missing is None:
-                    calibration = batches(sentences(*SETS["short"], 64, args.vocab, args.seed + 1), 8)
                     models["OpenVINO"] = OpenVinoModel(graph, threads, precision, calibration)
                 elif precision == "int8" or graph is None:
                     progress(f"{precision}: no OpenVINO ({missing})")
-                if precision == "fp32" and args.compile:
-                    models[COMPILED] = compiled_for_latency(folder, args.compile_backend)
+                if args.compile and precision == "int8" and importlib.util.find_spec("torchao") is None:
+                    progress("int8: no compiled path (torchao, the `quantization` extra, is not installed)")
+                elif args.compile:
+                    models[COMPILED] = compiled_for_latency(folder, args.compile_backend, precision, calibration)
                 for workload in encoder_workloads:
                     progress(f"{precision}: checking and timing {labels[workload]}")
                     timed = {name: model for name, model in models.items()
