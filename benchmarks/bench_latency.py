@@ -83,8 +83,8 @@ def compiled_for_latency(folder: str, backend: str = "inductor", precision: str 
     length compiles nothing new), frozen weights (inductor packs them and fuses the activations into its oneDNN
     GEMMs) and inductor's C++ wrapper (its kernels called from C++, not one by one from Python). It compiles on its
     first call, which must run without autograd. Both are inductor's global settings, read when a graph compiles:
-    `torch.compile`'s ``options={"freezing": True}`` does not reach it (measured with torch 2.13: the GEMMs stayed
-    unpacked, 2.2x slower). `backend`: torch.compile's (both settings are inductor's).
+    `torch.compile`'s ``options={"freezing": True}`` does not reach freezing (measured with torch 2.13: the GEMMs
+    stayed unpacked, 2.2x slower). `backend`: torch.compile's (both settings are inductor's).
 
     `precision`: ``"fp32"``; ``"bf16"``, the model cast first; ``"int8"``, the model exported and quantized
     statically as docs/quantization.md does it (`static_int8`), its activations' scales from `calibration`."""
