@@ -39,6 +39,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,12 +66,15 @@ def _token_pooling(pooling: str, hidden_size: int):
     return Pooling(hidden_size, pooling)
 
 
-def embedder(model, pooling: str | None = None) -> Callable[[Mapping[str, torch.Tensor]], torch.Tensor]:
+def embedder(model, pooling: str | None = None,
+             encoder: Callable[..., Any] | None = None) -> Callable[[Mapping[str, torch.Tensor]], torch.Tensor]:
     """The function from a tokenized batch (`input_ids`, `attention_mask`, ...) to its sentence embeddings `(B, H)`,
-    not normalized: what `encode` applies to each batch, with `pooling` as `encode` reads it."""
-    encoder = model.base_model
-    pooling = sentence_pooling(encoder.config, pooling)
-    pool = None if pooling == POOLER else _token_pooling(pooling, encoder.config.hidden_size)
+    not normalized: what `encode` applies to each batch, with `pooling` as `encode` reads it. `encoder`: what runs
+    `model.base_model` on the batch (default: the module itself; a compiled copy of it, say)."""
+    config = model.base_model.config
+    encoder = model.base_model if encoder is None else encoder
+    pooling = sentence_pooling(config, pooling)
+    pool = None if pooling == POOLER else _token_pooling(pooling, config.hidden_size)
 
     @torch.no_grad()
     def embed(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

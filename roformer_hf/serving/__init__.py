@@ -31,6 +31,7 @@ ARGUMENTS = {
     "max_ongoing_requests": (int, 64), "max_queued_requests": (int, 256), "device": (str, "cpu"),
     "served_model_name": (str, None), "api_key": (str, None), "payload_limit": (int, 2_000_000),
     "request_timeout_s": (float, None), "autoscale": (str, None), "health_check_timeout_s": (float, 30.0),
+    "compile": (bool, False),
 }
 
 
@@ -97,7 +98,8 @@ def build_app(args: dict) -> serve.Application:
               "batch_wait_ms": values["batch_wait_ms"], "max_inputs": values["max_inputs"],
               "device": values["device"], "name": values["served_model_name"], "api_key": values["api_key"],
               "payload_limit": values["payload_limit"], "request_timeout_s": values["request_timeout_s"],
-              "stall_s": values["health_check_timeout_s"], "max_ongoing_requests": values["max_ongoing_requests"]}
+              "stall_s": values["health_check_timeout_s"], "max_ongoing_requests": values["max_ongoing_requests"],
+              "compile": values["compile"]}
     return RoFormerServer.options(**options).bind(folder, **kwargs)
 
 

@@ -34,10 +34,12 @@ class LoadedModel:
         int8: quantize the linear layers (`roformer_hf.quantization.quantize_int8`; CPU only); as saved otherwise.
         device: where the model runs, `"cpu"` or a CUDA device (`"cuda"`, `"cuda:1"`).
         name: the name clients give as `model` (default: the folder's name).
+        compile: also hold the encoder compiled for one input at a time (`compiled`; see `compile_refusal` for where
+            it applies); it compiles on its first call, which `tasks.Tasks` makes at once.
     """
 
     def __init__(self, folder: str | os.PathLike, *, int8: bool = False, device: str = "cpu",
-                 name: str | None = None):
+                 name: str | None = None, compile: bool = False):
         self.folder = Path(folder)
         if not (self.folder / "config.json").is_file():
             raise ValueError(f"folder={str(folder)!r}: expected a saved model folder (with config.json)")
@@ -47,6 +49,9 @@ class LoadedModel:
         self.device = _device(device)
         if int8 and self.device.type != "cpu":
             raise ValueError(f"int8=True with device={device!r}: the int8 layers run on the CPU only")
+        refusal = compile_refusal(compile, int8, device)
+        if refusal is not None:
+            raise ValueError(refusal)
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise ValueError(f"name={name!r}: expected a non-empty string")
         self.name = name or self.folder.resolve().name
@@ -61,6 +66,9 @@ class LoadedModel:
         self.dtype = "int8" if int8 else str(self.model.dtype).removeprefix("torch.")
         if int8:
             quantize_int8(self.model)
+        # Dynamic shapes: a new length compiles nothing new. One input has no padding, so the graph runs without a
+        # mask and nothing in it depends on the mask's values (one graph, no host sync).
+        self.compiled = torch.compile(self.model.base_model, dynamic=True) if compile else None
         self.config = self.model.config
         limit = self.tokenizer.model_max_length
         self.max_length = limit if limit < 10**9 else self.config.max_position_embeddings
@@ -103,7 +111,23 @@ class LoadedModel:
         return self.is_causal_lm and is_roformer_sim(self.config)
 
     def describe(self) -> str:
-        return f"{self.folder} as {self.name!r} ({type(self.model).__name__}, {self.dtype}, {self.device})"
+        compiled = ", one input at a time compiled" if self.compiled is not None else ""
+        return f"{self.folder} as {self.name!r} ({type(self.model).__name__}, {self.dtype}, {self.device}{compiled})"
+
+
+def compile_refusal(compile: bool, int8: bool, device: str) -> str | None:
+    """Why `compile` cannot apply with these settings, or None: the compiled encoder is inductor's CPU graph with
+    frozen weights and its C++ wrapper (fp32 or bf16 as saved); `quantize_int8`'s layers do not compile into one
+    graph (for compiled int8, quantize statically: docs/quantization.md)."""
+    if not compile:
+        return None
+    if str(device).split(":")[0] != "cpu":
+        return (f"compile=True with device={device!r}: the compiled encoder is inductor's CPU graph; expected "
+                "device='cpu'")
+    if int8:
+        return ("compile=True with int8=True: quantize_int8's layers do not compile into one graph; expected one of "
+                "them (for a compiled int8 model, quantize statically: docs/quantization.md)")
+    return None
 
 
 def _device(device: str) -> torch.device:
@@ -120,4 +144,4 @@ def _device(device: str) -> torch.device:
     return parsed
 
 
-__all__ = ["LoadedModel", "TOKENIZER_FILES"]
+__all__ = ["LoadedModel", "TOKENIZER_FILES", "compile_refusal"]
