@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(direct needs one replica)")
     parser.add_argument("--ray-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for Ray's processes (a Ray Serve setting), repeatable")
+    parser.add_argument("--compile", action="store_true",
+                        help="serve with `compile` (roformer-hf serve --compile): one input at a time through the "
+                             "encoder compiled for latency")
     parser.add_argument("--max-seconds", type=float, default=1800, help="the whole run stops with an error after this")
     return parser
 
@@ -313,7 +316,8 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
 
         serve.run(build_app({"folder": str(folder), "replicas": args.replicas, "threads": threads,
                              "max_batch_tokens": args.max_batch_tokens, "batch_wait_ms": args.batch_wait_ms,
-                             "max_ongoing_requests": max(64, args.clients)}), name="sim", route_prefix="/sim")
+                             "max_ongoing_requests": max(64, args.clients), "compile": args.compile}),
+                  name="sim", route_prefix="/sim")
         client.wait_until_up(f"{base}/sim/health")
         embeddings = f"{base}/sim/v1/embeddings"
         client.load(embeddings, [{"input": s} for s in short[:64]], args.clients)  # warm-up
@@ -473,6 +477,9 @@ def main(argv: list[str] | None = None) -> None:
           f"client threads (requests.Session each) in the benchmark's process, on the same machine")
     if args.ray_env:
         print(f"- Ray's processes ran with {' '.join(args.ray_env)}")
+    if args.compile:
+        print("- `--compile`: each replica embeds one input at a time through the encoder compiled for latency; the "
+              "offline references stay eager")
     print(f"- correctness: {len(short)} single-sentence /v1/embeddings from {args.clients} clients against `encode` "
           f"of each alone: lowest cosine {cosine:.7f}, largest difference {diff:.2e} "
           f"({verdict(cosine >= COSINE_TARGET and diff <= DIFF_TARGET)} at {COSINE_TARGET} / {DIFF_TARGET:g}); "

@@ -327,12 +327,15 @@ def server(folders):
             serve.run(build_app({"folder": str(folders[name]), "threads": "1", "num_cpus": "0.25",
                                  "max_batch_tokens": "64", "batch_wait_ms": "20", "max_inputs": "8"}),
                       name=name, route_prefix=f"/{name}", blocking=False)
+        # One input at a time through the compiled encoder: the replica compiles before it serves.
+        serve.run(build_app({"folder": str(folders["sim"]), "threads": "1", "num_cpus": "0.25", "compile": "true"}),
+                  name="compiled", route_prefix="/compiled", blocking=False)
         # One request at a time and one waiting: the third is refused. Behind an API key, bodies of 4 kB at most.
         serve.run(build_app({"folder": str(folders["sim"]), "threads": "1", "num_cpus": "0.25",
                              "max_ongoing_requests": "1", "max_queued_requests": "1", "api_key": KEY,
                              "payload_limit": "4096"}),
                   name="busy", route_prefix="/busy", blocking=False)
-        for name in ("mlm", "clf", "sim", "busy"):
+        for name in ("mlm", "clf", "sim", "busy", "compiled"):
             serve.get_app_handle(name)  # waits until the application is running
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -386,6 +389,20 @@ def test_http_routes_answer_what_the_library_gives(server, served):
     filled = _post(f"{server}/mlm/fill-mask", {"inputs": "the king [MASK] a crown", "top_k": 2}).json()
     assert [e["token"] for e in filled] == \
         [e["token"] for e in served["mlm"].answer("/fill-mask", {"inputs": "the king [MASK] a crown", "top_k": 2})]
+
+
+@pytest.mark.slow
+def test_http_compiled_replica_answers_what_encode_gives(server, served):
+    sim = served["sim"]
+    expected = encode(sim.model, sim.tokenizer, SENTENCES)
+    for i, sentence in enumerate(SENTENCES):  # each alone: the compiled graph
+        response = _post(f"{server}/compiled/v1/embeddings", {"input": sentence})
+        assert response.status_code == 200, response.text[:500]
+        torch.testing.assert_close(torch.tensor(response.json()["data"][0]["embedding"]), expected[i], atol=1e-5,
+                                   rtol=0)
+    together = _post(f"{server}/compiled/v1/embeddings", {"input": SENTENCES}).json()  # a batch: the eager model
+    torch.testing.assert_close(torch.tensor([row["embedding"] for row in together["data"]]), expected, atol=1e-5,
+                               rtol=0)
 
 
 @pytest.mark.slow
