@@ -307,6 +307,61 @@ def test_cli_refuses_a_port_in_use_before_ray_starts(folders, capsys):
     assert not ray.is_initialized()
 
 
+def _ran(served, body):
+    """The answer to an embeddings request, and whether it ran in the compiled graph and in eager ops (the profiler's
+    events: inductor's compiled region, aten's embedding lookup)."""
+    with torch.profiler.profile() as profiler:
+        answer = served.answer("/v1/embeddings", body)
+    names = {event.name for event in profiler.events()}
+    got = torch.stack([torch.as_tensor(row["embedding"]) for row in answer["data"]])
+    return got, any(name.startswith("Torch-Compiled Region") for name in names), "aten::embedding" in names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sim", "mlm"])
+def test_compiled_encoder_embeds_one_input_as_encode_does(folders, name):
+    import torch._dynamo
+
+    eager = ServedModel(folders[name])
+    before = encode(eager.model, eager.tokenizer, SENTENCES)
+    served = ServedModel(folders[name], compile=True)  # compiles here, before the first request
+    assert "compiled" in served.loaded.describe()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for i, sentence in enumerate(SENTENCES):  # lengths 3 to 12: one graph for every length
+        got, compiled, eager_ops = _ran(served, {"input": sentence})
+        assert compiled and not eager_ops
+        torch.testing.assert_close(got[0], before[i], atol=1e-5, rtol=0)
+    got, compiled, eager_ops = _ran(served, {"input": SENTENCES})  # several inputs: the eager model, unpadded
+    assert eager_ops and not compiled
+    torch.testing.assert_close(got, before, atol=1e-5, rtol=0)
+    # One token, a length the graph does not cover: it runs eagerly, and nothing compiles during the request.
+    token = served.tokenizer.cls_token_id
+    got, compiled, eager_ops = _ran(served, {"input": [[token]]})
+    assert eager_ops and not compiled
+    with torch.no_grad():
+        alone = eager.embed_batch({"input_ids": torch.tensor([[token]]), "attention_mask": torch.ones(1, 1).long()})
+    torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    # Compiling froze a copy of the weights: the eager model is as it was.
+    torch.testing.assert_close(encode(served.model, served.tokenizer, SENTENCES), before, atol=0, rtol=0)
+
+
+def test_compile_is_refused_where_it_cannot_apply(folders, capsys):
+    from roformer_hf.serving.loaded import compile_refusal
+
+    with pytest.raises(ValueError, match=r"compile=True with int8=True: .* expected one of them"):
+        ServedModel(folders["sim"], compile=True, int8=True)
+    assert "expected device='cpu'" in compile_refusal(True, False, "cuda:1")
+    assert compile_refusal(True, False, "cpu") is None and compile_refusal(False, True, "cuda") is None
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", str(folders["sim"]), "--compile", "--int8"])
+    assert exited.value.code == 2
+    assert "--compile: compile=True with int8=True" in capsys.readouterr().err
+    import ray
+
+    assert not ray.is_initialized()
+
+
 # Over HTTP, on a real Ray Serve.
 
 
@@ -327,8 +382,10 @@ def server(folders):
             serve.run(build_app({"folder": str(folders[name]), "threads": "1", "num_cpus": "0.25",
                                  "max_batch_tokens": "64", "batch_wait_ms": "20", "max_inputs": "8"}),
                       name=name, route_prefix=f"/{name}", blocking=False)
-        # One input at a time through the compiled encoder: the replica compiles before it serves.
-        serve.run(build_app({"folder": str(folders["sim"]), "threads": "1", "num_cpus": "0.25", "compile": "true"}),
+        # One input at a time through the compiled encoder: the replica compiles before it serves (one replica,
+        # reserving none of Ray's 2 CPUs, which the others hold).
+        serve.run(build_app({"folder": str(folders["sim"]), "replicas": "1", "threads": "1", "num_cpus": "0",
+                             "compile": "true"}),
                   name="compiled", route_prefix="/compiled", blocking=False)
         # One request at a time and one waiting: the third is refused. Behind an API key, bodies of 4 kB at most.
         serve.run(build_app({"folder": str(folders["sim"]), "threads": "1", "num_cpus": "0.25",
@@ -514,61 +571,6 @@ def test_non_finite_outputs_are_an_error_not_null(folders):
         next(served.model.parameters()).fill_(float("nan"))
     with pytest.raises(RowError, match="NaN or infinite"):
         served.answer("/v1/embeddings", {"input": "the king"})
-
-
-def _ran(served, body):
-    """The answer to an embeddings request, and whether it ran in the compiled graph and in eager ops (the profiler's
-    events: inductor's compiled region, aten's embedding lookup)."""
-    with torch.profiler.profile() as profiler:
-        answer = served.answer("/v1/embeddings", body)
-    names = {event.name for event in profiler.events()}
-    got = torch.stack([torch.as_tensor(row["embedding"]) for row in answer["data"]])
-    return got, any(name.startswith("Torch-Compiled Region") for name in names), "aten::embedding" in names
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["sim", "mlm"])
-def test_compiled_encoder_embeds_one_input_as_encode_does(folders, name):
-    import torch._dynamo
-
-    eager = ServedModel(folders[name])
-    before = encode(eager.model, eager.tokenizer, SENTENCES)
-    served = ServedModel(folders[name], compile=True)  # compiles here, before the first request
-    assert "compiled" in served.loaded.describe()
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for i, sentence in enumerate(SENTENCES):  # lengths 3 to 12: one graph for every length
-        got, compiled, eager_ops = _ran(served, {"input": sentence})
-        assert compiled and not eager_ops
-        torch.testing.assert_close(got[0], before[i], atol=1e-5, rtol=0)
-    got, compiled, eager_ops = _ran(served, {"input": SENTENCES})  # several inputs: the eager model, unpadded
-    assert eager_ops and not compiled
-    torch.testing.assert_close(got, before, atol=1e-5, rtol=0)
-    # One token, a length the graph does not cover: it runs eagerly, and nothing compiles during the request.
-    token = served.tokenizer.cls_token_id
-    got, compiled, eager_ops = _ran(served, {"input": [[token]]})
-    assert eager_ops and not compiled
-    with torch.no_grad():
-        alone = eager.embed_batch({"input_ids": torch.tensor([[token]]), "attention_mask": torch.ones(1, 1).long()})
-    torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    # Compiling froze a copy of the weights: the eager model is as it was.
-    torch.testing.assert_close(encode(served.model, served.tokenizer, SENTENCES), before, atol=0, rtol=0)
-
-
-def test_compile_is_refused_where_it_cannot_apply(folders, capsys):
-    from roformer_hf.serving.loaded import compile_refusal
-
-    with pytest.raises(ValueError, match=r"compile=True with int8=True: .* expected one of them"):
-        ServedModel(folders["sim"], compile=True, int8=True)
-    assert "expected device='cpu'" in compile_refusal(True, False, "cuda:1")
-    assert compile_refusal(True, False, "cpu") is None and compile_refusal(False, True, "cuda") is None
-    with pytest.raises(SystemExit) as exited:
-        main(["serve", str(folders["sim"]), "--compile", "--int8"])
-    assert exited.value.code == 2
-    assert "--compile: compile=True with int8=True" in capsys.readouterr().err
-    import ray
-
-    assert not ray.is_initialized()
 
 
 def test_a_request_is_cut_into_chunks_within_the_budget():
