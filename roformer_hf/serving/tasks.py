@@ -71,8 +71,13 @@ class Tasks:
 
         tokenizer = self.tokenizer
         ids = [tokenizer.cls_token_id or 0, tokenizer.sep_token_id or 0]
-        with torch._inductor.config.patch(freezing=True, cpp_wrapper=True):
-            self.embed_alone(self._pad([ids], "right"))
+        try:
+            with torch._inductor.config.patch(freezing=True, cpp_wrapper=True):
+                self.embed_alone(self._pad([ids], "right"))
+        except Exception as error:  # inductor's own errors have no common base class
+            raise RuntimeError(f"compile=True: torch.compile could not compile the encoder ({type(error).__name__}: "
+                               f"{error}); inductor needs a C++ compiler on this machine. Expected a machine where "
+                               "it compiles, or compile=False") from error
 
     def run(self, items: list[Item]) -> list:
         """The results of items of one kind, in order; items run together only where their `key` is equal. Where a
