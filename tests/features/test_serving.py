@@ -362,6 +362,18 @@ def test_compile_is_refused_where_it_cannot_apply(folders, capsys):
     assert not ray.is_initialized()
 
 
+def test_a_compile_that_fails_says_so(folders, monkeypatch):
+    def no_compiler(module, **options):
+        def run(**inputs):
+            raise OSError("g++: not found")
+        return run
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with pytest.raises(RuntimeError, match=r"compile=True: torch.compile could not compile the encoder \(OSError: "
+                                           r"g\+\+: not found\)"):
+        ServedModel(folders["sim"], compile=True)
+
+
 # Over HTTP, on a real Ray Serve.
 
 
