@@ -26,7 +26,9 @@ What it does:
    and of 32 passages against offline `encode` (the best of `--passes` on both sides); p50/p99 latency at half the
    single-sentence saturation rate (a paced client) and from one client, against offline batch-1 `encode`; from one
    client also against its bound: the no-op's latency from one client (the engine's floor) + 5 ms + offline batch-1
-   `encode` with a replica's threads (a request runs on one replica).
+   `encode` with a replica's threads (a request runs on one replica); and how long the folder's application took
+   from `serve.run` to its first healthy answer. `--compile` serves it with `compile` (each replica compiles the
+   encoder for inputs that come alone when it starts); the offline references stay eager.
 5. FastAPI calling `SentenceTransformer(folder).encode` once per request (uvicorn, a subprocess): single-sentence
    requests from `--clients` clients, against Ray Serve's rate.
 Each HTTP run also reports the client's own CPU time (this process's `time.process_time`) as a share of the run's
@@ -266,6 +268,7 @@ class ServedRuns:
     half: float  # requests/s of the paced run
     paced: Run
     one: Run
+    ready_s: float  # from `serve.run` of the folder to its first healthy answer
 
 
 def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, short: list[str],
@@ -314,11 +317,13 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
                 floor_one = client.load(f"{base}/noop/", constant[:200], 1)
             serve.delete("noop")
 
+        start = time.perf_counter()
         serve.run(build_app({"folder": str(folder), "replicas": args.replicas, "threads": threads,
                              "max_batch_tokens": args.max_batch_tokens, "batch_wait_ms": args.batch_wait_ms,
                              "max_ongoing_requests": max(64, args.clients), "compile": args.compile}),
                   name="sim", route_prefix="/sim")
         client.wait_until_up(f"{base}/sim/health")
+        ready_s = time.perf_counter() - start
         embeddings = f"{base}/sim/v1/embeddings"
         client.load(embeddings, [{"input": s} for s in short[:64]], args.clients)  # warm-up
         singles = client.load(embeddings, [{"input": s} for s in short], args.clients)
@@ -335,7 +340,7 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
         half = singles.rate() / 2
         paced = client.load(embeddings, [{"input": s} for s in short], args.clients, rate=half)
         one = client.load(embeddings, [{"input": s} for s in short[:max(16, args.sentences // 4)]], 1)
-        return ServedRuns(floor, floor_one, singles, completions, batches, half, paced, one)
+        return ServedRuns(floor, floor_one, singles, completions, batches, half, paced, one, ready_s)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -466,6 +471,9 @@ def main(argv: list[str] | None = None) -> None:
         bounds.append(f"- latency from one client{how}: p50 {one_p50:.1f} ms against the bound {floor_p50:.1f} "
                       f"(the no-op from one client) + 5 + {replica_p[0]:.1f} ({replica_label}) = "
                       f"{floor_p50 + 5 + replica_p[0]:.1f} ms: {verdict(one_p50 <= floor_p50 + 5 + replica_p[0])}")
+        compiled = ", its replicas compiling the encoder (--compile)" if args.compile else ""
+        bounds.append(f"- the folder's application{how}, answered /health {runs.ready_s:.1f} s after `serve.run`"
+                      f"{compiled}")
 
     print("\n## roformer_hf on Ray Serve (CPU)\n")
     print(*machine_lines(), sep="\n")
