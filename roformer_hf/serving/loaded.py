@@ -127,6 +127,8 @@ def compile_refusal(compile: bool, int8: bool, device: str) -> str | None:
     if int8:
         return ("compile=True with int8=True: quantize_int8's layers do not compile into one graph; expected one of "
                 "them (for a compiled int8 model, quantize statically: docs/quantization.md)")
+    if not hasattr(torch.compiler, "set_stance"):  # what keeps a request from compiling
+        return f"compile=True with torch {torch.__version__}: expected torch 2.6 or later (torch.compiler.set_stance)"
     return None
 
 

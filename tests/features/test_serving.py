@@ -353,6 +353,9 @@ def test_compile_is_refused_where_it_cannot_apply(folders, capsys):
         ServedModel(folders["sim"], compile=True, int8=True)
     assert "expected device='cpu'" in compile_refusal(True, False, "cuda:1")
     assert compile_refusal(True, False, "cpu") is None and compile_refusal(False, True, "cuda") is None
+    with pytest.MonkeyPatch.context() as patch:  # a torch without set_stance could compile during a request
+        patch.delattr(torch.compiler, "set_stance")
+        assert "expected torch 2.6 or later" in compile_refusal(True, False, "cpu")
     with pytest.raises(SystemExit) as exited:
         main(["serve", str(folders["sim"]), "--compile", "--int8"])
     assert exited.value.code == 2
