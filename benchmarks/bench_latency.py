@@ -55,6 +55,7 @@ from common import available_cores, machine_lines, progress, time_interleaved, t
 from workload import add_size_arguments, forward_flops, padded_batch, parse_args, size_of, transformers_config
 
 import roformer_hf  # after workload, which puts this checkout first on sys.path
+from roformer_hf import quantization
 
 WORKLOADS = ("sentence", "short", "padded", "decode")
 MODELS = ("roformer_hf", "transformers", "OpenVINO")
@@ -101,22 +102,11 @@ def compiled_for_latency(folder: str, backend: str = "inductor", precision: str 
 
 def static_int8(model: torch.nn.Module, calibration: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.nn.Module:
     """docs/quantization.md's static int8 for latency: `model` (padded layout) exported with a dynamic batch and
-    length, quantized by torchao's PT2E flow for inductor's x86 kernels (`X86InductorQuantizer`: int8 weights per
-    channel, int8 activations with one scale each, fixed from the `calibration` batches ``(input_ids,
-    attention_mask)``), for `torch.compile` with frozen weights to turn into oneDNN's int8 GEMMs."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
-
-    input_ids, attention_mask = calibration[0]
+    length and quantized statically (`roformer_hf.quantization.static_int8`), its activations' scales fixed from the
+    `calibration` batches ``(input_ids, attention_mask)``."""
     dims = {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("length", max=512)}
-    graph = torch.export.export(model, (), {"input_ids": input_ids, "attention_mask": attention_mask},
-                                dynamic_shapes={"input_ids": dims, "attention_mask": dims}).module()
-    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
-    prepared = prepare_pt2e(graph, quantizer)
-    with torch.no_grad():
-        for input_ids, attention_mask in calibration:
-            prepared(input_ids=input_ids, attention_mask=attention_mask)
-    return convert_pt2e(prepared)
+    return quantization.static_int8(model, [{"input_ids": ids, "attention_mask": mask} for ids, mask in calibration],
+                                    dynamic_shapes={"input_ids": dims, "attention_mask": dims})
 
 
 PRECISIONS = ("fp32", "bf16", "int8")

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
 INGRESSES = ("auto", "haproxy", "proxy")
 
@@ -45,8 +46,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="where each replica runs the model: cpu, or cuda (a GPU each) (default: %(default)s)")
     model.add_argument("--int8", action="store_true", help="quantize the linear layers to int8 (CPU)")
     model.add_argument("--compile", action="store_true",
-                       help="embed one input at a time with the encoder compiled by torch.compile (CPU, fp32 or "
-                            "bf16; each replica compiles at its start, seconds to a minute; batches stay eager)")
+                       help="embed one input at a time with the encoder compiled by torch.compile (CPU; each "
+                            "replica compiles at its start, seconds to a minute; batches stay eager)")
+    model.add_argument("--calibration", default=None, metavar="FILE",
+                       help="with --int8 --compile: inputs like those the server will embed, one per line, that fix "
+                            "the compiled int8 encoder's activation scales (it is quantized statically)")
     model.add_argument("--replicas", type=int, default=None,
                        help="model replicas (default: one per core, up to 4, or as many as the cores take of "
                             "--threads; 1 with --device cuda)")
@@ -128,7 +132,7 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     try:
         from .serving import ServedModel, autoscaling, build_app, default_replicas, default_threads, direct_ingress_env
         from .serving.ingress import command_env
-        from .serving.loaded import compile_refusal
+        from .serving.loaded import compile_refusal, read_calibration
     except ImportError as error:
         parser.exit(2, f"roformer-hf serve needs Ray Serve ({error}): pip install roformer_hf[serve]\n")
     log = logging.getLogger(__name__)
@@ -156,8 +160,14 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             parser.error("--direct-port with --ingress haproxy: HAProxy runs the replicas' own ports; expected "
                          "--ingress proxy")
         ingress, why = "proxy", "--direct-port asks for the replicas' own ports beside Ray's Python proxy"
-    if (refusal := compile_refusal(args.compile, args.int8, args.device)) is not None:
-        parser.error(f"--compile: {refusal}")
+    if (refusal := compile_refusal(args.compile, args.int8, args.device, args.calibration)) is not None:
+        parser.error(f"--{'calibration' if refusal.startswith('calibration=') else 'compile'}: {refusal}")
+    if args.calibration is not None:
+        try:
+            read_calibration(args.calibration)
+        except ValueError as error:
+            parser.error(f"--calibration: {error}")
+        args.calibration = str(Path(args.calibration).resolve())  # the replicas' working folder may be another
     try:  # in this process first: a folder that cannot be served fails before Ray starts and before the port opens
         served = ServedModel(args.folder, int8=args.int8, max_inputs=args.max_inputs, name=args.served_model_name,
                              device="cpu" if args.device.startswith("cuda") else args.device)
@@ -207,7 +217,7 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                      "max_queued_requests": args.max_queued_requests, "device": args.device,
                      "served_model_name": args.served_model_name, "api_key": args.api_key,
                      "payload_limit": args.payload_limit, "request_timeout_s": args.request_timeout,
-                     "autoscale": args.autoscale, "compile": args.compile})
+                     "autoscale": args.autoscale, "compile": args.compile, "calibration": args.calibration})
     if why is not None:
         log.info("ingress: Ray's Python proxy, not HAProxy: %s", why)
     log.info("serving %s on http://%s:%d (%s)", args.folder, args.host, args.port,

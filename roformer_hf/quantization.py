@@ -52,14 +52,15 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .fused import cpu_vendor
 
-__all__ = ["Int8Linear", "quantize_int8", "int8_kernel_available"]
+__all__ = ["Int8Linear", "quantize_int8", "int8_kernel_available", "static_int8"]
 
 
 # fbgemm raises scales below 6.1e-5 to that value, so it quantizes inputs spanning less than 255 of them
@@ -389,3 +390,42 @@ def quantize_int8(model: nn.Module, include: Callable[[str, nn.Linear], bool] | 
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, Int8Linear(module, saturation_safe))
     return model.requires_grad_(False)
+
+
+def static_int8(module: nn.Module, calibration: Sequence[Mapping[str, Tensor]],
+                dynamic_shapes: Mapping[str, Any] | None = None) -> nn.Module:
+    """`module` exported and quantized statically, for `torch.compile` on CPU: torchao's PT2E flow for inductor's x86
+    kernels (`X86InductorQuantizer`: int8 weights with a scale per output channel; int8 activations whose scale and
+    zero point are fixed ahead of time from the `calibration` inputs, as OpenVINO's nncf does). Compiled with frozen
+    weights (inductor's ``freezing``), its dense layers become oneDNN's int8 GEMMs on weights packed once
+    (`torch.ops.onednn.qlinear_pointwise`) with nothing run from Python between them: for the latency of one short
+    input (docs/quantization.md).
+
+    Args:
+        module: in eval mode, its forward traceable by `torch.export` (a roformer_hf model in the padded layout, or
+            called without an attention mask).
+        calibration: keyword arguments of `module`, each one call: inputs like those it will run. An activation
+            beyond the range these saw is clipped to it, with no error.
+        dynamic_shapes: `torch.export.export`'s, for the keyword arguments (default: every shape static).
+
+    Returns: the quantized `torch.fx.GraphModule`, called with the same keyword arguments. It needs torchao
+    (``pip install roformer_hf[quantization]``).
+    """
+    if not calibration:
+        raise ValueError("static_int8: calibration is empty; expected at least one input (keyword arguments of the "
+                         "module) to fix the activations' scales")
+    try:
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+    except ImportError as error:
+        raise ImportError("static_int8 quantizes with torchao's PT2E flow, which is not installed: pip install "
+                          "roformer_hf[quantization]") from error
+    if module.training:
+        raise ValueError("static_int8: the module is in training mode; expected module.eval()")
+    graph = torch.export.export(module, (), dict(calibration[0]), dynamic_shapes=dynamic_shapes).module()
+    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(graph, quantizer)
+    with torch.no_grad():
+        for inputs in calibration:
+            prepared(**inputs)
+    return convert_pt2e(prepared)

@@ -31,7 +31,7 @@ ARGUMENTS = {
     "max_ongoing_requests": (int, 64), "max_queued_requests": (int, 256), "device": (str, "cpu"),
     "served_model_name": (str, None), "api_key": (str, None), "payload_limit": (int, 2_000_000),
     "request_timeout_s": (float, None), "autoscale": (str, None), "health_check_timeout_s": (float, 30.0),
-    "compile": (bool, False),
+    "compile": (bool, False), "calibration": (str, None),
 }
 
 
@@ -99,7 +99,7 @@ def build_app(args: dict) -> serve.Application:
               "device": values["device"], "name": values["served_model_name"], "api_key": values["api_key"],
               "payload_limit": values["payload_limit"], "request_timeout_s": values["request_timeout_s"],
               "stall_s": values["health_check_timeout_s"], "max_ongoing_requests": values["max_ongoing_requests"],
-              "compile": values["compile"]}
+              "compile": values["compile"], "calibration": values["calibration"]}
     return RoFormerServer.options(**options).bind(folder, **kwargs)
 
 

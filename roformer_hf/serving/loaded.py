@@ -3,16 +3,18 @@ its sentence embedding (pooling, normalization, Matryoshka sizes, prompts)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoTokenizer
 
 from ..configuration import RoFormerConfig
 from ..modeling import HEADS, RoFormerForCausalLM, RoFormerForMaskedLM, RoFormerForSequenceClassification
-from ..quantization import quantize_int8
+from ..quantization import quantize_int8, static_int8
 from ..sentence import (
     MODULES_FILE,
     folder_pooling,
@@ -34,12 +36,16 @@ class LoadedModel:
         int8: quantize the linear layers (`roformer_hf.quantization.quantize_int8`; CPU only); as saved otherwise.
         device: where the model runs, `"cpu"` or a CUDA device (`"cuda"`, `"cuda:1"`).
         name: the name clients give as `model` (default: the folder's name).
-        compile: also hold the encoder compiled for one input at a time (`compiled`; see `compile_refusal` for where
-            it applies); it compiles on its first call, which `tasks.Tasks` makes at once.
+        compile: also hold the encoder compiled for one input at a time (`compiled`, called with the ids ``(1, L)``
+            of one input, no mask; see `compile_refusal` for where it applies); it compiles on its first call, which `tasks.Tasks` makes at once. With `int8`, the compiled
+            encoder is quantized statically (`quantization.static_int8`) and the eager model by `quantize_int8`.
+        calibration: with `int8` and `compile`, and only then: a UTF-8 text file of inputs like those the server
+            will embed, one per line (`read_calibration`), each run alone through the encoder to fix the compiled
+            int8 encoder's activation scales.
     """
 
     def __init__(self, folder: str | os.PathLike, *, int8: bool = False, device: str = "cpu",
-                 name: str | None = None, compile: bool = False):
+                 name: str | None = None, compile: bool = False, calibration: str | os.PathLike | None = None):
         self.folder = Path(folder)
         if not (self.folder / "config.json").is_file():
             raise ValueError(f"folder={str(folder)!r}: expected a saved model folder (with config.json)")
@@ -49,9 +55,10 @@ class LoadedModel:
         self.device = _device(device)
         if int8 and self.device.type != "cpu":
             raise ValueError(f"int8=True with device={device!r}: the int8 layers run on the CPU only")
-        refusal = compile_refusal(compile, int8, device)
+        refusal = compile_refusal(compile, int8, device, calibration)
         if refusal is not None:
             raise ValueError(refusal)
+        texts = read_calibration(calibration) if calibration is not None else None
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise ValueError(f"name={name!r}: expected a non-empty string")
         self.name = name or self.folder.resolve().name
@@ -64,14 +71,19 @@ class LoadedModel:
         self.model = heads[names[0]].from_pretrained(self.folder).eval().to(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         self.dtype = "int8" if int8 else str(self.model.dtype).removeprefix("torch.")
-        if int8:
-            quantize_int8(self.model)
-        # Dynamic shapes: a new length compiles nothing new. One input has no padding, so the graph runs without a
-        # mask and nothing in it depends on the mask's values (one graph, no host sync).
-        self.compiled = torch.compile(self.model.base_model, dynamic=True) if compile else None
         self.config = self.model.config
         limit = self.tokenizer.model_max_length
         self.max_length = limit if limit < 10**9 else self.config.max_position_embeddings
+        # `compiled(input_ids=(1, L))`. Dynamic shapes: a new length compiles nothing new. One input has no padding,
+        # so the graph runs without a mask and nothing in it depends on the mask's values (one graph, no host sync).
+        self.compiled, self.calibrated_on = None, 0
+        if compile and int8:  # exported from the fp32 model, before its layers are swapped for int8 ones
+            self.compiled = torch.compile(self._static_int8_encoder(texts), dynamic=True)
+            self.calibrated_on = len(texts)
+        elif compile:
+            self.compiled = torch.compile(_OneInput(self.model.base_model), dynamic=True)
+        if int8:
+            quantize_int8(self.model)
 
         found = folder_pooling(self.folder)
         if found is not None and not isinstance(found[0], str):
@@ -84,6 +96,21 @@ class LoadedModel:
         generation = getattr(self.model, "generation_config", None)
         eos = generation.eos_token_id if generation is not None else None
         self.eos_token_id = eos if eos is not None else self.tokenizer.sep_token_id  # [SEP] ends a sentence
+
+    def _static_int8_encoder(self, texts: list[str]) -> nn.Module:
+        """The encoder for one input's `input_ids` (``(1, L)``, no mask, no cache), exported with any length and
+        quantized statically, each calibration text run alone through it, as the server embeds one input."""
+        inputs = [{"input_ids": torch.tensor([ids], device=self.device)}
+                  for ids in self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"]]
+        length = torch.export.Dim("length", min=2, max=self.max_length)
+        try:
+            return static_int8(_OneInput(self.model.base_model).eval(), inputs, {"input_ids": {1: length}})
+        except (ImportError, ValueError):
+            raise
+        except Exception as error:  # torch.export's and torchao's errors have no common base class
+            raise RuntimeError(f"compile=True with int8=True: the encoder could not be exported and quantized "
+                               f"statically ({type(error).__name__}: {error}); expected int8 without compile, or "
+                               "compile without int8") from error
 
     def _folder_normalizes(self) -> bool:
         modules = json.loads((self.folder / MODULES_FILE).read_text(encoding="utf-8"))
@@ -112,24 +139,61 @@ class LoadedModel:
 
     def describe(self) -> str:
         compiled = ", one input at a time compiled" if self.compiled is not None else ""
+        if self.calibrated_on:
+            compiled += f" (int8 static, calibrated on {self.calibrated_on} inputs)"
         return f"{self.folder} as {self.name!r} ({type(self.model).__name__}, {self.dtype}, {self.device}{compiled})"
 
 
-def compile_refusal(compile: bool, int8: bool, device: str) -> str | None:
-    """Why `compile` cannot apply with these settings, or None: the compiled encoder is inductor's CPU graph with
-    frozen weights and its C++ wrapper (fp32 or bf16 as saved); `quantize_int8`'s layers do not compile into one
-    graph (for compiled int8, quantize statically: docs/quantization.md)."""
+def compile_refusal(compile: bool, int8: bool, device: str, calibration: str | os.PathLike | None = None) -> str | None:
+    """Why `compile` (and `calibration`) cannot apply with these settings, or None: the compiled encoder is inductor's
+    CPU graph with frozen weights and its C++ wrapper, as saved (fp32 or bf16) or, with `int8`, quantized statically
+    with torchao, its activations' scales from the `calibration` file (`quantize_int8`'s layers do not compile into
+    one graph)."""
+    if calibration is not None and not (compile and int8):
+        return (f"calibration={str(calibration)!r} with compile={compile} and int8={int8}: the calibration fixes the "
+                "activation scales of the compiled int8 encoder; expected it with compile=True and int8=True only")
     if not compile:
         return None
     if str(device).split(":")[0] != "cpu":
         return (f"compile=True with device={device!r}: the compiled encoder is inductor's CPU graph; expected "
                 "device='cpu'")
-    if int8:
-        return ("compile=True with int8=True: quantize_int8's layers do not compile into one graph; expected one of "
-                "them (for a compiled int8 model, quantize statically: docs/quantization.md)")
     if not hasattr(torch.compiler, "set_stance"):  # what keeps a request from compiling
         return f"compile=True with torch {torch.__version__}: expected torch 2.6 or later (torch.compiler.set_stance)"
+    if int8 and calibration is None:
+        return ("compile=True with int8=True and no calibration: the compiled int8 encoder is quantized statically, "
+                "its activations' scales fixed ahead of time; expected calibration=FILE, a text file of inputs like "
+                "those the server will embed, one per line")
+    if int8 and importlib.util.find_spec("torchao") is None:
+        return ("compile=True with int8=True: the static quantization is torchao's, which is not installed; expected "
+                "pip install roformer_hf[quantization]")
     return None
+
+
+def read_calibration(path: str | os.PathLike) -> list[str]:
+    """The inputs of a calibration file: its non-blank lines, stripped; a clear error for a file that is missing,
+    not UTF-8 text or holds none."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"calibration={str(path)!r}: expected a readable UTF-8 text file, one input per line "
+                         f"({type(error).__name__}: {error})") from error
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"calibration={str(path)!r} holds no input: expected inputs like those the server will "
+                         "embed, one per line")
+    return lines
+
+
+class _OneInput(nn.Module):
+    """The encoder on one input's ids, as the compiled int8 encoder is exported: no mask (one input has no padding),
+    no cache."""
+
+    def __init__(self, encoder: nn.Module):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor):
+        return self.encoder(input_ids=input_ids, use_cache=False)
 
 
 def _device(device: str) -> torch.device:
@@ -146,4 +210,4 @@ def _device(device: str) -> torch.device:
     return parsed
 
 
-__all__ = ["LoadedModel", "TOKENIZER_FILES", "compile_refusal"]
+__all__ = ["LoadedModel", "TOKENIZER_FILES", "compile_refusal", "read_calibration"]

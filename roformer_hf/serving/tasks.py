@@ -59,7 +59,7 @@ class Tasks:
         # faster eager, which skips their padding (benchmarks/RESULTS.md).
         self.embed_alone = None
         if loaded.compiled is not None:
-            self.embed_alone = embedder(self.model, loaded.pooling, _without_mask(loaded.compiled))
+            self.embed_alone = embedder(self.model, loaded.pooling, _one_input(loaded.compiled))
             self._compile()
         self.beat = time.monotonic()
 
@@ -216,12 +216,12 @@ class _Sinks(BaseStreamer):
         pass
 
 
-def _without_mask(encoder: Callable[..., Any]) -> Callable[..., Any]:
-    """`encoder` called without the batch's attention mask: for one input, which has no padding, so that the
-    compiled graph depends on no mask's values."""
+def _one_input(encoder: Callable[..., Any]) -> Callable[..., Any]:
+    """`encoder` (`LoadedModel.compiled`: the ids of one input, no mask) as `embedder` calls the encoder: one input has
+    no padding, so its mask is all ones and the compiled graph depends on no mask's values."""
 
-    def run(attention_mask: torch.Tensor | None = None, **inputs):
-        return encoder(**inputs)
+    def run(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, use_cache: bool = False):
+        return encoder(input_ids=input_ids)
 
     return run
 

@@ -571,3 +571,42 @@ def test_saving_an_int8_model_is_refused_saying_what_to_do(tmp_path):
     assert not (tmp_path / "int8").exists()  # nothing half-written that would load as random weights
     with pytest.raises(ValueError, match="Int8Linear"):
         model.push_to_hub("user/int8-model")  # refused before anything is uploaded
+
+
+# `static_int8`: torchao's static PT2E quantization, for a compiled graph.
+
+
+def test_static_int8_quantizes_every_dense_layer_and_stays_near_fp32():
+    pytest.importorskip("torchao", reason="static_int8 quantizes with torchao")
+    torch.manual_seed(0)
+    model = RoFormerModel(tiny_config(unpad_inputs=False)).eval()
+    dims = {0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("length", max=128)}
+    calibration = []
+    for lengths in ([9, 4, 7], [12, 12], [5, 16, 3, 8]):
+        ids, mask = padded_batch(lengths, seed=len(lengths))
+        calibration.append({"input_ids": ids, "attention_mask": mask})
+    quantized = quantization.static_int8(model, calibration, {"input_ids": dims, "attention_mask": dims})
+    targets = [str(node.target) for node in quantized.graph.nodes]
+    linears = sum(type(module) is nn.Linear for module in model.modules())
+    assert sum(t == "quantized_decomposed.dequantize_per_channel.default" for t in targets) == linears
+    assert sum(t == "quantized_decomposed.quantize_per_tensor.default" for t in targets) >= 4 * len(model.encoder.layer)
+    ids, mask = padded_batch([11, 6], seed=7)  # a batch calibration did not see, another shape
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = quantized(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    cosine = torch.cosine_similarity(got[real], want[real], dim=-1)
+    assert cosine.min() > 0.99 and not torch.allclose(got, want, atol=1e-5)  # int8: near fp32, not equal to it
+
+
+def test_static_int8_refuses_what_cannot_calibrate(monkeypatch):
+    model = RoFormerModel(tiny_config(unpad_inputs=False))
+    ids = torch.tensor([[2, 5, 3]])
+    with pytest.raises(ValueError, match="calibration is empty; expected at least one input"):
+        quantization.static_int8(model.eval(), [])
+    with pytest.raises(ValueError, match=r"training mode; expected module.eval\(\)"):
+        quantization.static_int8(model.train(), [{"input_ids": ids}])
+    monkeypatch.setitem(sys.modules, "torchao.quantization.pt2e.quantize_pt2e", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"torchao's PT2E flow, which is not installed: pip install "
+                                          r"roformer_hf\[quantization\]"):
+        quantization.static_int8(model.eval(), [{"input_ids": ids}])

@@ -15,7 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import transformers
-from helpers import PYTHON, free_port, ray_environment, save_folder, serving_tokenizer, tiny_config
+from helpers import (
+    PYTHON,
+    SERVING_CORPUS,
+    free_port,
+    ray_environment,
+    save_folder,
+    serving_tokenizer,
+    tiny_config,
+)
 
 pytest.importorskip("ray.serve", reason="serving needs Ray Serve: pip install roformer_hf[serve]")
 requests = pytest.importorskip("requests", reason="the HTTP tests talk to the server with requests")
@@ -346,20 +354,109 @@ def test_compiled_encoder_embeds_one_input_as_encode_does(folders, name):
     torch.testing.assert_close(encode(served.model, served.tokenizer, SENTENCES), before, atol=0, rtol=0)
 
 
-def test_compile_is_refused_where_it_cannot_apply(folders, capsys):
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    """A calibration file: inputs like those the server embeds, one per line, blank lines among them."""
+    path = tmp_path_factory.mktemp("calibration") / "inputs.txt"
+    path.write_text("\n\n".join(sentence for line in SERVING_CORPUS for sentence in line.split(" and ")) + "\n",
+                    encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def static_sim(folders, calibration):
+    """RoFormer-Sim served with int8 and compile: one input at a time through the encoder quantized statically."""
+    return ServedModel(folders["sim"], int8=True, compile=True, calibration=calibration)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sim", "mlm"])
+def test_compiled_int8_encoder_is_quantized_statically_and_embeds_one_input_near_fp32(folders, calibration, static_sim,
+                                                                                     name):
+    import torch._dynamo
+
+    fp32, dynamic = ServedModel(folders[name]), ServedModel(folders[name], int8=True)
+    expected = encode(fp32.model, fp32.tokenizer, SENTENCES)
+    served = static_sim if name == "sim" else ServedModel(folders[name], int8=True, compile=True,
+                                                           calibration=calibration)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled already: no request compiles
+    lines = [line for line in calibration.read_text().splitlines() if line]
+    assert served.loaded.describe().endswith(f"one input at a time compiled (int8 static, calibrated on {len(lines)} "
+                                             "inputs))")
+    # The graph compiled is torchao's static quantization of the encoder: every dense layer's input quantized with a
+    # fixed scale (query/key/value share theirs), its weight per channel; run without compiling, it is the reference.
+    graph = served.loaded.compiled._orig_mod
+    targets = [str(node.target) for node in graph.graph.nodes]
+    linears = sum(type(module) is torch.nn.Linear for module in fp32.model.base_model.modules())
+    assert sum(t == "quantized_decomposed.dequantize_per_channel.default" for t in targets) == linears
+    assert (sum(t == "quantized_decomposed.quantize_per_tensor.default" for t in targets)
+            >= 4 * served.config.num_hidden_layers)
+    for i, sentence in enumerate(SENTENCES):
+        got, compiled, eager_ops = _ran(served, {"input": sentence})
+        assert compiled and not eager_ops
+        ids = torch.tensor([served.tokenizer(sentence)["input_ids"]])
+        with torch.no_grad():
+            reference = embedder_of(served, graph)({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        torch.testing.assert_close(got[0], reference[0], atol=2e-5, rtol=0)
+        assert torch.cosine_similarity(got[0], expected[i], dim=0) > 0.999  # int8 near fp32, not equal to it
+        assert not torch.allclose(got[0], expected[i], atol=1e-6, rtol=0)
+    got, compiled, eager_ops = _ran(served, {"input": SENTENCES})  # several inputs: quantize_int8's eager model
+    assert eager_ops and not compiled
+    torch.testing.assert_close(got, encode(dynamic.model, dynamic.tokenizer, SENTENCES), atol=1e-5, rtol=0)
+    # One token, a length the graph does not cover: the quantized graph run eagerly (its reference), no compile.
+    token = served.tokenizer.cls_token_id
+    got, compiled, eager_ops = _ran(served, {"input": [[token]]})
+    assert eager_ops and not compiled
+    ids = torch.tensor([[token]])
+    with torch.no_grad():
+        torch.testing.assert_close(got, embedder_of(served, graph)({"input_ids": ids,
+                                                                     "attention_mask": torch.ones_like(ids)}),
+                                   atol=1e-6, rtol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def embedder_of(served, encoder):
+    """`served`'s embedding of a batch with `encoder` (called with the ids of one input) in place of its own."""
+    from roformer_hf.serving.tasks import _one_input
+    from roformer_hf.similarity import embedder
+
+    return embedder(served.model, served.loaded.pooling, _one_input(encoder))
+
+
+def test_compile_is_refused_where_it_cannot_apply(folders, calibration, tmp_path, capsys):
     from roformer_hf.serving.loaded import compile_refusal
 
-    with pytest.raises(ValueError, match=r"compile=True with int8=True: .* expected one of them"):
+    with pytest.raises(ValueError, match=r"compile=True with int8=True and no calibration: .* expected "
+                                         r"calibration=FILE, a text file of inputs"):
         ServedModel(folders["sim"], compile=True, int8=True)
+    for compile, int8 in ((False, True), (True, False), (False, False)):
+        with pytest.raises(ValueError, match=rf"calibration='.*inputs.txt' with compile={compile} and int8={int8}: .* "
+                                             "expected it with compile=True and int8=True only"):
+            ServedModel(folders["sim"], compile=compile, int8=int8, calibration=calibration)
+    empty, binary = tmp_path / "empty.txt", tmp_path / "binary.txt"
+    empty.write_text("\n  \n")
+    binary.write_bytes(b"\xff\xfe\x00")
+    for path, why in ((empty, "holds no input"), (binary, "expected a readable UTF-8 text file"),
+                      (tmp_path / "missing.txt", "expected a readable UTF-8 text file")):
+        with pytest.raises(ValueError, match=why):
+            ServedModel(folders["sim"], compile=True, int8=True, calibration=path)
     assert "expected device='cpu'" in compile_refusal(True, False, "cuda:1")
     assert compile_refusal(True, False, "cpu") is None and compile_refusal(False, True, "cuda") is None
+    assert compile_refusal(True, True, "cpu", calibration) is None
     with pytest.MonkeyPatch.context() as patch:  # a torch without set_stance could compile during a request
         patch.delattr(torch.compiler, "set_stance")
         assert "expected torch 2.6 or later" in compile_refusal(True, False, "cpu")
-    with pytest.raises(SystemExit) as exited:
-        main(["serve", str(folders["sim"]), "--compile", "--int8"])
-    assert exited.value.code == 2
-    assert "--compile: compile=True with int8=True" in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("importlib.util.find_spec", lambda name, *rest: None)
+        assert "expected pip install roformer_hf[quantization]" in compile_refusal(True, True, "cpu", calibration)
+    for flags, said in ((["--compile", "--int8"], "--compile: compile=True with int8=True and no calibration"),
+                        (["--calibration", str(calibration)], "--calibration: calibration="),
+                        (["--compile", "--int8", "--calibration", str(empty)], "--calibration: calibration="),
+                        (["--compile", "--device", "cuda"], "--compile: compile=True with device='cuda'")):
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", str(folders["sim"]), *flags])
+        assert exited.value.code == 2
+        assert said in capsys.readouterr().err
     import ray
 
     assert not ray.is_initialized()
@@ -381,7 +478,7 @@ def test_a_compile_that_fails_says_so(folders, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def server(folders):
+def server(folders, calibration):
     """Ray Serve on 127.0.0.1, one application per folder under its own route prefix; its base URL."""
     import ray
     from ray import serve
@@ -402,12 +499,15 @@ def server(folders):
         serve.run(build_app({"folder": str(folders["sim"]), "replicas": "1", "threads": "1", "num_cpus": "0",
                              "compile": "true"}),
                   name="compiled", route_prefix="/compiled", blocking=False)
+        serve.run(build_app({"folder": str(folders["sim"]), "replicas": "1", "threads": "1", "num_cpus": "0",
+                             "int8": "true", "compile": "true", "calibration": str(calibration)}),
+                  name="static", route_prefix="/static", blocking=False)
         # One request at a time and one waiting: the third is refused. Behind an API key, bodies of 4 kB at most.
         serve.run(build_app({"folder": str(folders["sim"]), "threads": "1", "num_cpus": "0.25",
                              "max_ongoing_requests": "1", "max_queued_requests": "1", "api_key": KEY,
                              "payload_limit": "4096"}),
                   name="busy", route_prefix="/busy", blocking=False)
-        for name in ("mlm", "clf", "sim", "busy", "compiled"):
+        for name in ("mlm", "clf", "sim", "busy", "compiled", "static"):
             serve.get_app_handle(name)  # waits until the application is running
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -475,6 +575,22 @@ def test_http_compiled_replica_answers_what_encode_gives(server, served):
     together = _post(f"{server}/compiled/v1/embeddings", {"input": SENTENCES}).json()  # a batch: the eager model
     torch.testing.assert_close(torch.tensor([row["embedding"] for row in together["data"]]), expected, atol=1e-5,
                                rtol=0)
+
+
+@pytest.mark.slow
+def test_http_static_int8_replica_answers_what_the_library_gives(server, folders, static_sim):
+    """`calibration` reaches the replica: one input at a time it answers as the same folder quantized statically in
+    this process, several at a time as `quantize_int8`'s model."""
+    for sentence in SENTENCES:
+        response = _post(f"{server}/static/v1/embeddings", {"input": sentence})
+        assert response.status_code == 200, response.text[:500]
+        expected = static_sim.answer("/v1/embeddings", {"input": sentence})["data"][0]["embedding"]
+        torch.testing.assert_close(torch.tensor(response.json()["data"][0]["embedding"]), torch.tensor(expected),
+                                   atol=1e-5, rtol=0)
+    dynamic = ServedModel(folders["sim"], int8=True)
+    together = _post(f"{server}/static/v1/embeddings", {"input": SENTENCES}).json()
+    torch.testing.assert_close(torch.tensor([row["embedding"] for row in together["data"]]),
+                               encode(dynamic.model, dynamic.tokenizer, SENTENCES), atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
