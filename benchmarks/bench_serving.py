@@ -30,8 +30,9 @@ What it does:
    from `serve.run` to its first healthy answer. `--compile` serves it with `compile` (each replica compiles the
    encoder for inputs that come alone when it starts); the offline references stay eager. `--int8` serves it and
    runs the offline references with `int8` (`quantize_int8`); with `--compile` too, the compiled encoder is quantized
-   statically from a calibration file of 200 short sentences that the measured ones are not among, and its answers
-   are checked against the eager int8 ones by cosine only (COSINE_STATIC).
+   statically from a calibration file of 200 short sentences that the measured ones are not among. int8 answers are
+   checked by cosine only (COSINE_INT8): `quantize_int8` takes one activation scale per forward, so an input batched
+   with others gets slightly other numbers than alone, and greedy completions may then differ.
 5. FastAPI calling `SentenceTransformer(folder).encode` once per request (uvicorn, a subprocess): single-sentence
    requests from `--clients` clients, against Ray Serve's rate.
 Each HTTP run also reports the client's own CPU time (this process's `time.process_time`) as a share of the run's
@@ -69,7 +70,7 @@ SHORT_LABEL, PASSAGE_LABEL = "32 short sentences (8-32 tokens)", "32 passages (~
 INGRESS = {"default": "as `roformer-hf serve` sets it up by default", "proxy": "through Ray's proxy",
            "haproxy": "behind HAProxy", "direct": "direct ingress"}
 COSINE_TARGET, DIFF_TARGET = 0.99999, 1e-5
-COSINE_STATIC = 0.999  # `--int8 --compile`: static int8 scales against the eager path's per-call ones
+COSINE_INT8 = 0.999  # `--int8`: an input batched with others, or through the static graph, against it alone
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -502,17 +503,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"- Ray's processes ran with {' '.join(args.ray_env)}")
     if args.int8:
         print("- `--int8`: served with int8, the offline references quantized alike (`quantize_int8`)"
-              + (f"; the compiled encoder quantized statically, calibrated on {calibration.read_text().count(chr(10)) + 1}"
+              + (f"; the compiled encoder quantized statically, calibrated on {len(calibration.read_text().splitlines())}"
                  " other short sentences" if calibration else ""))
     if args.compile:
         print("- `--compile`: each replica embeds one input at a time through the encoder compiled for latency; the "
               "offline references stay eager")
-    target = (COSINE_STATIC, float("inf")) if calibration else (COSINE_TARGET, DIFF_TARGET)
+    target = (COSINE_INT8, float("inf")) if args.int8 else (COSINE_TARGET, DIFF_TARGET)
     print(f"- correctness: {len(short)} single-sentence /v1/embeddings from {args.clients} clients against `encode` "
           f"of each alone: lowest cosine {cosine:.7f}, largest difference {diff:.2e} "
           f"({verdict(cosine >= target[0] and diff <= target[1])} at {target[0]} / {target[1]:g}); "
           f"greedy /v1/completions identical to `generate` alone: {identical}/{len(prompts)} "
-          f"({verdict(identical == len(prompts))})\n")
+          + (f"(int8: not expected, {len(prompts)} prompts batched)\n" if args.int8
+             else f"({verdict(identical == len(prompts))})\n"))
     print("| measure | served | against | reference | served / reference | client CPU (% of the run) |")
     print("|---|---|---|---|---|---|")
     for measure, served, against, reference, share in rows:
