@@ -502,9 +502,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.ray_env:
         print(f"- Ray's processes ran with {' '.join(args.ray_env)}")
     if args.int8:
-        print("- `--int8`: served with int8, the offline references quantized alike (`quantize_int8`)"
-              + (f"; the compiled encoder quantized statically, calibrated on {len(calibration.read_text().splitlines())}"
-                 " other short sentences" if calibration else ""))
+        static = (f"; the compiled encoder quantized statically, calibrated on "
+                  f"{len(calibration.read_text().splitlines())} other short sentences") if calibration else ""
+        print(f"- `--int8`: served with int8, the offline references quantized alike (`quantize_int8`){static}")
     if args.compile:
         print("- `--compile`: each replica embeds one input at a time through the encoder compiled for latency; the "
               "offline references stay eager")

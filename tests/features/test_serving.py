@@ -372,15 +372,21 @@ def static_sim(folders, calibration):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sim", "mlm"])
 def test_compiled_int8_encoder_is_quantized_statically_and_embeds_one_input_near_fp32(folders, calibration, static_sim,
-                                                                                     name):
+                                                                                     name, tmp_path):
     import torch._dynamo
 
     fp32, dynamic = ServedModel(folders[name]), ServedModel(folders[name], int8=True)
     expected = encode(fp32.model, fp32.tokenizer, SENTENCES)
-    served = static_sim if name == "sim" else ServedModel(folders[name], int8=True, compile=True,
-                                                           calibration=calibration)
+    if name == "sim":  # calibration lines of one length run together: several rows a forward
+        served = static_sim
+    else:  # every line of another length: one row a forward
+        calibration = tmp_path / "distinct.txt"
+        calibration.write_text("the king\nthe queen loves\na crown and a sword at night\n")
+        served = ServedModel(folders[name], int8=True, compile=True, calibration=calibration)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled already: no request compiles
     lines = [line for line in calibration.read_text().splitlines() if line]
+    lengths = [len(ids) for ids in served.tokenizer(lines)["input_ids"]]
+    assert (len(set(lengths)) < len(lengths)) == (name == "sim")
     assert served.loaded.describe().endswith(f"one input at a time compiled (int8 static, calibrated on {len(lines)} "
                                              "inputs))")
     # The graph compiled is torchao's static quantization of the encoder: every dense layer's input quantized with a
