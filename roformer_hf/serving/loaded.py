@@ -41,8 +41,8 @@ class LoadedModel:
             `tasks.Tasks` makes at once. With `int8`, the compiled encoder is quantized statically
             (`quantization.static_int8`), the eager model by `quantize_int8`.
         calibration: with `int8` and `compile`, and only then: a UTF-8 text file of inputs like those the server
-            will embed, one per line (`read_calibration`), each run alone through the encoder to fix the compiled
-            int8 encoder's activation scales.
+            will embed, one per line (`read_calibration`), run through the encoder to fix the compiled int8
+            encoder's activation scales.
     """
 
     def __init__(self, folder: str | os.PathLike, *, int8: bool = False, device: str = "cpu",
