@@ -12,7 +12,6 @@ import logging
 import os
 import socket
 import sys
-from pathlib import Path
 
 INGRESSES = ("auto", "haproxy", "proxy")
 
@@ -161,13 +160,13 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                          "--ingress proxy")
         ingress, why = "proxy", "--direct-port asks for the replicas' own ports beside Ray's Python proxy"
     if (refusal := compile_refusal(args.compile, args.int8, args.device, args.calibration)) is not None:
-        parser.error(f"--{'calibration' if refusal.startswith('calibration=') else 'compile'}: {refusal}")
+        stray = args.calibration is not None and not (args.compile and args.int8)
+        parser.error(f"--{'calibration' if stray else 'compile'}: {refusal}")
     if args.calibration is not None:
         try:
             read_calibration(args.calibration)
         except ValueError as error:
             parser.error(f"--calibration: {error}")
-        args.calibration = str(Path(args.calibration).resolve())  # the replicas' working folder may be another
     try:  # in this process first: a folder that cannot be served fails before Ray starts and before the port opens
         served = ServedModel(args.folder, int8=args.int8, max_inputs=args.max_inputs, name=args.served_model_name,
                              device="cpu" if args.device.startswith("cuda") else args.device)

@@ -414,14 +414,14 @@ def static_int8(module: nn.Module, calibration: Sequence[Mapping[str, Tensor]],
     if not calibration:
         raise ValueError("static_int8: calibration is empty; expected at least one input (keyword arguments of the "
                          "module) to fix the activations' scales")
+    if module.training:
+        raise ValueError("static_int8: the module is in training mode; expected module.eval()")
     try:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
         from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
     except ImportError as error:
-        raise ImportError("static_int8 quantizes with torchao's PT2E flow, which is not installed: pip install "
-                          "roformer_hf[quantization]") from error
-    if module.training:
-        raise ValueError("static_int8: the module is in training mode; expected module.eval()")
+        raise ImportError(f"static_int8 quantizes with torchao's PT2E flow, which did not import ({error}): pip "
+                          "install roformer_hf[quantization]") from error
     graph = torch.export.export(module, (), dict(calibration[0]), dynamic_shapes=dynamic_shapes).module()
     quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
     prepared = prepare_pt2e(graph, quantizer)

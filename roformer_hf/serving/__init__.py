@@ -15,6 +15,8 @@ The package `roformer_hf` does not import this one, so the core install needs no
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ray import serve
 
 from .app import RoFormerServer, default_replicas, default_threads
@@ -100,6 +102,8 @@ def build_app(args: dict) -> serve.Application:
               "payload_limit": values["payload_limit"], "request_timeout_s": values["request_timeout_s"],
               "stall_s": values["health_check_timeout_s"], "max_ongoing_requests": values["max_ongoing_requests"],
               "compile": values["compile"], "calibration": values["calibration"]}
+    if kwargs["calibration"] is not None:  # read where the replicas run, whose working folder may be another
+        kwargs["calibration"] = str(Path(kwargs["calibration"]).resolve())
     return RoFormerServer.options(**options).bind(folder, **kwargs)
 
 

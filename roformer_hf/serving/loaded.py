@@ -75,17 +75,6 @@ class LoadedModel:
         self.config = self.model.config
         limit = self.tokenizer.model_max_length
         self.max_length = limit if limit < 10**9 else self.config.max_position_embeddings
-        # `compiled(input_ids=(1, L))`. Dynamic shapes: a new length compiles nothing new. One input has no padding,
-        # so the graph runs without a mask and nothing in it depends on the mask's values (one graph, no host sync).
-        self.compiled, self.calibrated_on = None, 0
-        if compile and int8:  # exported from the fp32 model, before its layers are swapped for int8 ones
-            self.compiled = torch.compile(self._static_int8_encoder(texts), dynamic=True)
-            self.calibrated_on = len(texts)
-        elif compile:
-            self.compiled = torch.compile(_OneInput(self.model.base_model), dynamic=True)
-        if int8:
-            quantize_int8(self.model)
-
         found = folder_pooling(self.folder)
         if found is not None and not isinstance(found[0], str):
             raise ValueError(f"{self.folder / MODULES_FILE}: its Pooling module concatenates {found[0]}: expected one "
@@ -98,27 +87,38 @@ class LoadedModel:
         eos = generation.eos_token_id if generation is not None else None
         self.eos_token_id = eos if eos is not None else self.tokenizer.sep_token_id  # [SEP] ends a sentence
 
+        # `compiled(input_ids=(1, L))`. Dynamic shapes: a new length compiles nothing new. One input has no padding,
+        # so the graph runs without a mask and nothing in it depends on the mask's values (one graph, no host sync).
+        self.compiled, self.calibrated_on = None, 0
+        if compile and int8:  # exported as saved, before the eager model's layers are swapped for int8 ones
+            self.compiled = torch.compile(self._static_int8_encoder(texts), dynamic=True)
+            self.calibrated_on = len(texts)
+        elif compile:
+            self.compiled = torch.compile(_OneInput(self.model.base_model), dynamic=True)
+        if int8:
+            quantize_int8(self.model)
+
     def _static_int8_encoder(self, texts: list[str]) -> nn.Module:
         """The encoder for one input's `input_ids` (``(1, L)``, no mask, no cache), exported with any length and
-        quantized statically. The calibration texts of one length run together, with no padding (one forward for
-        each length: 5 s in place of 20 for 200 sentences at base width on one thread), the largest group first,
-        which the export traces."""
-        groups: dict[int, list[list[int]]] = {}
-        for ids in self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"]:
-            groups.setdefault(len(ids), []).append(ids)
-        inputs = [{"input_ids": torch.tensor(rows, device=self.device)}
-                  for rows in sorted(groups.values(), key=len, reverse=True)]
+        quantized statically from the calibration texts, each with the folder's default prompt before it, as a
+        request without `prompt_name` gets it."""
+        prompt = self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name else ""
+        rows = self.tokenizer([prompt + text for text in texts], truncation=True,
+                              max_length=self.max_length)["input_ids"]
+        inputs = [{"input_ids": batch.to(self.device)} for batch in calibration_batches(rows, CALIBRATION_TOKENS)]
+        if not inputs:
+            raise ValueError(f"calibration: none of its {len(texts)} inputs is 2 tokens long or more, the shortest "
+                             "input the compiled encoder takes; expected inputs like those the server will embed")
         dims = {1: torch.export.Dim("length", min=2, max=self.max_length)}
-        if inputs[0]["input_ids"].shape[0] > 1:  # else every group is one row (a traced 1 is a constant)
-            dims[0] = torch.export.Dim("rows", min=1, max=len(texts))
+        if inputs[0]["input_ids"].shape[0] > 1:  # else every batch is one row (a traced 1 is a constant)
+            dims[0] = torch.export.Dim("rows", min=1, max=max(len(batch["input_ids"]) for batch in inputs))
         try:
             return static_int8(_OneInput(self.model.base_model).eval(), inputs, {"input_ids": dims})
-        except (ImportError, ValueError):
-            raise
         except Exception as error:  # torch.export's and torchao's errors have no common base class
             raise RuntimeError(f"compile=True with int8=True: the encoder could not be exported and quantized "
-                               f"statically ({type(error).__name__}: {error}); expected int8 without compile, or "
-                               "compile without int8") from error
+                               f"statically on the calibration inputs ({type(error).__name__}: {error}); expected "
+                               "a calibration file of inputs like those the server will embed, or int8 without "
+                               "compile") from error
 
     def _folder_normalizes(self) -> bool:
         modules = json.loads((self.folder / MODULES_FILE).read_text(encoding="utf-8"))
@@ -192,6 +192,25 @@ def read_calibration(path: str | os.PathLike) -> list[str]:
     return lines
 
 
+# Tokens per calibration forward at most: a forward's activations stay small, however many lines the file holds.
+CALIBRATION_TOKENS = 2048
+
+
+def calibration_batches(rows: list[list[int]], budget: int) -> list[torch.Tensor]:
+    """Token-id rows as the batches the calibration runs: rows of one length together, with no padding, at most
+    `budget` tokens a batch (one forward for each length, not for each row), the largest batch first (the one the
+    export traces); rows shorter than 2 tokens, which the compiled encoder never gets, left out."""
+    groups: dict[int, list[list[int]]] = {}
+    for row in rows:
+        if len(row) >= 2:
+            groups.setdefault(len(row), []).append(row)
+    batches = []
+    for length, group in groups.items():
+        per_batch = max(1, budget // length)
+        batches += [torch.tensor(group[i:i + per_batch]) for i in range(0, len(group), per_batch)]
+    return sorted(batches, key=len, reverse=True)
+
+
 class _OneInput(nn.Module):
     """The encoder on one input's ids, as the compiled int8 encoder is exported: no mask (one input has no padding),
     no cache."""
@@ -218,4 +237,5 @@ def _device(device: str) -> torch.device:
     return parsed
 
 
-__all__ = ["LoadedModel", "TOKENIZER_FILES", "compile_refusal", "read_calibration"]
+__all__ = ["CALIBRATION_TOKENS", "LoadedModel", "TOKENIZER_FILES", "calibration_batches", "compile_refusal",
+           "read_calibration"]

@@ -4,6 +4,7 @@ over HTTP on a real Ray Serve; bad requests get a 4xx JSON naming the field whil
 that cannot be served is refused before the port opens."""
 
 import base64
+import importlib.util
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -356,17 +358,37 @@ def test_compiled_encoder_embeds_one_input_as_encode_does(folders, name):
 
 @pytest.fixture(scope="module")
 def calibration(tmp_path_factory):
-    """A calibration file: inputs like those the server embeds, one per line, blank lines among them."""
+    """A calibration file: inputs like those the server embeds, one per line, blank lines among them, and one longer
+    than the tokenizer's 32 tokens (truncated)."""
     path = tmp_path_factory.mktemp("calibration") / "inputs.txt"
-    path.write_text("\n\n".join(sentence for line in SERVING_CORPUS for sentence in line.split(" and ")) + "\n",
-                    encoding="utf-8")
+    lines = [sentence for line in SERVING_CORPUS for sentence in line.split(" and ")] + [" ".join(SERVING_CORPUS)]
+    path.write_text("\n\n".join(lines) + "\n", encoding="utf-8")
     return path
 
 
 @pytest.fixture(scope="module")
 def static_sim(folders, calibration):
     """RoFormer-Sim served with int8 and compile: one input at a time through the encoder quantized statically."""
+    pytest.importorskip("torchao", reason="the compiled int8 encoder is quantized with torchao")
     return ServedModel(folders["sim"], int8=True, compile=True, calibration=calibration)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_calibration_batches_hold_every_row_once_by_length_within_the_budget(seed):
+    from roformer_hf.serving.loaded import calibration_batches
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, 100, (int(n),), generator=generator).tolist()
+            for n in torch.randint(1, 12, (40,), generator=generator)]
+    budget = int(torch.randint(5, 40, (1,), generator=generator))
+    batches = calibration_batches(rows, budget)
+    assert sorted(row for batch in batches for row in batch.tolist()) == sorted(row for row in rows if len(row) >= 2)
+    for batch in batches:  # one length, no padding; within the budget unless one row alone exceeds it
+        assert batch.dim() == 2 and (batch.numel() <= budget or len(batch) == 1)
+    assert [len(batch) for batch in batches] == sorted((len(batch) for batch in batches), reverse=True)
+    lengths = {len(row) for row in rows if len(row) >= 2}
+    needed = sum(-(-sum(len(row) == n for row in rows) // max(1, budget // n)) for n in lengths)
+    assert len(batches) == needed  # as few forwards as the budget allows
 
 
 @pytest.mark.slow
@@ -419,6 +441,39 @@ def test_compiled_int8_encoder_is_quantized_statically_and_embeds_one_input_near
                                                                      "attention_mask": torch.ones_like(ids)}),
                                    atol=1e-6, rtol=0)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_calibration_runs_with_the_default_prompt_and_a_failing_export_says_so(folders, tmp_path, monkeypatch):
+    import shutil
+
+    from roformer_hf.serving import loaded
+
+    folder = Path(shutil.copytree(folders["mlm"], tmp_path / "prompted"))
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "the queen : "},
+                                                                          "default_prompt_name": "query"}))
+    lines = ["the king dies", "a sword", "the crown at night"]
+    (tmp_path / "inputs.txt").write_text("\n".join(lines))
+    seen = []
+
+    def failing(module, calibration, dynamic_shapes):
+        seen.extend(row for inputs in calibration for row in inputs["input_ids"].tolist())
+        raise KeyError("boom")
+
+    monkeypatch.setattr(loaded, "static_int8", failing)
+    with pytest.raises(RuntimeError, match=r"compile=True with int8=True: the encoder could not be exported and "
+                                           r"quantized statically on the calibration inputs \(KeyError: 'boom'\); "
+                                           r"expected a calibration file of inputs like those the server will embed"):
+        ServedModel(folder, int8=True, compile=True, calibration=tmp_path / "inputs.txt")
+    tokenizer = ServedModel(folder).tokenizer
+    assert sorted(seen) == sorted(tokenizer(["the queen : " + line for line in lines])["input_ids"])
+
+
+def test_build_app_hands_the_replicas_the_calibration_files_whole_path(folders, monkeypatch, tmp_path):
+    from roformer_hf.serving import build_app
+
+    monkeypatch.chdir(tmp_path)
+    app = build_app({"folder": str(folders["sim"]), "int8": "true", "compile": "true", "calibration": "inputs.txt"})
+    assert app._bound_deployment.init_kwargs["calibration"] == str(tmp_path / "inputs.txt")
 
 
 def embedder_of(served, encoder):
@@ -505,15 +560,16 @@ def server(folders, calibration):
         serve.run(build_app({"folder": str(folders["sim"]), "replicas": "1", "threads": "1", "num_cpus": "0",
                              "compile": "true"}),
                   name="compiled", route_prefix="/compiled", blocking=False)
-        serve.run(build_app({"folder": str(folders["sim"]), "replicas": "1", "threads": "1", "num_cpus": "0",
-                             "int8": "true", "compile": "true", "calibration": str(calibration)}),
-                  name="static", route_prefix="/static", blocking=False)
+        if importlib.util.find_spec("torchao") is not None:  # its static quantization
+            serve.run(build_app({"folder": str(folders["sim"]), "replicas": "1", "threads": "1", "num_cpus": "0",
+                                 "int8": "true", "compile": "true", "calibration": str(calibration)}),
+                      name="static", route_prefix="/static", blocking=False)
         # One request at a time and one waiting: the third is refused. Behind an API key, bodies of 4 kB at most.
         serve.run(build_app({"folder": str(folders["sim"]), "threads": "1", "num_cpus": "0.25",
                              "max_ongoing_requests": "1", "max_queued_requests": "1", "api_key": KEY,
                              "payload_limit": "4096"}),
                   name="busy", route_prefix="/busy", blocking=False)
-        for name in ("mlm", "clf", "sim", "busy", "compiled", "static"):
+        for name in serve.status().applications:
             serve.get_app_handle(name)  # waits until the application is running
         yield f"http://127.0.0.1:{port}"
     finally:
