@@ -24,6 +24,7 @@ from helpers import (
     ray_environment,
     save_folder,
     serving_tokenizer,
+    shut_down_serve_and_ray,
     tiny_config,
 )
 
@@ -573,8 +574,7 @@ def server(folders, calibration):
             serve.get_app_handle(name)  # waits until the application is running
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        shut_down_serve_and_ray()
 
 
 def _post(url, body, headers=None):

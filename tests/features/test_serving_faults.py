@@ -11,7 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import SERVING_CORPUS, embedding_folder, free_port, ray_environment, replica_processes
+from helpers import (
+    SERVING_CORPUS,
+    embedding_folder,
+    free_port,
+    ray_environment,
+    replica_processes,
+    shut_down_serve_and_ray,
+)
 
 pytest.importorskip("ray.serve", reason="serving needs Ray Serve: pip install roformer_hf[serve]")
 requests = pytest.importorskip("requests", reason="the HTTP tests talk to the server with requests")
@@ -63,8 +70,7 @@ def deployed(request, tmp_path_factory):
             assert any(process.info["name"] == "haproxy" for process in psutil.process_iter(["name"]))
         yield f"http://127.0.0.1:{port}", model, tokenizer
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        shut_down_serve_and_ray()
 
 
 def _running_replicas() -> int:
@@ -227,5 +233,4 @@ def test_direct_ingress_replicas_answer_on_their_ports_and_take_them_back(tmp_pa
         assert statuses[0] == 200 and statuses[-1] == 503, statuses
         assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 503)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        shut_down_serve_and_ray()

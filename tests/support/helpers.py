@@ -232,6 +232,19 @@ def ray_environment(**env: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def shut_down_serve_and_ray() -> None:
+    """Ray Serve and Ray of this process, where it is still connected to its Ray. A module fixture's teardown can
+    come after a later test shut its Ray down and started another (pytest tears a module fixture down when the
+    module ends); `serve.shutdown()` from a process with no Ray connects to whichever cluster it finds on this
+    machine (another worker's `ray.cluster_utils.Cluster`) and shuts Ray Serve down there."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+    ray.shutdown()
+
+
 def replica_processes(app: str, wait_s: float = 10.0) -> dict[str, tuple[int, str]]:
     """The live replicas of application `app` on the connected Ray Serve: their replica id (what the `X-Replica`
     response header names) -> (the worker's PID, its Ray node id). Asked of each replica actor itself; a replica
