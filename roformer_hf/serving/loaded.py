@@ -92,7 +92,6 @@ class LoadedModel:
         self.compiled, self.calibrated_on = None, 0
         if compile and int8:  # exported as saved, before the eager model's layers are swapped for int8 ones
             self.compiled = torch.compile(self._static_int8_encoder(texts), dynamic=True)
-            self.calibrated_on = len(texts)
         elif compile:
             self.compiled = torch.compile(_OneInput(self.model.base_model), dynamic=True)
         if int8:
@@ -112,6 +111,7 @@ class LoadedModel:
         dims = {1: torch.export.Dim("length", min=2, max=self.max_length)}
         if inputs[0]["input_ids"].shape[0] > 1:  # else every batch is one row (a traced 1 is a constant)
             dims[0] = torch.export.Dim("rows", min=1, max=max(len(batch["input_ids"]) for batch in inputs))
+        self.calibrated_on = sum(len(batch["input_ids"]) for batch in inputs)
         try:
             return static_int8(_OneInput(self.model.base_model).eval(), inputs, {"input_ids": dims})
         except Exception as error:  # torch.export's and torchao's errors have no common base class
@@ -212,8 +212,8 @@ def calibration_batches(rows: list[list[int]], budget: int) -> list[torch.Tensor
 
 
 class _OneInput(nn.Module):
-    """The encoder on one input's ids, as the compiled int8 encoder is exported: no mask (one input has no padding),
-    no cache."""
+    """The encoder on one input's ids, as the compiled encoder takes them: no mask (one input has no padding), no
+    cache."""
 
     def __init__(self, encoder: nn.Module):
         super().__init__()
