@@ -45,11 +45,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="where each replica runs the model: cpu, or cuda (a GPU each) (default: %(default)s)")
     model.add_argument("--int8", action="store_true", help="quantize the linear layers to int8 (CPU)")
     model.add_argument("--compile", action="store_true",
-                       help="embed one input at a time with the encoder compiled by torch.compile (CPU; each "
-                            "replica compiles at its start, seconds to a minute; batches stay eager)")
+                       help="embed one input at a time with the encoder compiled ahead of time by AOTInductor (CPU; "
+                            "compiled at the first start, seconds to a minute, then loaded from --compile-cache; "
+                            "batches stay eager)")
     model.add_argument("--calibration", default=None, metavar="FILE",
                        help="with --int8 --compile: inputs like those the server will embed, one per line, that fix "
                             "the compiled int8 encoder's activation scales (it is quantized statically)")
+    model.add_argument("--compile-cache", default=None, metavar="DIR",
+                       help="with --compile: the folder that keeps compiled encoders between starts (default: "
+                            "$ROFORMER_HF_CACHE/compiled, else ~/.cache/roformer_hf/compiled)")
     model.add_argument("--replicas", type=int, default=None,
                        help="model replicas (default: one per core, up to 4, or as many as the cores take of "
                             "--threads; 1 with --device cuda)")
@@ -159,9 +163,11 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             parser.error("--direct-port with --ingress haproxy: HAProxy runs the replicas' own ports; expected "
                          "--ingress proxy")
         ingress, why = "proxy", "--direct-port asks for the replicas' own ports beside Ray's Python proxy"
-    if (refusal := compile_refusal(args.compile, args.int8, args.device, args.calibration)) is not None:
-        stray = args.calibration is not None and not (args.compile and args.int8)
-        parser.error(f"--{'calibration' if stray else 'compile'}: {refusal}")
+    if (refusal := compile_refusal(args.compile, args.int8, args.device, args.calibration,
+                                   args.compile_cache)) is not None:
+        stray = ("calibration" if args.calibration is not None and not (args.compile and args.int8) else
+                 "compile-cache" if args.compile_cache is not None and not args.compile else "compile")
+        parser.error(f"--{stray}: {refusal}")
     if args.calibration is not None:
         try:
             read_calibration(args.calibration)
@@ -216,7 +222,8 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                      "max_queued_requests": args.max_queued_requests, "device": args.device,
                      "served_model_name": args.served_model_name, "api_key": args.api_key,
                      "payload_limit": args.payload_limit, "request_timeout_s": args.request_timeout,
-                     "autoscale": args.autoscale, "compile": args.compile, "calibration": args.calibration})
+                     "autoscale": args.autoscale, "compile": args.compile, "calibration": args.calibration,
+                     "compile_cache": args.compile_cache})
     if why is not None:
         log.info("ingress: Ray's Python proxy, not HAProxy: %s", why)
     log.info("serving %s on http://%s:%d (%s)", args.folder, args.host, args.port,

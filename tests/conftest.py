@@ -10,6 +10,7 @@ takes one unit of work at a time, and each worker's torch takes its share of the
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
@@ -109,6 +110,9 @@ def pytest_terminal_summary(terminalreporter):
 # had imported Ray before another wrote the file once failed to start its own ("Failed to start GCS ... InvalidAuthToken
 # ... RAY_AUTH_MODE is currently 'disabled'"). The tests' Rays listen on 127.0.0.1 only, and run without tokens.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Compiled encoders the tests make are kept in a folder of the run's own, not in the user's cache (the Rays the tests
+# start inherit it).
+os.environ["ROFORMER_HF_CACHE"] = tempfile.mkdtemp(prefix="roformer_hf_cache_")
 
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:  # one of several workers: its share of the cores, for torch and the subprocesses it starts

@@ -24,8 +24,11 @@ from ..sentence import (
     sentence_pooling,
     sentence_prompts,
 )
+from .compiled import PROBE_TOKENS, CompiledEncoder, OneInput, cache_key, compiled_encoder, default_compile_cache
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
+# The compiled encoder's lowest cosine with the eager model on any token of the probe input, in bf16 and int8.
+PROBE_COSINE = 0.99
 
 
 class LoadedModel:
@@ -36,17 +39,20 @@ class LoadedModel:
         int8: quantize the linear layers (`roformer_hf.quantization.quantize_int8`; CPU only); as saved otherwise.
         device: where the model runs, `"cpu"` or a CUDA device (`"cuda"`, `"cuda:1"`).
         name: the name clients give as `model` (default: the folder's name).
-        compile: also hold the encoder compiled for one input at a time (`compiled`, called with the ids ``(1, L)``
-            of one input, no mask; see `compile_refusal` for where it applies); it compiles on its first call, which
-            `tasks.Tasks` makes at once. With `int8`, the compiled encoder is quantized statically
-            (`quantization.static_int8`), the eager model by `quantize_int8`.
+        compile: also hold the encoder compiled ahead of time for one input at a time (`compiled`, a
+            `compiled.CompiledEncoder` called with the ids ``(1, L)`` of one input, ``L >= 2``, no mask; see
+            `compile_refusal` for where it applies), compiled here or loaded from `compile_cache`. With `int8`, the
+            compiled encoder is quantized statically (`quantization.static_int8`), the eager model by `quantize_int8`.
         calibration: with `int8` and `compile`, and only then: a UTF-8 text file of inputs like those the server
             will embed, one per line (`read_calibration`), run through the encoder to fix the compiled int8
             encoder's activation scales.
+        compile_cache: with `compile`: the folder where compiled encoders are kept between starts (default
+            `compiled.default_compile_cache()`), each under a key of all it depends on (`compiled.cache_key`).
     """
 
     def __init__(self, folder: str | os.PathLike, *, int8: bool = False, device: str = "cpu",
-                 name: str | None = None, compile: bool = False, calibration: str | os.PathLike | None = None):
+                 name: str | None = None, compile: bool = False, calibration: str | os.PathLike | None = None,
+                 compile_cache: str | os.PathLike | None = None):
         self.folder = Path(folder)
         if not (self.folder / "config.json").is_file():
             raise ValueError(f"folder={str(folder)!r}: expected a saved model folder (with config.json)")
@@ -56,7 +62,7 @@ class LoadedModel:
         self.device = _device(device)
         if int8 and self.device.type != "cpu":
             raise ValueError(f"int8=True with device={device!r}: the int8 layers run on the CPU only")
-        refusal = compile_refusal(compile, int8, device, calibration)
+        refusal = compile_refusal(compile, int8, device, calibration, compile_cache)
         if refusal is not None:
             raise ValueError(refusal)
         texts = read_calibration(calibration) if calibration is not None else None
@@ -87,38 +93,52 @@ class LoadedModel:
         eos = generation.eos_token_id if generation is not None else None
         self.eos_token_id = eos if eos is not None else self.tokenizer.sep_token_id  # [SEP] ends a sentence
 
-        # `compiled(input_ids=(1, L))`. Dynamic shapes: a new length compiles nothing new. One input has no padding,
-        # so the graph runs without a mask and nothing in it depends on the mask's values (one graph, no host sync).
         self.compiled, self.calibrated_on = None, 0
-        if compile and int8:  # exported as saved, before the eager model's layers are swapped for int8 ones
-            self.compiled = torch.compile(self._static_int8_encoder(texts), dynamic=True)
-        elif compile:
-            self.compiled = torch.compile(_OneInput(self.model.base_model), dynamic=True)
+        if compile:  # from the model as saved, before the eager model's layers are swapped for int8 ones
+            cache = default_compile_cache() if compile_cache is None else Path(compile_cache)
+            self.compiled = self._compiled_encoder(texts, cache)
         if int8:
             quantize_int8(self.model)
 
-    def _static_int8_encoder(self, texts: list[str]) -> nn.Module:
-        """The encoder for one input's `input_ids` (``(1, L)``, no mask, no cache), exported with any length and
-        quantized statically from the calibration texts, each with the folder's default prompt before it, as a
-        request without `prompt_name` gets it."""
-        prompt = self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name else ""
-        rows = self.tokenizer([prompt + text for text in texts], truncation=True,
-                              max_length=self.max_length)["input_ids"]
-        inputs = [{"input_ids": batch.to(self.device)} for batch in calibration_batches(rows, CALIBRATION_TOKENS)]
-        if not inputs:
-            raise ValueError(f"calibration: none of its {len(texts)} inputs is 2 tokens long or more, the shortest "
-                             "input the compiled encoder takes; expected inputs like those the server will embed")
-        dims = {1: torch.export.Dim("length", min=2, max=self.max_length)}
-        if inputs[0]["input_ids"].shape[0] > 1:  # else every batch is one row (a traced 1 is a constant)
-            dims[0] = torch.export.Dim("rows", min=1, max=max(len(batch["input_ids"]) for batch in inputs))
-        self.calibrated_on = sum(len(batch["input_ids"]) for batch in inputs)
-        try:
-            return static_int8(_OneInput(self.model.base_model).eval(), inputs, {"input_ids": dims})
-        except Exception as error:  # torch.export's and torchao's errors have no common base class
-            raise RuntimeError(f"compile=True with int8=True: the encoder could not be exported and quantized "
-                               f"statically on the calibration inputs ({type(error).__name__}: {error}); expected "
-                               "a calibration file of inputs like those the server will embed, or int8 without "
-                               "compile") from error
+    def _compiled_encoder(self, texts: list[str] | None, cache: Path) -> CompiledEncoder:
+        """The encoder for one input, compiled (`compiled.compiled_encoder`): as saved, or with calibration `texts`
+        quantized statically, each text with the folder's default prompt before it, as a request without
+        `prompt_name` gets it. It must answer a probe input as the eager model does: fp32 within 1e-4, bf16 and int8
+        with a cosine of at least `PROBE_COSINE` for every token."""
+        encoder = OneInput(self.model.base_model).eval()
+        calibration = []
+        if texts is not None:
+            prompt = self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name else ""
+            rows = self.tokenizer([prompt + text for text in texts], truncation=True,
+                                  max_length=self.max_length)["input_ids"]
+            calibration = calibration_batches(rows, CALIBRATION_TOKENS)
+            if not calibration:
+                raise ValueError(f"calibration: none of its {len(texts)} inputs is 2 tokens long or more, the "
+                                 "shortest input the compiled encoder takes; expected inputs like those the server "
+                                 "will embed")
+            self.calibrated_on = sum(len(batch) for batch in calibration)
+        probe = (torch.arange(min(PROBE_TOKENS, self.max_length)) + 2) % self.config.vocab_size
+        probe = probe.unsqueeze(0).to(self.device)
+        with torch.no_grad():
+            expected = encoder(probe)[0].float()
+
+        def check(compiled: CompiledEncoder) -> None:
+            with torch.no_grad():
+                got = compiled(probe).last_hidden_state.float()
+            cosine = torch.cosine_similarity(got, expected, dim=-1).min().item()
+            close = torch.allclose(got, expected, atol=1e-4, rtol=1e-4) if self.dtype == "float32" else \
+                cosine >= PROBE_COSINE
+            if not close:
+                raise RuntimeError(f"compile=True: the compiled encoder {compiled.path} answers a probe input unlike "
+                                   f"the eager model (largest difference {(got - expected).abs().max().item():.3g}, "
+                                   f"lowest cosine {cosine:.6f}); expected them equal within the precision's "
+                                   "rounding")
+
+        def build() -> nn.Module:
+            return static_int8_encoder(encoder, calibration, self.max_length) if calibration else encoder
+
+        factors = cache_key(self.model.base_model, self.dtype, self.max_length, calibration)
+        return compiled_encoder(build, probe, self.max_length, factors, check, cache)
 
     def _folder_normalizes(self) -> bool:
         modules = json.loads((self.folder / MODULES_FILE).read_text(encoding="utf-8"))
@@ -149,24 +169,33 @@ class LoadedModel:
         compiled = ", one input at a time compiled" if self.compiled is not None else ""
         if self.calibrated_on:
             compiled += f" (int8 static, calibrated on {self.calibrated_on} inputs)"
+        if self.compiled is not None and self.compiled.path is None:
+            compiled += ", not saved"
+        elif self.compiled is not None:
+            compiled += f", {'loaded from' if self.compiled.loaded else 'saved to'} {self.compiled.path}"
         return f"{self.folder} as {self.name!r} ({type(self.model).__name__}, {self.dtype}, {self.device}{compiled})"
 
 
-def compile_refusal(compile: bool, int8: bool, device: str, calibration: str | os.PathLike | None = None) -> str | None:
-    """Why `compile` (and `calibration`) cannot apply with these settings, or None: the compiled encoder is inductor's
-    CPU graph with frozen weights and its C++ wrapper, as saved (fp32 or bf16) or, with `int8`, quantized statically
-    with torchao, its activations' scales from the `calibration` file (`quantize_int8`'s layers do not compile into
-    one graph)."""
+def compile_refusal(compile: bool, int8: bool, device: str, calibration: str | os.PathLike | None = None,
+                    compile_cache: str | os.PathLike | None = None) -> str | None:
+    """Why `compile` (and `calibration`, `compile_cache`) cannot apply with these settings, or None: the compiled
+    encoder is AOTInductor's CPU package with frozen weights, as saved (fp32 or bf16) or, with `int8`, quantized
+    statically with torchao, its activations' scales from the `calibration` file (`quantize_int8`'s layers do not
+    compile into one graph)."""
     if calibration is not None and not (compile and int8):
         return (f"calibration={str(calibration)!r} with compile={compile} and int8={int8}: the calibration fixes the "
                 "activation scales of the compiled int8 encoder; expected it with compile=True and int8=True only")
+    if compile_cache is not None and not compile:
+        return (f"compile_cache={str(compile_cache)!r} with compile=False: the folder keeps compiled encoders; "
+                "expected it with compile=True only")
     if not compile:
         return None
     if str(device).split(":")[0] != "cpu":
         return (f"compile=True with device={device!r}: the compiled encoder is inductor's CPU graph; expected "
                 "device='cpu'")
-    if not hasattr(torch.compiler, "set_stance"):  # what keeps a request from compiling
-        return f"compile=True with torch {torch.__version__}: expected torch 2.6 or later (torch.compiler.set_stance)"
+    if not hasattr(torch._inductor, "aoti_compile_and_package"):
+        return (f"compile=True with torch {torch.__version__}: expected torch 2.6 or later "
+                "(torch._inductor.aoti_compile_and_package)")
     if int8 and calibration is None:
         return ("compile=True with int8=True and no calibration: the compiled int8 encoder is quantized statically, "
                 "its activations' scales fixed ahead of time; expected calibration=FILE, a text file of inputs like "
@@ -211,16 +240,20 @@ def calibration_batches(rows: list[list[int]], budget: int) -> list[torch.Tensor
     return sorted(batches, key=len, reverse=True)
 
 
-class _OneInput(nn.Module):
-    """The encoder on one input's ids, as the compiled encoder takes them: no mask (one input has no padding), no
-    cache."""
-
-    def __init__(self, encoder: nn.Module):
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(self, input_ids: torch.Tensor):
-        return self.encoder(input_ids=input_ids, use_cache=False)
+def static_int8_encoder(encoder: OneInput, calibration: list[torch.Tensor], max_length: int) -> nn.Module:
+    """`encoder` exported for any length from 2 to `max_length` (and any number of rows, where the first calibration
+    batch has several) and quantized statically (`quantization.static_int8`) on the `calibration` batches of ids."""
+    dims = {1: torch.export.Dim("length", min=2, max=max_length)}
+    if calibration[0].shape[0] > 1:  # else every batch is one row (a traced 1 is a constant)
+        dims[0] = torch.export.Dim("rows", min=1, max=max(len(batch) for batch in calibration))
+    try:
+        return static_int8(encoder, [{"input_ids": batch.to(next(encoder.parameters()).device)}
+                                     for batch in calibration], {"input_ids": dims})
+    except Exception as error:  # torch.export's and torchao's errors have no common base class
+        raise RuntimeError(f"compile=True with int8=True: the encoder could not be exported and quantized "
+                           f"statically on the calibration inputs ({type(error).__name__}: {error}); expected "
+                           "a calibration file of inputs like those the server will embed, or int8 without "
+                           "compile") from error
 
 
 def _device(device: str) -> torch.device:
@@ -237,5 +270,5 @@ def _device(device: str) -> torch.device:
     return parsed
 
 
-__all__ = ["CALIBRATION_TOKENS", "LoadedModel", "TOKENIZER_FILES", "calibration_batches", "compile_refusal",
-           "read_calibration"]
+__all__ = ["CALIBRATION_TOKENS", "LoadedModel", "PROBE_COSINE", "TOKENIZER_FILES", "calibration_batches",
+           "compile_refusal", "read_calibration", "static_int8_encoder"]

@@ -34,12 +34,14 @@ class ServedModel(Tasks):
         max_inputs: the most inputs one request may carry.
         device: where the model runs (`"cpu"`, `"cuda"`).
         name: the name clients give as `model` (default: the folder's name).
-        compile: embed one input at a time with the encoder compiled (`torch.compile` with inductor, on CPU; with
-            `int8` quantized statically, from `calibration`): compiled here, on two tokens (seconds to a minute, by
-            the model's size), and never again while serving (an input the graph does not cover runs eagerly);
-            batches of several inputs stay eager.
+        compile: embed one input at a time with the encoder compiled ahead of time (AOTInductor, on CPU; with
+            `int8` quantized statically, from `calibration`): compiled here (seconds to a minute, by the model's size)
+            or loaded from `compile_cache` (about a second), and never while serving (an input of one token runs
+            eagerly); batches of several inputs stay eager.
         calibration: with `int8` and `compile`: a text file of inputs like those the server will embed, one per
             line, that fix the compiled int8 encoder's activation scales (`LoadedModel`).
+        compile_cache: with `compile`: the folder that keeps compiled encoders between starts (default
+            `~/.cache/roformer_hf/compiled`; `LoadedModel`).
         settings: the server's settings that `/info` reports (`max_batch_tokens`, `max_ongoing_requests`).
 
     Example:
@@ -66,11 +68,11 @@ class ServedModel(Tasks):
 
     def __init__(self, folder: str | os.PathLike, *, int8: bool = False, max_inputs: int = 256, device: str = "cpu",
                  name: str | None = None, compile: bool = False, calibration: str | os.PathLike | None = None,
-                 settings: dict[str, Any] | None = None):
+                 compile_cache: str | os.PathLike | None = None, settings: dict[str, Any] | None = None):
         if not isinstance(max_inputs, int) or max_inputs < 1:
             raise ValueError(f"max_inputs={max_inputs!r}: expected a positive integer")
         super().__init__(LoadedModel(folder, int8=int8, device=device, name=name, compile=compile,
-                                     calibration=calibration))
+                                     calibration=calibration, compile_cache=compile_cache))
         self.max_inputs, self.settings, self.created = max_inputs, dict(settings or {}), int(time.time())
         self.served_routes = [entry for entry in ROUTES if entry.serves(self.loaded)]
         self.routes = list(dict.fromkeys(entry.path for entry in self.served_routes))

@@ -60,24 +60,7 @@ class Tasks:
         self.embed_alone = None
         if loaded.compiled is not None:
             self.embed_alone = embedder(self.model, loaded.pooling, _one_input(loaded.compiled))
-            self._compile()
         self.beat = time.monotonic()
-
-    def _compile(self) -> None:
-        """Compiles the encoder for one input, on two tokens, with inductor's settings for latency on CPU: frozen
-        weights (packed once, the activations fused into their GEMMs) and its C++ wrapper (the kernels called from
-        C++). Both are global settings, read while a graph compiles, so they are set for this call only."""
-        import torch._inductor.config
-
-        tokenizer = self.tokenizer
-        ids = [tokenizer.cls_token_id or 0, tokenizer.sep_token_id or 0]
-        try:
-            with torch._inductor.config.patch(freezing=True, cpp_wrapper=True):
-                self.embed_alone(self._pad([ids], "right"))
-        except Exception as error:  # inductor's own errors have no common base class
-            raise RuntimeError(f"compile=True: torch.compile could not compile the encoder ({type(error).__name__}: "
-                               f"{error}); inductor needs a C++ compiler on this machine. Expected a machine where "
-                               "it compiles, or compile=False") from error
 
     def run(self, items: list[Item]) -> list:
         """The results of items of one kind, in order; items run together only where their `key` is equal. Where a
@@ -120,10 +103,8 @@ class Tasks:
         vectors: list = [None] * len(ids)
         for rows in by_tokens(order, [len(row) for row in ids], EMBED_TOKENS):
             padded = self._pad([ids[i] for i in rows], "right")
-            if len(rows) == 1 and self.embed_alone is not None:
-                # An input the graph was not compiled for (one token, say) runs eagerly: no request waits on a compile.
-                with torch.compiler.set_stance("eager_on_recompile"):
-                    batch = self.embed_alone(padded)
+            if len(rows) == 1 and self.embed_alone is not None and len(ids[rows[0]]) >= 2:
+                batch = self.embed_alone(padded)  # one input of a length the compiled encoder takes
             else:
                 batch = self.embed_batch(padded)
             batch = batch.float().cpu()

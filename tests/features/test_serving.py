@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -319,42 +320,131 @@ def test_cli_refuses_a_port_in_use_before_ray_starts(folders, capsys):
 
 
 def _ran(served, body):
-    """The answer to an embeddings request, and whether it ran in the compiled graph and in eager ops (the profiler's
-    events: inductor's compiled region, aten's embedding lookup)."""
-    with torch.profiler.profile() as profiler:
-        answer = served.answer("/v1/embeddings", body)
+    """The answer to an embeddings request, and whether it ran the compiled encoder and eager ops (the profiler's
+    events: aten's embedding lookup, which the compiled encoder's own kernel does instead)."""
+    compiled, calls = served.loaded.compiled, []
+    runner = compiled.runner if compiled is not None else None
+    if compiled is not None:
+        compiled.runner = lambda ids: calls.append(ids) or runner(ids)
+    try:
+        with torch.profiler.profile() as profiler:
+            answer = served.answer("/v1/embeddings", body)
+    finally:
+        if compiled is not None:
+            compiled.runner = runner
     names = {event.name for event in profiler.events()}
     got = torch.stack([torch.as_tensor(row["embedding"]) for row in answer["data"]])
-    return got, any(name.startswith("Torch-Compiled Region") for name in names), "aten::embedding" in names
+    return got, bool(calls), "aten::embedding" in names
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sim", "mlm"])
-def test_compiled_encoder_embeds_one_input_as_encode_does(folders, name):
-    import torch._dynamo
-
+def test_compiled_encoder_embeds_one_input_as_encode_does_and_loads_from_its_cache_next_time(folders, name, tmp_path,
+                                                                                             monkeypatch):
     eager = ServedModel(folders[name])
     before = encode(eager.model, eager.tokenizer, SENTENCES)
-    served = ServedModel(folders[name], compile=True)  # compiles here, before the first request
-    assert "compiled" in served.loaded.describe()
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for i, sentence in enumerate(SENTENCES):  # lengths 3 to 12: one graph for every length
+    served = ServedModel(folders[name], compile=True, compile_cache=tmp_path)  # compiles here, before any request
+    package = served.loaded.compiled.path
+    assert served.loaded.describe().endswith(f"one input at a time compiled, saved to {package})")
+    assert package.parent == tmp_path and package.suffix == ".pt2"
+    factors = json.loads(package.with_suffix(".json").read_text())
+    assert factors["key"] == package.stem and factors["threads"] == torch.get_num_threads()
+    for i, sentence in enumerate(SENTENCES):  # lengths 3 to 12: one package for every length
         got, compiled, eager_ops = _ran(served, {"input": sentence})
         assert compiled and not eager_ops
         torch.testing.assert_close(got[0], before[i], atol=1e-5, rtol=0)
     got, compiled, eager_ops = _ran(served, {"input": SENTENCES})  # several inputs: the eager model, unpadded
     assert eager_ops and not compiled
     torch.testing.assert_close(got, before, atol=1e-5, rtol=0)
-    # One token, a length the graph does not cover: it runs eagerly, and nothing compiles during the request.
+    # One token, a length the package does not take: it runs eagerly.
     token = served.tokenizer.cls_token_id
     got, compiled, eager_ops = _ran(served, {"input": [[token]]})
     assert eager_ops and not compiled
     with torch.no_grad():
         alone = eager.embed_batch({"input_ids": torch.tensor([[token]]), "attention_mask": torch.ones(1, 1).long()})
     torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     # Compiling froze a copy of the weights: the eager model is as it was.
     torch.testing.assert_close(encode(served.model, served.tokenizer, SENTENCES), before, atol=0, rtol=0)
+
+    # The next start loads the package: nothing compiles, and it answers as the one that compiled it.
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiler)
+    again = ServedModel(folders[name], compile=True, compile_cache=tmp_path)
+    assert again.loaded.compiled.loaded and again.loaded.compiled.path == package
+    assert again.loaded.describe().endswith(f"one input at a time compiled, loaded from {package})")
+    for sentence in SENTENCES[:3]:
+        got, compiled, _ = _ran(again, {"input": sentence})
+        assert compiled
+        torch.testing.assert_close(got, _ran(served, {"input": sentence})[0], atol=0, rtol=0)
+
+
+def _no_compiler(*args, **kwargs):
+    raise OSError("g++: not found")
+
+
+def test_compile_cache_keys_hold_what_the_compiled_code_depends_on(folders):
+    from roformer_hf.serving.compiled import cache_key
+
+    model = ServedModel(folders["mlm"]).model.base_model
+    key = cache_key(model, "float32", 32)
+    assert cache_key(model, "float32", 32) == key  # the same model, the same key
+    ids = torch.tensor([[2, 5, 6, 3]])
+    others = [cache_key(model, "bfloat16", 32), cache_key(model, "float32", 16),
+              cache_key(model, "int8", 32, [ids]), cache_key(model, "int8", 32, [ids + 1])]
+    with torch.no_grad():
+        model.encoder.layer[0].attention.self.query.weight[0, 0] += 1e-3  # one weight of one layer
+    others.append(cache_key(model, "float32", 32))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # inductor writes the thread count into its kernels
+        others.append(cache_key(model, "float32", 32))
+    finally:
+        torch.set_num_threads(threads)
+    keys = [key["key"]] + [other["key"] for other in others]
+    assert len(set(keys)) == len(keys)
+    assert {name for name in key if key[name] != others[-2][name]} == {"weights", "key"}
+
+
+@pytest.mark.slow
+def test_a_compile_cache_entry_that_is_broken_or_answers_wrongly_is_compiled_again(folders, tmp_path, caplog):
+    import shutil
+
+    served = ServedModel(folders["sim"], compile=True, compile_cache=tmp_path / "cache")
+    package = served.loaded.compiled.path
+    expected = _ran(served, {"input": SENTENCES[0]})[0]
+    # Another model's package under this model's key: the same folder with its weights halved.
+    halved = Path(shutil.copytree(folders["sim"], tmp_path / "halved"))
+    model = RoFormerForCausalLM.from_pretrained(halved)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(0.5)
+    model.save_pretrained(halved)
+    other = ServedModel(halved, compile=True, compile_cache=tmp_path / "other").loaded.compiled.path
+    for broken, why in ((other, "answers a probe input unlike the eager model"),
+                        (b"not a package", "RuntimeError")):  # a copy cut short, a disk's fault
+        if isinstance(broken, Path):
+            shutil.copy(broken, package)
+        else:
+            package.write_bytes(broken)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="roformer_hf.serving.compiled"):
+            again = ServedModel(folders["sim"], compile=True, compile_cache=tmp_path / "cache")
+        assert f"compiled encoder {package} could not be used" in caplog.text and why in caplog.text
+        assert not again.loaded.compiled.loaded and again.loaded.compiled.path == package  # compiled and replaced
+        torch.testing.assert_close(_ran(again, {"input": SENTENCES[0]})[0], expected, atol=1e-5, rtol=0)
+
+
+def test_a_compile_cache_that_cannot_be_written_compiles_without_it(folders, tmp_path, caplog, monkeypatch):
+    from roformer_hf.serving import compiled
+
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the folder would be")
+    # compiled as the eager encoder it is built from: this test is about where it goes
+    monkeypatch.setattr(compiled, "_compile", lambda build, example, max_length, path: compiled.CompiledEncoder(
+        build(), path, loaded=False))
+    with caplog.at_level(logging.WARNING, logger="roformer_hf.serving.compiled"):
+        served = ServedModel(folders["sim"], compile=True, compile_cache=blocked / "cache")
+    assert f"compile cache {blocked / 'cache'} cannot be written" in caplog.text
+    assert served.loaded.compiled.path is None and served.loaded.describe().endswith("compiled, not saved)")
 
 
 @pytest.fixture(scope="module")
@@ -396,7 +486,8 @@ def test_calibration_batches_hold_every_row_once_by_length_within_the_budget(see
 @pytest.mark.parametrize("name", ["sim", "mlm"])
 def test_compiled_int8_encoder_is_quantized_statically_and_embeds_one_input_near_fp32(folders, calibration, static_sim,
                                                                                      name, tmp_path):
-    import torch._dynamo
+    from roformer_hf.serving.compiled import CompiledEncoder, OneInput
+    from roformer_hf.serving.loaded import CALIBRATION_TOKENS, calibration_batches, static_int8_encoder
 
     fp32, dynamic = ServedModel(folders[name]), ServedModel(folders[name], int8=True)
     expected = encode(fp32.model, fp32.tokenizer, SENTENCES)
@@ -406,45 +497,42 @@ def test_compiled_int8_encoder_is_quantized_statically_and_embeds_one_input_near
         calibration = tmp_path / "distinct.txt"
         calibration.write_text("the king\nthe queen loves\na crown and a sword at night\n")
         served = ServedModel(folders[name], int8=True, compile=True, calibration=calibration)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled already: no request compiles
     lines = [line for line in calibration.read_text().splitlines() if line]
-    lengths = [len(ids) for ids in served.tokenizer(lines)["input_ids"]]
-    assert (len(set(lengths)) < len(lengths)) == (name == "sim")
-    assert served.loaded.describe().endswith(f"one input at a time compiled (int8 static, calibrated on {len(lines)} "
-                                             "inputs))")
-    # The graph compiled is torchao's static quantization of the encoder: every dense layer's input quantized with a
-    # fixed scale (query/key/value share theirs), its weight per channel; run without compiling, it is the reference.
-    graph = served.loaded.compiled._orig_mod
+    rows = served.tokenizer(lines, truncation=True, max_length=served.loaded.max_length)["input_ids"]
+    assert (len({len(ids) for ids in rows}) < len(rows)) == (name == "sim")
+    assert re.search(rf"one input at a time compiled \(int8 static, calibrated on {len(lines)} inputs\), "
+                     r"(saved to|loaded from) .*\.pt2\)$", served.loaded.describe())
+    # What the package was compiled from is torchao's static quantization of the encoder: every dense layer's input
+    # quantized with a fixed scale (query/key/value share theirs), its weight per channel; run uncompiled, it is the
+    # reference. The same calibration gives the same scales.
+    graph = static_int8_encoder(OneInput(fp32.model.base_model).eval(), calibration_batches(rows, CALIBRATION_TOKENS),
+                                served.loaded.max_length)
     targets = [str(node.target) for node in graph.graph.nodes]
     linears = sum(type(module) is torch.nn.Linear for module in fp32.model.base_model.modules())
     assert sum(t == "quantized_decomposed.dequantize_per_channel.default" for t in targets) == linears
     assert (sum(t == "quantized_decomposed.quantize_per_tensor.default" for t in targets)
             >= 4 * served.config.num_hidden_layers)
+    reference = embedder_of(served, CompiledEncoder(graph, None, loaded=False))
     for i, sentence in enumerate(SENTENCES):
         got, compiled, eager_ops = _ran(served, {"input": sentence})
         assert compiled and not eager_ops
         ids = torch.tensor([served.tokenizer(sentence)["input_ids"]])
         with torch.no_grad():
-            reference = embedder_of(served, graph)({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+            expected_static = reference({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
         # inductor's fused int8 kernels round as the reference does but for values on a rounding boundary, where an
         # activation moves one step (0.03 here, seen on one CI run)
-        assert torch.cosine_similarity(got[0], reference[0], dim=0) > 0.999
-        torch.testing.assert_close(got[0], reference[0], atol=0.1, rtol=0)
+        assert torch.cosine_similarity(got[0], expected_static[0], dim=0) > 0.999
+        torch.testing.assert_close(got[0], expected_static[0], atol=0.1, rtol=0)
         assert torch.cosine_similarity(got[0], expected[i], dim=0) > 0.999  # int8 near fp32, not equal to it
         assert not torch.allclose(got[0], expected[i], atol=1e-6, rtol=0)
     got, compiled, eager_ops = _ran(served, {"input": SENTENCES})  # several inputs: quantize_int8's eager model
     assert eager_ops and not compiled
     torch.testing.assert_close(got, encode(dynamic.model, dynamic.tokenizer, SENTENCES), atol=1e-5, rtol=0)
-    # One token, a length the graph does not cover: the quantized graph run eagerly (its reference), no compile.
+    # One token, a length the package does not take: quantize_int8's eager model too.
     token = served.tokenizer.cls_token_id
     got, compiled, eager_ops = _ran(served, {"input": [[token]]})
     assert eager_ops and not compiled
-    ids = torch.tensor([[token]])
-    with torch.no_grad():
-        torch.testing.assert_close(got, embedder_of(served, graph)({"input_ids": ids,
-                                                                     "attention_mask": torch.ones_like(ids)}),
-                                   atol=1e-6, rtol=0)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    torch.testing.assert_close(got, _ran(dynamic, {"input": [[token]]})[0], atol=1e-6, rtol=0)
 
 
 def test_the_calibration_runs_with_the_default_prompt_and_a_failing_export_says_so(folders, tmp_path, monkeypatch):
@@ -467,17 +555,24 @@ def test_the_calibration_runs_with_the_default_prompt_and_a_failing_export_says_
     with pytest.raises(RuntimeError, match=r"compile=True with int8=True: the encoder could not be exported and "
                                            r"quantized statically on the calibration inputs \(KeyError: 'boom'\); "
                                            r"expected a calibration file of inputs like those the server will embed"):
-        ServedModel(folder, int8=True, compile=True, calibration=tmp_path / "inputs.txt")
+        ServedModel(folder, int8=True, compile=True, calibration=tmp_path / "inputs.txt",
+                    compile_cache=tmp_path / "cache")
     tokenizer = ServedModel(folder).tokenizer
     assert sorted(seen) == sorted(tokenizer(["the queen : " + line for line in lines])["input_ids"])
 
 
-def test_build_app_hands_the_replicas_the_calibration_files_whole_path(folders, monkeypatch, tmp_path):
+def test_build_app_hands_the_replicas_the_calibration_file_and_compile_cache_whole_paths(folders, monkeypatch,
+                                                                                          tmp_path):
     from roformer_hf.serving import build_app
 
     monkeypatch.chdir(tmp_path)
-    app = build_app({"folder": str(folders["sim"]), "int8": "true", "compile": "true", "calibration": "inputs.txt"})
-    assert app._bound_deployment.init_kwargs["calibration"] == str(tmp_path / "inputs.txt")
+    app = build_app({"folder": str(folders["sim"]), "int8": "true", "compile": "true", "calibration": "inputs.txt",
+                     "compile_cache": "cache"})
+    arguments = app._bound_deployment.init_kwargs
+    assert arguments["calibration"] == str(tmp_path / "inputs.txt")
+    assert arguments["compile_cache"] == str(tmp_path / "cache")
+    assert build_app({"folder": str(folders["sim"]), "compile": "true"})._bound_deployment.init_kwargs[
+        "compile_cache"] is None  # each replica's default
 
 
 def embedder_of(served, encoder):
@@ -508,16 +603,20 @@ def test_compile_is_refused_where_it_cannot_apply(folders, calibration, tmp_path
     assert "expected device='cpu'" in compile_refusal(True, False, "cuda:1")
     assert compile_refusal(True, False, "cpu") is None and compile_refusal(False, True, "cuda") is None
     assert compile_refusal(True, True, "cpu", calibration) is None
-    with pytest.MonkeyPatch.context() as patch:  # a torch without set_stance could compile during a request
-        patch.delattr(torch.compiler, "set_stance")
+    with pytest.MonkeyPatch.context() as patch:  # a torch without AOTInductor's packages
+        patch.delattr(torch._inductor, "aoti_compile_and_package")
         assert "expected torch 2.6 or later" in compile_refusal(True, False, "cpu")
+    with pytest.raises(ValueError, match=r"compile_cache='.*cache' with compile=False: .* expected it with "
+                                         r"compile=True only"):
+        ServedModel(folders["sim"], compile_cache=tmp_path / "cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("importlib.util.find_spec", lambda name, *rest: None)
         assert "expected pip install roformer_hf[quantization]" in compile_refusal(True, True, "cpu", calibration)
     for flags, said in ((["--compile", "--int8"], "--compile: compile=True with int8=True and no calibration"),
                         (["--calibration", str(calibration)], "--calibration: calibration="),
                         (["--compile", "--int8", "--calibration", str(empty)], "--calibration: calibration="),
-                        (["--compile", "--device", "cuda"], "--compile: compile=True with device='cuda'")):
+                        (["--compile", "--device", "cuda"], "--compile: compile=True with device='cuda'"),
+                        (["--compile-cache", str(tmp_path)], "--compile-cache: compile_cache=")):
         with pytest.raises(SystemExit) as exited:
             main(["serve", str(folders["sim"]), *flags])
         assert exited.value.code == 2
@@ -527,16 +626,12 @@ def test_compile_is_refused_where_it_cannot_apply(folders, calibration, tmp_path
     assert not ray.is_initialized()
 
 
-def test_a_compile_that_fails_says_so(folders, monkeypatch):
-    def no_compiler(module, **options):
-        def run(**inputs):
-            raise OSError("g++: not found")
-        return run
-
-    monkeypatch.setattr(torch, "compile", no_compiler)
-    with pytest.raises(RuntimeError, match=r"compile=True: torch.compile could not compile the encoder \(OSError: "
-                                           r"g\+\+: not found\)"):
-        ServedModel(folders["sim"], compile=True)
+def test_a_compile_that_fails_says_so(folders, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiler)
+    with pytest.raises(RuntimeError, match=r"compile=True: AOTInductor could not compile the encoder \(OSError: "
+                                           r"g\+\+: not found\); inductor needs a C\+\+ compiler"):
+        ServedModel(folders["sim"], compile=True, compile_cache=tmp_path)
+    assert not list(tmp_path.glob("*.pt2"))  # nothing half made is left to load
 
 
 # Over HTTP, on a real Ray Serve.

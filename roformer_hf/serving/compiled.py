@@ -1,0 +1,191 @@
+"""The encoder for one input, compiled ahead of time by AOTInductor and kept on disk for the next start.
+
+`compiled_encoder` exports the encoder on one input's ids (`OneInput`: no mask, no cache, any length from 2 tokens to
+the model's longest), compiles it with inductor's settings for latency on CPU (frozen weights: packed once, the
+activations fused into their GEMMs; the kernels called from C++) into a package (`torch._inductor.aoti_compile_and_
+package`) and loads it. The package is saved in a cache folder under a key of everything the compiled code depends on
+(`cache_key`: the weights, the config, the calibration, the thread count, the CPU, the versions of the code), so a
+replica that starts again, or a second replica of the same model, loads it in about a second instead of compiling for
+tens of seconds. Replicas starting together compile once: the others wait on the key's lock, then load.
+
+Every package, compiled now or loaded, must first answer a probe input as the eager model does (`check`) before it
+serves; one loaded that does not, or cannot be loaded, is compiled again and replaced, with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch._inductor
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1  # of the cache's packages and keys; a change of what a key covers raises it
+PROBE_TOKENS = 16
+
+
+class OneInput(nn.Module):
+    """The encoder on one input's ids ``(1, L)``, as the compiled encoder takes them: no mask (one input has no
+    padding), no cache. Returns the last hidden states ``(1, L, H)`` and, where the encoder has a pooler, its output
+    ``(1, H)``: tensors only, which a compiled package returns as they are."""
+
+    def __init__(self, encoder: nn.Module):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.encoder(input_ids=input_ids, use_cache=False)
+        return (out.last_hidden_state,) if out.pooler_output is None else (out.last_hidden_state, out.pooler_output)
+
+
+class CompiledEncoder:
+    """A loaded package of `OneInput`, called as the encoder is: ``encoder(input_ids=(1, L))``, ``2 <= L``, up to the
+    length it was compiled for. `path`: the package's file in the cache, None where it was compiled without one; `loaded`:
+    whether it came from the cache rather than from compiling in this process."""
+
+    def __init__(self, runner: Callable, path: Path | None, loaded: bool):
+        self.runner, self.path, self.loaded = runner, path, loaded
+
+    def __call__(self, input_ids: torch.Tensor) -> BaseModelOutputWithPooling:
+        outputs = self.runner(input_ids)
+        return BaseModelOutputWithPooling(last_hidden_state=outputs[0],
+                                          pooler_output=outputs[1] if len(outputs) > 1 else None)
+
+
+def default_compile_cache() -> Path:
+    """Where compiled encoders are kept unless told: ``$ROFORMER_HF_CACHE/compiled``, else
+    ``$XDG_CACHE_HOME/roformer_hf/compiled``, else ``~/.cache/roformer_hf/compiled``."""
+    root = os.environ.get("ROFORMER_HF_CACHE")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "roformer_hf"
+    return Path(root).expanduser() / "compiled"
+
+
+def cache_key(encoder: nn.Module, precision: str, max_length: int, calibration: list[torch.Tensor] = ()) -> dict:
+    """What the compiled code of `encoder` (the eager model's, before any quantization) depends on, with its digest
+    under ``"key"``: the weights' bytes, the config, `precision`, the longest input, the calibration's token ids (int8),
+    torch's thread count (inductor writes it into its kernels), the CPU (its ISA picks the kernels and the packed
+    weights' layout) and the versions of torch, transformers, torchao and roformer_hf's code."""
+    weights = hashlib.sha256()
+    for name, tensor in sorted(encoder.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        weights.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        weights.update(tensor.view(-1).view(torch.uint8).numpy())
+    calibrated = hashlib.sha256()
+    for batch in calibration:
+        calibrated.update(json.dumps(batch.tolist()).encode())
+    factors = {"format": FORMAT, "precision": precision, "max_length": max_length, "threads": torch.get_num_threads(),
+               "cpu": _cpu(), "torch": torch.__version__, "transformers": _version("transformers"),
+               "torchao": _version("torchao") if precision == "int8" else None, "code": _code_digest(),
+               "config": hashlib.sha256(encoder.config.to_json_string(use_diff=False).encode()).hexdigest(),
+               "weights": weights.hexdigest(), "calibration": calibrated.hexdigest() if calibration else None}
+    factors["key"] = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:32]
+    return factors
+
+
+def compiled_encoder(build: Callable[[], nn.Module], example: torch.Tensor, max_length: int, factors: dict,
+                     check: Callable[[CompiledEncoder], None], cache: Path | None) -> CompiledEncoder:
+    """The package of the module `build()` returns (`OneInput`, or one exported from it), from `cache` under
+    ``factors["key"]`` where it holds one that passes `check` (which raises where the package answers wrongly), else
+    compiled now, checked, and saved there. `example`: ids ``(1, L)`` to export on; any length from 2 to `max_length`
+    runs. A cache folder that cannot be written is warned of, and the package compiled without it."""
+    if cache is not None:
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            from filelock import FileLock
+
+            lock = FileLock(cache / f"{factors['key']}.lock")
+            lock.acquire()
+        except OSError as error:
+            logger.warning("compile cache %s cannot be written (%s): compiling without it", cache, error)
+            cache = None
+    if cache is None:
+        with tempfile.TemporaryDirectory() as folder:
+            encoder = _compile(build, example, max_length, Path(folder) / "encoder.pt2")
+        encoder.path = None
+        check(encoder)
+        return encoder
+    try:
+        path = cache / f"{factors['key']}.pt2"
+        if path.is_file():
+            try:
+                encoder = CompiledEncoder(torch._inductor.aoti_load_package(str(path)), path, loaded=True)
+                check(encoder)
+                return encoder
+            except Exception as error:  # noqa: BLE001 - a corrupt or stale package of any kind is compiled anew
+                logger.warning("compiled encoder %s could not be used (%s: %s): compiling it again", path,
+                               type(error).__name__, error)
+        with tempfile.TemporaryDirectory(dir=cache) as folder:  # written whole, then moved: never half a package
+            encoder = _compile(build, example, max_length, Path(folder) / "encoder.pt2")
+            check(encoder)
+            os.replace(encoder.path, path)
+        (cache / f"{factors['key']}.json").write_text(json.dumps(factors, indent=1) + "\n", encoding="utf-8")
+        encoder.path = path
+        return encoder
+    finally:
+        lock.release()
+
+
+def _compile(build: Callable[[], nn.Module], example: torch.Tensor, max_length: int, path: Path) -> CompiledEncoder:
+    module = build()
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            program = torch.export.export(module, (example,), dynamic_shapes={
+                "input_ids": {1: torch.export.Dim("length", min=2, max=max_length)}})
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                     inductor_configs={"freezing": True})
+        runner = torch._inductor.aoti_load_package(str(path))
+    except Exception as error:  # export's and inductor's errors have no common base class
+        raise RuntimeError(f"compile=True: AOTInductor could not compile the encoder ({type(error).__name__}: "
+                           f"{error}); inductor needs a C++ compiler on this machine. Expected a machine where it "
+                           "compiles, or compile=False") from error
+    logger.info("encoder compiled for one input in %.1f s", time.perf_counter() - start)
+    return CompiledEncoder(runner, path, loaded=False)
+
+
+def _cpu() -> str:
+    """The CPU as far as compiled code can tell: architecture, vendor and model, and its feature flags."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() in ("vendor_id", "model name", "flags") and key.strip() not in fields:
+                    fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return " | ".join([platform.machine(), torch.backends.cpu.get_cpu_capability(), *fields.values()])
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _code_digest() -> str:
+    """The digest of roformer_hf's source: the model's code and the serving code around it."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for file in sorted(root.rglob("*.py")):
+        digest.update(str(file.relative_to(root)).encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+__all__ = ["CompiledEncoder", "OneInput", "cache_key", "compiled_encoder", "default_compile_cache"]
