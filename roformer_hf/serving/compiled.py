@@ -32,7 +32,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 logger = logging.getLogger(__name__)
 
 FORMAT = 1  # of the cache's packages and keys; a change of what a key covers raises it
-PROBE_TOKENS = 16
+PROBE_TEXT = "A short sentence that checks the compiled encoder against the eager one."
 
 
 class OneInput(nn.Module):
@@ -88,7 +88,7 @@ def cache_key(encoder: nn.Module, precision: str, max_length: int, calibration: 
     factors = {"format": FORMAT, "precision": precision, "max_length": max_length, "threads": torch.get_num_threads(),
                "cpu": _cpu(), "torch": torch.__version__, "transformers": _version("transformers"),
                "torchao": _version("torchao") if precision == "int8" else None, "code": _code_digest(),
-               "config": hashlib.sha256(encoder.config.to_json_string(use_diff=False).encode()).hexdigest(),
+               "config": _config_digest(encoder.config),
                "weights": weights.hexdigest(), "calibration": calibrated.hexdigest() if calibration else None}
     factors["key"] = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:32]
     return factors
@@ -122,6 +122,7 @@ def compiled_encoder(build: Callable[[], nn.Module], example: torch.Tensor, max_
             try:
                 encoder = CompiledEncoder(torch._inductor.aoti_load_package(str(path)), path, loaded=True)
                 check(encoder)
+                logger.info("compiled encoder loaded from %s", path)
                 return encoder
             except Exception as error:  # noqa: BLE001 - a corrupt or stale package of any kind is compiled anew
                 logger.warning("compiled encoder %s could not be used (%s: %s): compiling it again", path,
@@ -169,6 +170,13 @@ def _cpu() -> str:
     return " | ".join([platform.machine(), torch.backends.cpu.get_cpu_capability(), *fields.values()])
 
 
+def _config_digest(config) -> str:
+    """The digest of the config's fields, but for where it was read from and the transformers that wrote it."""
+    fields = {name: value for name, value in config.to_dict().items()
+              if name not in ("_name_or_path", "transformers_version")}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _version(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -188,4 +196,4 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
-__all__ = ["CompiledEncoder", "OneInput", "cache_key", "compiled_encoder", "default_compile_cache"]
+__all__ = ["CompiledEncoder", "OneInput", "PROBE_TEXT", "cache_key", "compiled_encoder", "default_compile_cache"]

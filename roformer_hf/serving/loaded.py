@@ -24,11 +24,12 @@ from ..sentence import (
     sentence_pooling,
     sentence_prompts,
 )
-from .compiled import PROBE_TOKENS, CompiledEncoder, OneInput, cache_key, compiled_encoder, default_compile_cache
+from .compiled import PROBE_TEXT, CompiledEncoder, OneInput, cache_key, compiled_encoder, default_compile_cache
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
-# The compiled encoder's lowest cosine with the eager model on any token of the probe input, in bf16 and int8.
-PROBE_COSINE = 0.99
+# The compiled encoder's lowest cosine with the eager model on any token of the probe input: fp32 (within rounding),
+# bf16 and int8 (their rounding and quantization; another model's package lands far below).
+PROBE_COSINE = {"float32": 0.9999, "other": 0.95}
 
 
 class LoadedModel:
@@ -103,8 +104,9 @@ class LoadedModel:
     def _compiled_encoder(self, texts: list[str] | None, cache: Path) -> CompiledEncoder:
         """The encoder for one input, compiled (`compiled.compiled_encoder`): as saved, or with calibration `texts`
         quantized statically, each text with the folder's default prompt before it, as a request without
-        `prompt_name` gets it. It must answer a probe input as the eager model does: fp32 within 1e-4, bf16 and int8
-        with a cosine of at least `PROBE_COSINE` for every token."""
+        `prompt_name` gets it. It must answer a probe input as the eager model does: fp32 within rounding (each token at
+        a cosine of `PROBE_COSINE`, no value off by more than 1e-3 of the largest), bf16 and int8 close (each token at
+        a cosine of `PROBE_COSINE`)."""
         encoder = OneInput(self.model.base_model).eval()
         calibration = []
         if texts is not None:
@@ -117,22 +119,24 @@ class LoadedModel:
                                  "shortest input the compiled encoder takes; expected inputs like those the server "
                                  "will embed")
             self.calibrated_on = sum(len(batch) for batch in calibration)
-        probe = (torch.arange(min(PROBE_TOKENS, self.max_length)) + 2) % self.config.vocab_size
-        probe = probe.unsqueeze(0).to(self.device)
+        # The probe: one input like those served (int8: the first calibration input, within the range it calibrated).
+        probe = calibration[0][:1] if calibration else \
+            self.tokenizer([PROBE_TEXT], truncation=True, max_length=self.max_length, return_tensors="pt")["input_ids"]
+        probe = probe.to(self.device)
         with torch.no_grad():
             expected = encoder(probe)[0].float()
+        fp32 = self.dtype == "float32"
 
         def check(compiled: CompiledEncoder) -> None:
             with torch.no_grad():
                 got = compiled(probe).last_hidden_state.float()
             cosine = torch.cosine_similarity(got, expected, dim=-1).min().item()
-            close = torch.allclose(got, expected, atol=1e-4, rtol=1e-4) if self.dtype == "float32" else \
-                cosine >= PROBE_COSINE
-            if not close:
+            difference = (got - expected).abs().max().item()
+            if cosine < PROBE_COSINE["float32" if fp32 else "other"] or (
+                    fp32 and difference > 1e-3 * expected.abs().max().item()):
                 raise RuntimeError(f"compile=True: the compiled encoder {compiled.path} answers a probe input unlike "
-                                   f"the eager model (largest difference {(got - expected).abs().max().item():.3g}, "
-                                   f"lowest cosine {cosine:.6f}); expected them equal within the precision's "
-                                   "rounding")
+                                   f"the eager model (largest difference {difference:.3g}, lowest cosine "
+                                   f"{cosine:.6f}); expected them equal within the {self.dtype} rounding")
 
         def build() -> nn.Module:
             return static_int8_encoder(encoder, calibration, self.max_length) if calibration else encoder

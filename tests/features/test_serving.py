@@ -411,14 +411,15 @@ def test_a_compile_cache_entry_that_is_broken_or_answers_wrongly_is_compiled_aga
     served = ServedModel(folders["sim"], compile=True, compile_cache=tmp_path / "cache")
     package = served.loaded.compiled.path
     expected = _ran(served, {"input": SENTENCES[0]})[0]
-    # Another model's package under this model's key: the same folder with its weights halved.
-    halved = Path(shutil.copytree(folders["sim"], tmp_path / "halved"))
-    model = RoFormerForCausalLM.from_pretrained(halved)
+    # Another model's package under this model's key: the same architecture, other weights.
+    retrained = Path(shutil.copytree(folders["sim"], tmp_path / "retrained"))
+    model = RoFormerForCausalLM.from_pretrained(retrained)
+    generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.mul_(0.5)
-    model.save_pretrained(halved)
-    other = ServedModel(halved, compile=True, compile_cache=tmp_path / "other").loaded.compiled.path
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * parameter.std().nan_to_num())
+    model.save_pretrained(retrained)
+    other = ServedModel(retrained, compile=True, compile_cache=tmp_path / "other").loaded.compiled.path
     for broken, why in ((other, "answers a probe input unlike the eager model"),
                         (b"not a package", "RuntimeError")):  # a copy cut short, a disk's fault
         if isinstance(broken, Path):
