@@ -8,7 +8,9 @@ replicas leaves its core idle): each test module stays on one worker (its module
 tests go first (those that start a Ray, each on a Ray of its own, and those that compile with inductor), each worker
 takes one unit of work at a time, and each worker's torch takes its share of the cores."""
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -113,6 +115,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Compiled encoders the tests make are kept in a folder of the run's own, not in the user's cache (the Rays the tests
 # start inherit it).
 os.environ["ROFORMER_HF_CACHE"] = tempfile.mkdtemp(prefix="roformer_hf_cache_")
+atexit.register(shutil.rmtree, os.environ["ROFORMER_HF_CACHE"], ignore_errors=True)
 
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:  # one of several workers: its share of the cores, for torch and the subprocesses it starts
