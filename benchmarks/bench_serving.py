@@ -333,7 +333,7 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
                                  "max_batch_tokens": args.max_batch_tokens, "batch_wait_ms": args.batch_wait_ms,
                                  "max_ongoing_requests": max(64, args.clients), "compile": args.compile,
                                  "int8": args.int8, "calibration": calibration and str(calibration),
-                                 "compile_cache": str(folder.parent / "compiled") if args.compile else None}),
+                                 "compile_cache": str(folder.parent / f"compiled-{ingress}") if args.compile else None}),
                       name="sim", route_prefix="/sim")
             client.wait_until_up(f"{base}/sim/health")
             return time.perf_counter() - start

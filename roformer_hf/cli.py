@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                             "the compiled int8 encoder's activation scales (it is quantized statically)")
     model.add_argument("--compile-cache", default=None, metavar="DIR",
                        help="with --compile: the folder that keeps compiled encoders between starts (default: "
-                            "$ROFORMER_HF_CACHE/compiled, else ~/.cache/roformer_hf/compiled)")
+                            "$ROFORMER_HF_CACHE/compiled, else $XDG_CACHE_HOME/roformer_hf/compiled, else "
+                            "~/.cache/roformer_hf/compiled)")
     model.add_argument("--replicas", type=int, default=None,
                        help="model replicas (default: one per core, up to 4, or as many as the cores take of "
                             "--threads; 1 with --device cuda)")

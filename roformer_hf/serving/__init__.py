@@ -106,7 +106,7 @@ def build_app(args: dict) -> serve.Application:
               "compile_cache": values["compile_cache"]}
     for name in ("calibration", "compile_cache"):  # read where the replicas run, whose working folder may be another
         if kwargs[name] is not None:
-            kwargs[name] = str(Path(kwargs[name]).resolve())
+            kwargs[name] = str(Path(kwargs[name]).expanduser().resolve())
     return RoFormerServer.options(**options).bind(folder, **kwargs)
 
 

@@ -198,7 +198,8 @@ class RoFormerServer:
                  calibration: str | None = None, compile_cache: str | None = None):
         torch.set_num_threads(threads)  # before compiling: inductor's kernels keep the thread count they compiled with
         self.served = ServedModel(folder, int8=int8, max_inputs=max_inputs, device=device, name=name, compile=compile,
-                                  calibration=calibration, compile_cache=compile_cache, settings={"max_batch_tokens": max_batch_tokens,
+                                  calibration=calibration, compile_cache=compile_cache,
+                                  settings={"max_batch_tokens": max_batch_tokens,
                                             "max_ongoing_requests": max_ongoing_requests})
         if max_batch_tokens < self.served.loaded.max_length:
             raise ValueError(f"max_batch_tokens={max_batch_tokens}: expected at least the model's longest input, "

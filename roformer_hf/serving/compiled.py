@@ -19,13 +19,15 @@ import json
 import logging
 import os
 import platform
+import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch._inductor
+from filelock import FileLock
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
@@ -50,33 +52,43 @@ class OneInput(nn.Module):
 
 
 class CompiledEncoder:
-    """A loaded package of `OneInput`, called as the encoder is: ``encoder(input_ids=(1, L))``, ``2 <= L``, up to the
-    length it was compiled for. `path`: the package's file in the cache, None where it was compiled without one; `loaded`:
-    whether it came from the cache rather than from compiling in this process."""
+    """A loaded package of `OneInput`, called as the encoder is: ``encoder(input_ids=(1, L))``,
+    ``2 <= L <= max_length``, the lengths it was compiled for (the package itself checks no shape). `path`: the
+    package's file in the cache, None where it is not saved; `loaded`: whether it came from the cache rather than
+    from compiling in this process."""
 
-    def __init__(self, runner: Callable, path: Path | None, loaded: bool):
-        self.runner, self.path, self.loaded = runner, path, loaded
+    def __init__(self, runner: Callable, path: Path | None, max_length: int, loaded: bool):
+        self.runner, self.path, self.max_length, self.loaded = runner, path, max_length, loaded
 
     def __call__(self, input_ids: torch.Tensor) -> BaseModelOutputWithPooling:
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or not 2 <= input_ids.shape[1] <= self.max_length:
+            raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}: expected (1, L) with "
+                             f"2 <= L <= {self.max_length}, the lengths the encoder was compiled for")
         outputs = self.runner(input_ids)
         return BaseModelOutputWithPooling(last_hidden_state=outputs[0],
                                           pooler_output=outputs[1] if len(outputs) > 1 else None)
 
 
-def default_compile_cache() -> Path:
+def default_compile_cache() -> Path | None:
     """Where compiled encoders are kept unless told: ``$ROFORMER_HF_CACHE/compiled``, else
-    ``$XDG_CACHE_HOME/roformer_hf/compiled``, else ``~/.cache/roformer_hf/compiled``."""
+    ``$XDG_CACHE_HOME/roformer_hf/compiled``, else ``~/.cache/roformer_hf/compiled``; None where none of them is known
+    (no home folder), with a warning: each start compiles."""
     root = os.environ.get("ROFORMER_HF_CACHE")
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "roformer_hf"
-    return Path(root).expanduser() / "compiled"
+    try:
+        if not root:
+            root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "roformer_hf"
+        return Path(root).expanduser() / "compiled"
+    except RuntimeError as error:  # Path.home() with no HOME and no user entry
+        logger.warning("no compile cache (%s): set ROFORMER_HF_CACHE or pass compile_cache", error)
+        return None
 
 
-def cache_key(encoder: nn.Module, precision: str, max_length: int, calibration: list[torch.Tensor] = ()) -> dict:
+def cache_key(encoder: nn.Module, precision: str, max_length: int, calibration: Sequence[torch.Tensor] = ()) -> dict:
     """What the compiled code of `encoder` (the eager model's, before any quantization) depends on, with its digest
-    under ``"key"``: the weights' bytes, the config, `precision`, the longest input, the calibration's token ids (int8),
-    torch's thread count (inductor writes it into its kernels), the CPU (its ISA picks the kernels and the packed
-    weights' layout) and the versions of torch, transformers, torchao and roformer_hf's code."""
+    under ``"key"``: the weights' bytes, the config (its attention implementation included), `precision`, the longest
+    input, the calibration's token ids (int8), torch's thread count (inductor writes it into its kernels), the CPU (its
+    ISA picks the kernels and the packed weights' layout), inductor's settings from the environment
+    (``TORCHINDUCTOR_*``) and the versions of torch, transformers, torchao and roformer_hf's code."""
     weights = hashlib.sha256()
     for name, tensor in sorted(encoder.state_dict().items()):
         tensor = tensor.detach().cpu().contiguous()
@@ -89,6 +101,8 @@ def cache_key(encoder: nn.Module, precision: str, max_length: int, calibration: 
                "cpu": _cpu(), "torch": torch.__version__, "transformers": _version("transformers"),
                "torchao": _version("torchao") if precision == "int8" else None, "code": _code_digest(),
                "config": _config_digest(encoder.config),
+               "inductor_environment": {name: value for name, value in sorted(os.environ.items())
+                                        if name.startswith("TORCHINDUCTOR_")},
                "weights": weights.hexdigest(), "calibration": calibrated.hexdigest() if calibration else None}
     factors["key"] = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:32]
     return factors
@@ -99,43 +113,66 @@ def compiled_encoder(build: Callable[[], nn.Module], example: torch.Tensor, max_
     """The package of the module `build()` returns (`OneInput`, or one exported from it), from `cache` under
     ``factors["key"]`` where it holds one that passes `check` (which raises where the package answers wrongly), else
     compiled now, checked, and saved there. `example`: ids ``(1, L)`` to export on; any length from 2 to `max_length`
-    runs. A cache folder that cannot be written is warned of, and the package compiled without it."""
+    runs. A package is read without the lock (it is written whole, then moved into place), so a cache that is only
+    readable serves what it holds; one that cannot be written is warned of, and the package compiled is not saved."""
+    path = None if cache is None else cache / f"{factors['key']}.pt2"
+    if path is not None and (found := _load(path, max_length, check)) is not None:
+        return found
+    lock = None
     if cache is not None:
         try:
             cache.mkdir(parents=True, exist_ok=True)
-            from filelock import FileLock
-
             lock = FileLock(cache / f"{factors['key']}.lock")
             lock.acquire()
         except OSError as error:
             logger.warning("compile cache %s cannot be written (%s): compiling without it", cache, error)
-            cache = None
-    if cache is None:
+            lock = None
+    try:
+        if lock is not None and (found := _load(path, max_length, check)) is not None:
+            return found  # compiled by another process while this one waited for the lock
         with tempfile.TemporaryDirectory() as folder:
             encoder = _compile(build, example, max_length, Path(folder) / "encoder.pt2")
-        encoder.path = None
-        check(encoder)
-        return encoder
-    try:
-        path = cache / f"{factors['key']}.pt2"
-        if path.is_file():
-            try:
-                encoder = CompiledEncoder(torch._inductor.aoti_load_package(str(path)), path, loaded=True)
-                check(encoder)
-                logger.info("compiled encoder loaded from %s", path)
-                return encoder
-            except Exception as error:  # noqa: BLE001 - a corrupt or stale package of any kind is compiled anew
-                logger.warning("compiled encoder %s could not be used (%s: %s): compiling it again", path,
-                               type(error).__name__, error)
-        with tempfile.TemporaryDirectory(dir=cache) as folder:  # written whole, then moved: never half a package
-            encoder = _compile(build, example, max_length, Path(folder) / "encoder.pt2")
             check(encoder)
-            os.replace(encoder.path, path)
-        (cache / f"{factors['key']}.json").write_text(json.dumps(factors, indent=1) + "\n", encoding="utf-8")
-        encoder.path = path
+            if lock is not None:
+                encoder.path = _save(encoder.path, path, factors)
+            else:
+                encoder.path = None
         return encoder
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
+
+
+def _load(path: Path, max_length: int, check: Callable[[CompiledEncoder], None]) -> CompiledEncoder | None:
+    """The package at `path` where it is there and passes `check`; None where it is not there, and with a warning
+    where it cannot be loaded or fails the check (it is compiled again)."""
+    if not path.is_file():
+        return None
+    try:
+        encoder = CompiledEncoder(torch._inductor.aoti_load_package(str(path)), path, max_length, loaded=True)
+        check(encoder)
+    except Exception as error:  # noqa: BLE001 - a corrupt or stale package of any kind is compiled anew
+        logger.warning("compiled encoder %s could not be used (%s: %s): compiling it again", path,
+                       type(error).__name__, error)
+        return None
+    logger.info("compiled encoder loaded from %s", path)
+    return encoder
+
+
+def _save(package: Path, path: Path, factors: dict) -> Path | None:
+    """`package` copied to `path` beside the cache's other packages (a copy in the same folder, then moved into place:
+    a reader never sees half a package), with the key's factors beside it; None, with a warning, where it cannot be
+    (a full disk, say): the package serves unsaved."""
+    part = path.with_name(f"{path.stem}.{os.getpid()}.part")
+    try:
+        shutil.copyfile(package, part)
+        os.replace(part, path)
+        path.with_suffix(".json").write_text(json.dumps(factors, indent=1) + "\n", encoding="utf-8")
+    except OSError as error:
+        part.unlink(missing_ok=True)
+        logger.warning("compiled encoder not saved to %s (%s): it serves unsaved", path, error)
+        return None
+    return path
 
 
 def _compile(build: Callable[[], nn.Module], example: torch.Tensor, max_length: int, path: Path) -> CompiledEncoder:
@@ -149,11 +186,11 @@ def _compile(build: Callable[[], nn.Module], example: torch.Tensor, max_length: 
                                                      inductor_configs={"freezing": True})
         runner = torch._inductor.aoti_load_package(str(path))
     except Exception as error:  # export's and inductor's errors have no common base class
-        raise RuntimeError(f"compile=True: AOTInductor could not compile the encoder ({type(error).__name__}: "
-                           f"{error}); inductor needs a C++ compiler on this machine. Expected a machine where it "
-                           "compiles, or compile=False") from error
+        raise RuntimeError(f"compile=True: AOTInductor could not export or compile the encoder "
+                           f"({type(error).__name__}: {error}); inductor needs a C++ compiler on this machine, the "
+                           "first thing to check. Expected a machine where it compiles, or compile=False") from error
     logger.info("encoder compiled for one input in %.1f s", time.perf_counter() - start)
-    return CompiledEncoder(runner, path, loaded=False)
+    return CompiledEncoder(runner, path, max_length, loaded=False)
 
 
 def _cpu() -> str:
@@ -163,7 +200,8 @@ def _cpu() -> str:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
                 key, _, value = line.partition(":")
-                if key.strip() in ("vendor_id", "model name", "flags") and key.strip() not in fields:
+                if key.strip() in ("vendor_id", "model name", "flags", "CPU implementer", "CPU part", "Features") \
+                        and key.strip() not in fields:
                     fields[key.strip()] = value.strip()
     except OSError:
         pass
@@ -174,6 +212,7 @@ def _config_digest(config) -> str:
     """The digest of the config's fields, but for where it was read from and the transformers that wrote it."""
     fields = {name: value for name, value in config.to_dict().items()
               if name not in ("_name_or_path", "transformers_version")}
+    fields["_attn_implementation"] = config._attn_implementation
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -41,7 +41,7 @@ class ServedModel(Tasks):
         calibration: with `int8` and `compile`: a text file of inputs like those the server will embed, one per
             line, that fix the compiled int8 encoder's activation scales (`LoadedModel`).
         compile_cache: with `compile`: the folder that keeps compiled encoders between starts (default
-            `~/.cache/roformer_hf/compiled`; `LoadedModel`).
+            `compiled.default_compile_cache()`; `LoadedModel`).
         settings: the server's settings that `/info` reports (`max_batch_tokens`, `max_ongoing_requests`).
 
     Example:

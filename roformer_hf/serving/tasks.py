@@ -103,7 +103,7 @@ class Tasks:
         vectors: list = [None] * len(ids)
         for rows in by_tokens(order, [len(row) for row in ids], EMBED_TOKENS):
             padded = self._pad([ids[i] for i in rows], "right")
-            if len(rows) == 1 and self.embed_alone is not None and len(ids[rows[0]]) >= 2:
+            if len(rows) == 1 and self.embed_alone is not None and 2 <= len(ids[rows[0]]) <= self.loaded.max_length:
                 batch = self.embed_alone(padded)  # one input of a length the compiled encoder takes
             else:
                 batch = self.embed_batch(padded)

@@ -381,7 +381,9 @@ def _no_compiler(*args, **kwargs):
     raise OSError("g++: not found")
 
 
-def test_compile_cache_keys_hold_what_the_compiled_code_depends_on(folders):
+def test_compile_cache_keys_hold_what_the_compiled_code_depends_on(folders, tmp_path):
+    import shutil
+
     from roformer_hf.serving.compiled import cache_key
 
     model = ServedModel(folders["mlm"]).model.base_model
@@ -401,6 +403,8 @@ def test_compile_cache_keys_hold_what_the_compiled_code_depends_on(folders):
         torch.set_num_threads(threads)
     keys = [key["key"]] + [other["key"] for other in others]
     assert len(set(keys)) == len(keys)
+    moved = Path(shutil.copytree(folders["mlm"], tmp_path / "moved"))  # where the folder lies is no part of the key
+    assert cache_key(ServedModel(moved).model.base_model, "float32", 32)["key"] == key["key"]
     assert {name for name in key if key[name] != others[-2][name]} == {"weights", "key"}
 
 
@@ -441,7 +445,7 @@ def test_a_compile_cache_that_cannot_be_written_compiles_without_it(folders, tmp
     blocked.write_text("a file where the folder would be")
     # compiled as the eager encoder it is built from: this test is about where it goes
     monkeypatch.setattr(compiled, "_compile", lambda build, example, max_length, path: compiled.CompiledEncoder(
-        build(), path, loaded=False))
+        build(), path, max_length, loaded=False))
     with caplog.at_level(logging.WARNING, logger="roformer_hf.serving.compiled"):
         served = ServedModel(folders["sim"], compile=True, compile_cache=blocked / "cache")
     assert f"compile cache {blocked / 'cache'} cannot be written" in caplog.text
@@ -513,7 +517,7 @@ def test_compiled_int8_encoder_is_quantized_statically_and_embeds_one_input_near
     assert sum(t == "quantized_decomposed.dequantize_per_channel.default" for t in targets) == linears
     assert (sum(t == "quantized_decomposed.quantize_per_tensor.default" for t in targets)
             >= 4 * served.config.num_hidden_layers)
-    reference = embedder_of(served, CompiledEncoder(graph, None, loaded=False))
+    reference = embedder_of(served, CompiledEncoder(graph, None, served.loaded.max_length, loaded=False))
     for i, sentence in enumerate(SENTENCES):
         got, compiled, eager_ops = _ran(served, {"input": sentence})
         assert compiled and not eager_ops
@@ -604,8 +608,8 @@ def test_compile_is_refused_where_it_cannot_apply(folders, calibration, tmp_path
     assert "expected device='cpu'" in compile_refusal(True, False, "cuda:1")
     assert compile_refusal(True, False, "cpu") is None and compile_refusal(False, True, "cuda") is None
     assert compile_refusal(True, True, "cpu", calibration) is None
-    with pytest.MonkeyPatch.context() as patch:  # a torch without AOTInductor's packages
-        patch.delattr(torch._inductor, "aoti_compile_and_package")
+    with pytest.MonkeyPatch.context() as patch:  # torch 2.5 has aoti_compile_and_package, with other arguments
+        patch.setattr(torch, "__version__", "2.5.1+cpu")
         assert "expected torch 2.6 or later" in compile_refusal(True, False, "cpu")
     with pytest.raises(ValueError, match=r"compile_cache='.*cache' with compile=False: .* expected it with "
                                          r"compile=True only"):
@@ -627,12 +631,60 @@ def test_compile_is_refused_where_it_cannot_apply(folders, calibration, tmp_path
     assert not ray.is_initialized()
 
 
-def test_a_compile_that_fails_says_so(folders, monkeypatch, tmp_path):
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiler)
-    with pytest.raises(RuntimeError, match=r"compile=True: AOTInductor could not compile the encoder \(OSError: "
-                                           r"g\+\+: not found\); inductor needs a C\+\+ compiler"):
+def test_a_compile_that_fails_says_so_and_saves_nothing(folders, monkeypatch, tmp_path):
+    def half_a_compiler(program, package_path, **options):
+        Path(package_path).write_bytes(b"half a package")  # what a compiler that dies midway leaves
+        raise OSError("g++: not found")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", half_a_compiler)
+    with pytest.raises(RuntimeError, match=r"compile=True: AOTInductor could not export or compile the encoder "
+                                           r"\(OSError: g\+\+: not found\); inductor needs a C\+\+ compiler"):
         ServedModel(folders["sim"], compile=True, compile_cache=tmp_path)
-    assert not list(tmp_path.glob("*.pt2"))  # nothing half made is left to load
+    assert [path.suffix for path in tmp_path.rglob("*")] == [".lock"]  # nothing that a later start could load
+
+
+def test_a_package_compiled_now_that_answers_wrongly_stops_the_start_and_is_not_saved(folders, monkeypatch,
+                                                                                       tmp_path):
+    from roformer_hf.serving import compiled
+
+    def halved(build, example, max_length, path):  # a compiler that computes something else
+        module = build()
+        return compiled.CompiledEncoder(lambda ids: tuple(0.5 * out for out in module(ids)), path, max_length,
+                                        loaded=False)
+
+    monkeypatch.setattr(compiled, "_compile", halved)
+    for name in ("mlm", "sim"):  # last hidden states; RoFormer-Sim's pooler output too
+        with pytest.raises(RuntimeError, match=r"compile=True: the compiled encoder \(compiled now\) answers a probe "
+                                               r"input unlike the eager model: its last hidden states differ by up "
+                                               r"to .*; expected a cosine of at least 0.9999"):
+            ServedModel(folders[name], compile=True, compile_cache=tmp_path)
+    assert not list(tmp_path.glob("*.pt2"))
+
+
+def test_probe_agreement_holds_rounding_and_refuses_another_answer():
+    from roformer_hf.serving.loaded import probe_agrees
+
+    generator = torch.Generator().manual_seed(0)
+    expected = torch.randn(1, 9, 32, generator=generator)
+    assert probe_agrees(expected + 1e-6 * torch.randn(expected.shape, generator=generator), expected, fp32=True)
+    assert not probe_agrees(expected * 1.01, expected, fp32=True)  # the same directions, another scale
+    quantized = expected + 0.05 * torch.randn(expected.shape, generator=generator)
+    assert probe_agrees(quantized, expected, fp32=False) and not probe_agrees(quantized, expected, fp32=True)
+    assert not probe_agrees(expected * 1.5, expected, fp32=False)
+    assert not probe_agrees(torch.randn(expected.shape, generator=generator), expected, fp32=False)
+
+
+def test_the_default_compile_cache_follows_the_environment(monkeypatch, tmp_path):
+    from roformer_hf.serving.compiled import default_compile_cache
+
+    monkeypatch.setenv("ROFORMER_HF_CACHE", str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_compile_cache() == tmp_path / "mine" / "compiled"
+    monkeypatch.delenv("ROFORMER_HF_CACHE")
+    assert default_compile_cache() == tmp_path / "xdg" / "roformer_hf" / "compiled"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_compile_cache() == tmp_path / "home" / ".cache" / "roformer_hf" / "compiled"
 
 
 # Over HTTP, on a real Ray Serve.
