@@ -34,6 +34,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 logger = logging.getLogger(__name__)
 
 FORMAT = 1  # of the cache's packages and keys; a change of what a key covers raises it
+# How long a start waits for another process compiling the same key before it compiles for itself, unsaved: longer
+# than any compile, short of forever where that process hangs.
+LOCK_TIMEOUT_S = 1800.0
 PROBE_TEXT = "A short sentence that checks the compiled encoder against the eager one."
 
 
@@ -123,9 +126,10 @@ def compiled_encoder(build: Callable[[], nn.Module], example: torch.Tensor, max_
         try:
             cache.mkdir(parents=True, exist_ok=True)
             lock = FileLock(cache / f"{factors['key']}.lock")
-            lock.acquire()
-        except OSError as error:
-            logger.warning("compile cache %s cannot be written (%s): compiling without it", cache, error)
+            lock.acquire(timeout=LOCK_TIMEOUT_S)
+        except OSError as error:  # filelock's Timeout among them
+            logger.warning("compile cache %s cannot be written (%s: %s): compiling without it", cache,
+                           type(error).__name__, error)
             lock = None
     try:
         if lock is not None and (found := _load(path, max_length, check)) is not None:
@@ -235,4 +239,4 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
-__all__ = ["CompiledEncoder", "OneInput", "PROBE_TEXT", "cache_key", "compiled_encoder", "default_compile_cache"]
+__all__ = ["CompiledEncoder", "LOCK_TIMEOUT_S", "OneInput", "PROBE_TEXT", "cache_key", "compiled_encoder", "default_compile_cache"]

@@ -438,18 +438,33 @@ def test_a_compile_cache_entry_that_is_broken_or_answers_wrongly_is_compiled_aga
         torch.testing.assert_close(_ran(again, {"input": SENTENCES[0]})[0], expected, atol=1e-5, rtol=0)
 
 
-def test_a_compile_cache_that_cannot_be_written_compiles_without_it(folders, tmp_path, caplog, monkeypatch):
+def test_a_compile_cache_that_cannot_be_written_or_stays_locked_compiles_without_it(folders, tmp_path, caplog,
+                                                                                     monkeypatch):
+    from filelock import FileLock
+
     from roformer_hf.serving import compiled
 
-    blocked = tmp_path / "file"
-    blocked.write_text("a file where the folder would be")
     # compiled as the eager encoder it is built from: this test is about where it goes
     monkeypatch.setattr(compiled, "_compile", lambda build, example, max_length, path: compiled.CompiledEncoder(
         build(), path, max_length, loaded=False))
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the folder would be")
     with caplog.at_level(logging.WARNING, logger="roformer_hf.serving.compiled"):
         served = ServedModel(folders["sim"], compile=True, compile_cache=blocked / "cache")
     assert f"compile cache {blocked / 'cache'} cannot be written" in caplog.text
     assert served.loaded.compiled.path is None and served.loaded.describe().endswith("compiled, not saved)")
+
+    # Another process holds the key's lock and never lets go (a hung compile): after the timeout, compiled unsaved.
+    factors = compiled.cache_key(served.model.base_model, "float32", served.loaded.max_length)
+    (tmp_path / "cache").mkdir()
+    monkeypatch.setattr(compiled, "LOCK_TIMEOUT_S", 0.5)
+    holder = FileLock(tmp_path / "cache" / f"{factors['key']}.lock", thread_local=False)
+    with holder, ThreadPoolExecutor(1) as other:  # a lock of another thread: as another process's, it blocks
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="roformer_hf.serving.compiled"):
+            waited = other.submit(ServedModel, folders["sim"], compile=True, compile_cache=tmp_path / "cache").result()
+    assert "Timeout" in caplog.text and waited.loaded.compiled.path is None
+    assert not list((tmp_path / "cache").glob("*.pt2"))
 
 
 @pytest.fixture(scope="module")
