@@ -43,8 +43,10 @@ wall time: the client shares the machine with the server.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -393,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     size = size_of(args)
     client = Client(time.monotonic() + args.max_seconds)
     root = Path(tempfile.mkdtemp(prefix="bench_serving_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # the folder, its compiled packages
     folder = root / "sim"
     lines = text_lines(max(20000, 13 * args.sentences) if not args.quick else 4000, args.seed)  # ~12 lines a passage
     progress(f"model: {size.layers} layers, hidden {size.hidden}; {len(lines)} lines of text; {args.replicas} "

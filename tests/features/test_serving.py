@@ -436,6 +436,8 @@ def test_a_compile_cache_entry_that_is_broken_or_answers_wrongly_is_compiled_aga
         assert f"compiled encoder {package} could not be used" in caplog.text and why in caplog.text
         assert not again.loaded.compiled.loaded and again.loaded.compiled.path == package  # compiled and replaced
         torch.testing.assert_close(_ran(again, {"input": SENTENCES[0]})[0], expected, atol=1e-5, rtol=0)
+        third = ServedModel(folders["sim"], compile=True, compile_cache=tmp_path / "cache")
+        assert third.loaded.compiled.loaded and third.loaded.compiled.path == package  # what replaced it serves
 
 
 def test_a_compile_cache_that_cannot_be_written_or_stays_locked_compiles_without_it(folders, tmp_path, caplog,
