@@ -44,7 +44,7 @@ class LoadedModel:
         device: where the model runs, `"cpu"` or a CUDA device (`"cuda"`, `"cuda:1"`).
         name: the name clients give as `model` (default: the folder's name).
         compile: also hold the encoder compiled ahead of time for one input at a time (`compiled`, a
-            `compiled.CompiledEncoder` called with the ids ``(1, L)`` of one input, ``L >= 2``, no mask; see
+            `compiled.CompiledEncoder` called with the ids ``(1, L)`` of one input, ``2 <= L <= max_length``; see
             `compile_refusal` for where it applies), compiled here or loaded from `compile_cache`. With `int8`, the
             compiled encoder is quantized statically (`quantization.static_int8`), the eager model by `quantize_int8`.
         calibration: with `int8` and `compile`, and only then: a UTF-8 text file of inputs like those the server
@@ -140,7 +140,9 @@ class LoadedModel:
                         f"{torch.cosine_similarity(have, want, dim=-1).min().item():.6f}; expected "
                         + (f"a cosine of at least {PROBE_COSINE_FP32} and differences within 1e-3 of the largest value"
                            if self.dtype == "float32" else
-                           f"a cosine of at least {PROBE_COSINE} and lengths within {PROBE_NORM:.0%} ({self.dtype})"))
+                           f"a cosine of at least {PROBE_COSINE} and lengths within {PROBE_NORM:.0%} ({self.dtype})")
+                        + ("; with int8, a calibration file of inputs like those served, or int8 without compile"
+                           if calibration else ""))
 
         def build() -> nn.Module:
             return static_int8_encoder(encoder, calibration, self.max_length) if calibration else encoder
