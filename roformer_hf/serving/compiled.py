@@ -1,9 +1,10 @@
-"""The encoder for one input, compiled ahead of time by AOTInductor and kept on disk for the next start.
+"""The encoder (or a sequence classifier) for one input, compiled ahead of time by AOTInductor and kept on disk for
+the next start.
 
-`compiled_encoder` exports the encoder on one input's ids (`OneInput`: no mask, no cache, any length from 2 tokens to
-the model's longest), compiles it with inductor's settings for latency on CPU (frozen weights: packed once, the
-activations fused into their GEMMs; the kernels called from C++) into a package (`torch._inductor.aoti_compile_and_
-package`) and loads it. The package is saved in a cache folder under a key of everything the compiled code depends on
+`compiled_package` exports the encoder on one input's ids (`OneInput`: no mask, no cache, any length from 2 tokens to
+the model's longest), or a sequence classifier on one input's ids and token types (`OneClassifierInput`), compiles it
+with inductor's settings for latency on CPU (frozen weights: packed once, the activations fused into their GEMMs; the
+kernels called from C++) into a package (`torch._inductor.aoti_compile_and_package`) and loads it. The package is saved in a cache folder under a key of everything the compiled code depends on
 (`cache_key`: the weights, the config, the calibration, the thread count, the CPU, the versions of the code), so a
 replica that starts again, or a second replica of the same model, loads it in about a second instead of compiling for
 tens of seconds. Replicas starting together compile once: the others wait on the key's lock, then load.
@@ -29,7 +30,7 @@ import torch
 import torch._inductor
 from filelock import FileLock
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.modeling_outputs import BaseModelOutputWithPooling, SequenceClassifierOutput
 
 logger = logging.getLogger(__name__)
 
@@ -54,22 +55,58 @@ class OneInput(nn.Module):
         return (out.last_hidden_state,) if out.pooler_output is None else (out.last_hidden_state, out.pooler_output)
 
 
+class OneClassifierInput(nn.Module):
+    """A sequence classifier on one input, as the compiled classifier takes it: its ids and token types ``(1, L)`` (a
+    pair's second text of type 1), no mask, no cache. Returns the logits ``(1, num_labels)``, in a tuple."""
+
+    def __init__(self, classifier: nn.Module):
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.classifier(input_ids=input_ids, token_type_ids=token_type_ids).logits,)
+
+
 class CompiledEncoder:
     """A loaded package of `OneInput`, called as the encoder is: ``encoder(input_ids=(1, L))``,
     ``2 <= L <= max_length``, the lengths it was compiled for (the package itself checks no shape). `path`: the
     package's file in the cache, None where it is not saved; `loaded`: whether it came from the cache rather than
     from compiling in this process."""
 
+    inputs = ("input_ids",)  # the package's arguments, each ``(1, L)``
+    what = "encoder"
+
     def __init__(self, runner: Callable, path: Path | None, max_length: int, loaded: bool):
         self.runner, self.path, self.max_length, self.loaded = runner, path, max_length, loaded
 
-    def __call__(self, input_ids: torch.Tensor) -> BaseModelOutputWithPooling:
+    def outputs(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The package's own outputs for its `inputs`, once their shapes are checked."""
+        input_ids = inputs[0]
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or not 2 <= input_ids.shape[1] <= self.max_length:
             raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}: expected (1, L) with "
-                             f"2 <= L <= {self.max_length}, the lengths the encoder was compiled for")
-        outputs = self.runner(input_ids)
+                             f"2 <= L <= {self.max_length}, the lengths the {self.what} was compiled for")
+        for name, tensor in zip(self.inputs[1:], inputs[1:]):
+            if tensor.shape != input_ids.shape:
+                raise ValueError(f"{name} of shape {tuple(tensor.shape)}: expected input_ids' {tuple(input_ids.shape)}")
+        return self.runner(*inputs)
+
+    def __call__(self, input_ids: torch.Tensor) -> BaseModelOutputWithPooling:
+        outputs = self.outputs(input_ids)
         return BaseModelOutputWithPooling(last_hidden_state=outputs[0],
                                           pooler_output=outputs[1] if len(outputs) > 1 else None)
+
+
+class CompiledClassifier(CompiledEncoder):
+    """A loaded package of `OneClassifierInput`, called as the classifier is: ``classifier(input_ids=(1, L),
+    token_type_ids=(1, L))`` (token types default to zeros), ``2 <= L <= max_length``."""
+
+    inputs = ("input_ids", "token_type_ids")
+    what = "classifier"
+
+    def __call__(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> SequenceClassifierOutput:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        return SequenceClassifierOutput(logits=self.outputs(input_ids, token_type_ids)[0])
 
 
 def default_compile_cache() -> Path | None:
@@ -86,24 +123,24 @@ def default_compile_cache() -> Path | None:
         return None
 
 
-def cache_key(encoder: nn.Module, precision: str, max_length: int, calibration: Sequence[torch.Tensor] = ()) -> dict:
-    """What the compiled code of `encoder` (the eager model's, before any quantization) depends on, with its digest
-    under ``"key"``: the weights' bytes, the config (its attention implementation included), `precision`, the longest
+def cache_key(model: nn.Module, precision: str, max_length: int, calibration: Sequence[torch.Tensor] = ()) -> dict:
+    """What the compiled code of `model` (the eager encoder or classifier, before any quantization) depends on, with
+    its digest under ``"key"``: its class, the weights' bytes, the config (its attention implementation included), `precision`, the longest
     input, the calibration's token ids (int8), torch's thread count (inductor writes it into its kernels), the CPU (its
     ISA picks the kernels and the packed weights' layout), inductor's settings from the environment
     (``TORCHINDUCTOR_*``) and the versions of torch, transformers, torchao and roformer_hf's code."""
     weights = hashlib.sha256()
-    for name, tensor in sorted(encoder.state_dict().items()):
+    for name, tensor in sorted(model.state_dict().items()):
         tensor = tensor.detach().cpu().contiguous()
         weights.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
         weights.update(tensor.view(-1).view(torch.uint8).numpy())
     calibrated = hashlib.sha256()
     for batch in calibration:
         calibrated.update(json.dumps(batch.tolist()).encode())
-    factors = {"format": FORMAT, "precision": precision, "max_length": max_length, "threads": torch.get_num_threads(),
+    factors = {"format": FORMAT, "model": type(model).__name__, "precision": precision, "max_length": max_length, "threads": torch.get_num_threads(),
                "cpu": _cpu(), "torch": torch.__version__, "transformers": _version("transformers"),
                "torchao": _version("torchao") if precision == "int8" else None, "code": _code_digest(),
-               "config": _config_digest(encoder.config),
+               "config": _config_digest(model.config),
                "inductor_environment": {name: value for name, value in sorted(os.environ.items())
                                         if name.startswith("TORCHINDUCTOR_")},
                "weights": weights.hexdigest(), "calibration": calibrated.hexdigest() if calibration else None}
@@ -111,15 +148,17 @@ def cache_key(encoder: nn.Module, precision: str, max_length: int, calibration: 
     return factors
 
 
-def compiled_encoder(build: Callable[[], nn.Module], example: torch.Tensor, max_length: int, factors: dict,
-                     check: Callable[[CompiledEncoder], None], cache: Path | None) -> CompiledEncoder:
-    """The package of the module `build()` returns (`OneInput`, or one exported from it), from `cache` under
-    ``factors["key"]`` where it holds one that passes `check` (which raises where the package answers wrongly), else
-    compiled now, checked, and saved there. `example`: ids ``(1, L)`` to export on; any length from 2 to `max_length`
-    runs. A package is read without the lock (it is written whole, then moved into place), so a cache that is only
-    readable serves what it holds; one that cannot be written is warned of, and the package compiled is not saved."""
+def compiled_package(build: Callable[[], nn.Module], example: tuple[torch.Tensor, ...], max_length: int,
+                     factors: dict, check: Callable[[CompiledEncoder], None], cache: Path | None,
+                     kind: type[CompiledEncoder] = CompiledEncoder) -> CompiledEncoder:
+    """The package of the module `build()` returns (`OneInput` or `OneClassifierInput`, or one exported from it) as a
+    `kind`, from `cache` under ``factors["key"]`` where it holds one that passes `check` (which raises where the
+    package answers wrongly), else compiled now, checked, and saved there. `example`: the inputs ``(1, L)`` to export
+    on, as `kind.inputs` names them; any length from 2 to `max_length` runs. A package is read without the lock (it
+    is written whole, then moved into place), so a cache that is only readable serves what it holds; one that cannot
+    be written is warned of, and the package compiled is not saved."""
     path = None if cache is None else cache / f"{factors['key']}.pt2"
-    if path is not None and (found := _load(path, max_length, check)) is not None:
+    if path is not None and (found := _load(path, max_length, check, kind)) is not None:
         return found
     lock = None
     if cache is not None:
@@ -132,35 +171,33 @@ def compiled_encoder(build: Callable[[], nn.Module], example: torch.Tensor, max_
                            type(error).__name__, error)
             lock = None
     try:
-        if lock is not None and (found := _load(path, max_length, check)) is not None:
+        if lock is not None and (found := _load(path, max_length, check, kind)) is not None:
             return found  # compiled by another process while this one waited for the lock
         with tempfile.TemporaryDirectory() as folder:
-            encoder = _compile(build, example, max_length, Path(folder) / "encoder.pt2")
-            check(encoder)
-            if lock is not None:
-                encoder.path = _save(encoder.path, path, factors)
-            else:
-                encoder.path = None
-        return encoder
+            package = _compile(build, example, max_length, Path(folder) / "package.pt2", kind)
+            check(package)
+            package.path = _save(package.path, path, factors) if lock is not None else None
+        return package
     finally:
         if lock is not None:
             lock.release()
 
 
-def _load(path: Path, max_length: int, check: Callable[[CompiledEncoder], None]) -> CompiledEncoder | None:
+def _load(path: Path, max_length: int, check: Callable[[CompiledEncoder], None],
+          kind: type[CompiledEncoder]) -> CompiledEncoder | None:
     """The package at `path` where it is there and passes `check`; None where it is not there, and with a warning
     where it cannot be loaded or fails the check (it is compiled again)."""
     if not path.is_file():
         return None
     try:
-        encoder = CompiledEncoder(torch._inductor.aoti_load_package(str(path)), path, max_length, loaded=True)
-        check(encoder)
+        package = kind(torch._inductor.aoti_load_package(str(path)), path, max_length, loaded=True)
+        check(package)
     except Exception as error:  # noqa: BLE001 - a corrupt or stale package of any kind is compiled anew
-        logger.warning("compiled encoder %s could not be used (%s: %s): compiling it again", path,
+        logger.warning("compiled %s %s could not be used (%s: %s): compiling it again", kind.what, path,
                        type(error).__name__, error)
         return None
-    logger.info("compiled encoder loaded from %s", path)
-    return encoder
+    logger.info("compiled %s loaded from %s", kind.what, path)
+    return package
 
 
 def _save(package: Path, path: Path, factors: dict) -> Path | None:
@@ -174,27 +211,28 @@ def _save(package: Path, path: Path, factors: dict) -> Path | None:
         path.with_suffix(".json").write_text(json.dumps(factors, indent=1) + "\n", encoding="utf-8")
     except OSError as error:
         part.unlink(missing_ok=True)
-        logger.warning("compiled encoder not saved to %s (%s): it serves unsaved", path, error)
+        logger.warning("compiled package not saved to %s (%s): it serves unsaved", path, error)
         return None
     return path
 
 
-def _compile(build: Callable[[], nn.Module], example: torch.Tensor, max_length: int, path: Path) -> CompiledEncoder:
+def _compile(build: Callable[[], nn.Module], example: tuple[torch.Tensor, ...], max_length: int, path: Path,
+             kind: type[CompiledEncoder]) -> CompiledEncoder:
     module = build()
     start = time.perf_counter()
+    length = torch.export.Dim("length", min=2, max=max_length)  # one length for every input
     try:
         with torch.no_grad():
-            program = torch.export.export(module, (example,), dynamic_shapes={
-                "input_ids": {1: torch.export.Dim("length", min=2, max=max_length)}})
+            program = torch.export.export(module, example, dynamic_shapes={name: {1: length} for name in kind.inputs})
             torch._inductor.aoti_compile_and_package(program, package_path=str(path),
                                                      inductor_configs={"freezing": True})
         runner = torch._inductor.aoti_load_package(str(path))
     except Exception as error:  # export's and inductor's errors have no common base class
-        raise RuntimeError(f"compile=True: AOTInductor could not export or compile the encoder "
+        raise RuntimeError(f"compile=True: AOTInductor could not export or compile the {kind.what} "
                            f"({type(error).__name__}: {error}); inductor needs a C++ compiler on this machine, the "
                            "first thing to check. Expected a machine where it compiles, or compile=False") from error
-    logger.info("encoder compiled for one input in %.1f s", time.perf_counter() - start)
-    return CompiledEncoder(runner, path, max_length, loaded=False)
+    logger.info("%s compiled for one input in %.1f s", kind.what, time.perf_counter() - start)
+    return kind(runner, path, max_length, loaded=False)
 
 
 def _cpu() -> str:
@@ -239,4 +277,5 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
-__all__ = ["CompiledEncoder", "LOCK_TIMEOUT_S", "OneInput", "PROBE_TEXT", "cache_key", "compiled_encoder", "default_compile_cache"]
+__all__ = ["CompiledClassifier", "CompiledEncoder", "LOCK_TIMEOUT_S", "OneClassifierInput", "OneInput", "PROBE_TEXT",
+           "cache_key", "compiled_package", "default_compile_cache"]

@@ -25,7 +25,16 @@ from ..sentence import (
     sentence_pooling,
     sentence_prompts,
 )
-from .compiled import PROBE_TEXT, CompiledEncoder, OneInput, cache_key, compiled_encoder, default_compile_cache
+from .compiled import (
+    PROBE_TEXT,
+    CompiledClassifier,
+    CompiledEncoder,
+    OneClassifierInput,
+    OneInput,
+    cache_key,
+    compiled_package,
+    default_compile_cache,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 # How close the compiled encoder must answer the probe input to the eager model, for each token (and the pooler's
@@ -33,6 +42,9 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 # package lands far off.
 PROBE_COSINE_FP32, PROBE_COSINE = 0.9999, 0.95
 PROBE_NORM = 0.1  # bf16 and int8: each vector's length within this fraction of the eager one's
+# A classifier's logits, each within this fraction of the largest (or of 1): fp32, then bf16 and int8, whose static
+# quantization moved a small random model's logits by up to 0.1 on a scale of 1.3
+PROBE_LOGITS_FP32, PROBE_LOGITS = 1e-3, 0.25
 
 
 class LoadedModel:
@@ -45,8 +57,10 @@ class LoadedModel:
         name: the name clients give as `model` (default: the folder's name).
         compile: also hold the encoder compiled ahead of time for one input at a time (`compiled`, a
             `compiled.CompiledEncoder` called with the ids ``(1, L)`` of one input, ``2 <= L <= max_length``; see
-            `compile_refusal` for where it applies), compiled here or loaded from `compile_cache`. With `int8`, the
-            compiled encoder is quantized statically (`quantization.static_int8`), the eager model by `quantize_int8`.
+            `compile_refusal` for where it applies), compiled here or loaded from `compile_cache`; for a sequence
+            classifier, the classifier itself (a `compiled.CompiledClassifier`, called with the ids and the token
+            types of one input or pair), since its routes return logits. With `int8`, the compiled graph is quantized
+            statically (`quantization.static_int8`), the eager model by `quantize_int8`.
         calibration: with `int8` and `compile`, and only then: a UTF-8 text file of inputs like those the server
             will embed, one per line (`read_calibration`), run through the encoder to fix the compiled int8
             encoder's activation scales.
@@ -100,15 +114,17 @@ class LoadedModel:
         self.compiled, self.calibrated_on = None, 0
         if compile:  # from the model as saved, before the eager model's layers are swapped for int8 ones
             cache = default_compile_cache() if compile_cache is None else Path(compile_cache).expanduser()
-            self.compiled = self._compiled_encoder(texts, cache)
+            self.compiled = self._compiled(texts, cache)
         if int8:
             quantize_int8(self.model)
 
-    def _compiled_encoder(self, texts: list[str] | None, cache: Path | None) -> CompiledEncoder:
-        """The encoder for one input, compiled (`compiled.compiled_encoder`): as saved, or with calibration `texts`
-        quantized statically, each text with the folder's default prompt before it, as a request without
-        `prompt_name` gets it. It must answer a probe input as the eager model does (`probe_agrees`)."""
-        encoder = OneInput(self.model.base_model).eval()
+    def _compiled(self, texts: list[str] | None, cache: Path | None) -> CompiledEncoder:
+        """The encoder for one input (a sequence classifier: the classifier), compiled (`compiled.compiled_package`):
+        as saved, or with calibration `texts` quantized statically, each text with the folder's default prompt before
+        it, as a request without `prompt_name` gets it. It must answer a probe input as the eager model does
+        (`probe_agrees`; a classifier's logits: `logits_agree`)."""
+        classifier = self.is_classifier
+        module = (OneClassifierInput(self.model) if classifier else OneInput(self.model.base_model)).eval()
         calibration = []
         if texts is not None:
             prompt = self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name else ""
@@ -117,38 +133,51 @@ class LoadedModel:
             calibration = calibration_batches(rows, CALIBRATION_TOKENS)
             if not calibration:
                 raise ValueError(f"calibration: none of its {len(texts)} inputs is 2 tokens long or more, the "
-                                 "shortest input the compiled encoder takes; expected inputs like those the server "
-                                 "will embed")
+                                 f"shortest input the compiled {'classifier' if classifier else 'encoder'} takes; "
+                                 f"expected inputs like those the server will {'classify' if classifier else 'embed'}")
             self.calibrated_on = sum(len(batch) for batch in calibration)
-        # The probe: one input like those served (int8: a calibration input, within the range it calibrated).
-        probe = calibration[0][:1] if calibration else \
-            self.tokenizer([PROBE_TEXT], truncation=True, max_length=self.max_length, return_tensors="pt")["input_ids"]
-        probe = probe.to(self.device)
+        # The probe: one input like those served (int8: a calibration input, within the range it calibrated; a
+        # classifier: a pair, both token types).
+        if calibration:
+            probe = (calibration[0][:1],)
+        else:
+            pair = ([PROBE_TEXT],) if classifier else ()
+            encoded = self.tokenizer([PROBE_TEXT], *pair, truncation=True, max_length=self.max_length,
+                                     return_tensors="pt")
+            probe = (encoded["input_ids"],)
+            if classifier:
+                probe += (encoded.get("token_type_ids", torch.zeros_like(encoded["input_ids"])),)
+        if classifier and len(probe) == 1:
+            probe += (torch.zeros_like(probe[0]),)
+        probe = tuple(tensor.to(self.device) for tensor in probe)
         with torch.no_grad():
-            expected = [output.float() for output in encoder(probe)]  # last hidden states, the pooler's output
+            expected = [output.float() for output in module(*probe)]  # the encoder's last hidden states and pooler
+        names = ("logits",) if classifier else ("last hidden states", "pooler output")
+        fp32 = self.dtype == "float32"
 
         def check(compiled: CompiledEncoder) -> None:
             with torch.no_grad():
-                out = compiled(probe)
-            got = [output.float() for output in (out.last_hidden_state, out.pooler_output) if output is not None]
-            for name, have, want in zip(("last hidden states", "pooler output"), got, expected):
-                if not probe_agrees(have, want, self.dtype == "float32"):
+                got = [output.float() for output in compiled.outputs(*probe)]
+            for name, have, want in zip(names, got, expected):
+                agrees = logits_agree(have, want, fp32) if classifier else probe_agrees(have, want, fp32)
+                if not agrees:
                     where = compiled.path if compiled.loaded else "compiled now"
                     raise RuntimeError(
-                        f"compile=True: the compiled encoder ({where}) answers a probe input unlike the eager model: "
-                        f"its {name} differ by up to {(have - want).abs().max().item():.3g}, lowest cosine "
+                        f"compile=True: the compiled {compiled.what} ({where}) answers a probe input unlike the eager "
+                        f"model: its {name} differ by up to {(have - want).abs().max().item():.3g}, lowest cosine "
                         f"{torch.cosine_similarity(have, want, dim=-1).min().item():.6f}; expected "
-                        + (f"a cosine of at least {PROBE_COSINE_FP32} and differences within 1e-3 of the largest value"
-                           if self.dtype == "float32" else
-                           f"a cosine of at least {PROBE_COSINE} and lengths within {PROBE_NORM:.0%} ({self.dtype})")
+                        + (_LOGITS_EXPECTED[fp32] if classifier else _PROBE_EXPECTED[fp32])
+                        + ("" if fp32 else f" ({self.dtype})")
                         + ("; with int8, a calibration file of inputs like those served, or int8 without compile"
                            if calibration else ""))
 
         def build() -> nn.Module:
-            return static_int8_encoder(encoder, calibration, self.max_length) if calibration else encoder
+            return static_int8_encoder(module, calibration, self.max_length) if calibration else module
 
-        factors = cache_key(self.model.base_model, self.dtype, self.max_length, calibration)
-        return compiled_encoder(build, probe, self.max_length, factors, check, cache)
+        factors = cache_key(self.model if classifier else self.model.base_model, self.dtype, self.max_length,
+                            calibration)
+        return compiled_package(build, probe, self.max_length, factors, check, cache,
+                                CompiledClassifier if classifier else CompiledEncoder)
 
     def _folder_normalizes(self) -> bool:
         modules = json.loads((self.folder / MODULES_FILE).read_text(encoding="utf-8"))
@@ -249,6 +278,20 @@ def calibration_batches(rows: list[list[int]], budget: int) -> list[torch.Tensor
     return sorted(batches, key=len, reverse=True)
 
 
+_PROBE_EXPECTED = {True: f"a cosine of at least {PROBE_COSINE_FP32} and differences within 1e-3 of the largest value",
+                   False: f"a cosine of at least {PROBE_COSINE} and lengths within {PROBE_NORM:.0%}"}
+_LOGITS_EXPECTED = {True: f"each logit within {PROBE_LOGITS_FP32} of the largest one's magnitude (or of 1, if larger)",
+                    False: f"each logit within {PROBE_LOGITS:.0%} of the largest one's magnitude (or of 1, if larger)"}
+
+
+def logits_agree(got: torch.Tensor, expected: torch.Tensor, fp32: bool) -> bool:
+    """Whether the compiled classifier's logits `got` for the probe input agree with the eager model's `expected`: each
+    within `PROBE_LOGITS_FP32` (fp32) or `PROBE_LOGITS` (bf16, int8) of the largest logit's magnitude, or of 1 where
+    that is smaller (a cosine says little of one label's logit, and nothing of logits near zero)."""
+    scale = max(expected.abs().max().item(), 1.0)
+    return (got - expected).abs().max().item() <= (PROBE_LOGITS_FP32 if fp32 else PROBE_LOGITS) * scale
+
+
 def probe_agrees(got: torch.Tensor, expected: torch.Tensor, fp32: bool) -> bool:
     """Whether the compiled encoder's output `got` for the probe input agrees with the eager model's `expected`
     (vectors along the last dimension): in fp32, each at a cosine of `PROBE_COSINE_FP32` and no value off by more than
@@ -261,15 +304,20 @@ def probe_agrees(got: torch.Tensor, expected: torch.Tensor, fp32: bool) -> bool:
     return cosine >= PROBE_COSINE and bool(((ratio - 1).abs() <= PROBE_NORM).all())
 
 
-def static_int8_encoder(encoder: OneInput, calibration: list[torch.Tensor], max_length: int) -> nn.Module:
-    """`encoder` exported for any length from 2 to `max_length` (and any number of rows, where the first calibration
-    batch has several) and quantized statically (`quantization.static_int8`) on the `calibration` batches of ids."""
+def static_int8_encoder(module: OneInput | OneClassifierInput, calibration: list[torch.Tensor],
+                        max_length: int) -> nn.Module:
+    """`module` exported for any length from 2 to `max_length` (and any number of rows, where the first calibration
+    batch has several) and quantized statically (`quantization.static_int8`) on the `calibration` batches of ids (a
+    classifier's token types all 0)."""
     dims = {1: torch.export.Dim("length", min=2, max=max_length)}
     if calibration[0].shape[0] > 1:  # else every batch is one row (a traced 1 is a constant)
         dims[0] = torch.export.Dim("rows", min=1, max=max(len(batch) for batch in calibration))
+    names = ("input_ids", "token_type_ids") if isinstance(module, OneClassifierInput) else ("input_ids",)
+    device = next(module.parameters()).device
+    inputs = [{name: batch.to(device) if name == "input_ids" else torch.zeros_like(batch, device=device)
+               for name in names} for batch in calibration]
     try:
-        return static_int8(encoder, [{"input_ids": batch.to(next(encoder.parameters()).device)}
-                                     for batch in calibration], {"input_ids": dims})
+        return static_int8(module, inputs, dict.fromkeys(names, dims))
     except Exception as error:  # torch.export's and torchao's errors have no common base class
         raise RuntimeError(f"compile=True with int8=True: the encoder could not be exported and quantized "
                            f"statically on the calibration inputs ({type(error).__name__}: {error}); expected "
@@ -291,5 +339,6 @@ def _device(device: str) -> torch.device:
     return parsed
 
 
-__all__ = ["CALIBRATION_TOKENS", "LoadedModel", "PROBE_COSINE", "PROBE_COSINE_FP32", "PROBE_NORM", "TOKENIZER_FILES",
-           "calibration_batches", "compile_refusal", "probe_agrees", "read_calibration", "static_int8_encoder"]
+__all__ = ["CALIBRATION_TOKENS", "LoadedModel", "PROBE_COSINE", "PROBE_COSINE_FP32", "PROBE_LOGITS",
+           "PROBE_LOGITS_FP32", "PROBE_NORM", "TOKENIZER_FILES", "calibration_batches", "compile_refusal", "logits_agree", "probe_agrees", "read_calibration",
+           "static_int8_encoder"]

@@ -54,11 +54,13 @@ class Tasks:
         self.loaded = loaded
         self.model, self.tokenizer, self.config = loaded.model, loaded.tokenizer, loaded.config
         self.embed_batch = embedder(self.model, loaded.pooling)
-        # One input alone (a quiet server's request of one sentence) runs the compiled encoder where the folder was
-        # loaded with `compile`: faster than the eager model for one row at every length measured, where batches are
-        # faster eager, which skips their padding (benchmarks/RESULTS.md).
-        self.embed_alone = None
-        if loaded.compiled is not None:
+        # One input alone (a quiet server's request of one sentence) runs the compiled encoder, or a classifier's
+        # compiled classifier, where the folder was loaded with `compile`: faster than the eager model for one row at
+        # every length measured, where batches are faster eager, which skips their padding (benchmarks/RESULTS.md).
+        self.embed_alone = self.classify_alone = None
+        if loaded.compiled is not None and loaded.is_classifier:
+            self.classify_alone = loaded.compiled
+        elif loaded.compiled is not None:
             self.embed_alone = embedder(self.model, loaded.pooling, _one_input(loaded.compiled))
         self.beat = time.monotonic()
 
@@ -115,7 +117,12 @@ class Tasks:
     @torch.no_grad()
     def classify(self, rows: list[dict[str, list[int]]]) -> list[torch.Tensor | RowError]:
         """The logits `(num_labels,)` of each row (`input_ids`, and `token_type_ids` for a pair)."""
-        logits = self.model(**self._pad(rows, "right")).logits.float().cpu()
+        if len(rows) == 1 and self.classify_alone is not None and \
+                2 <= len(rows[0]["input_ids"]) <= self.loaded.max_length:  # one input the compiled classifier takes
+            row = {name: torch.tensor([values], device=self.loaded.device) for name, values in rows[0].items()}
+            logits = self.classify_alone(row["input_ids"], row.get("token_type_ids")).logits.float().cpu()
+        else:
+            logits = self.model(**self._pad(rows, "right")).logits.float().cpu()
         return [_finite(row, "logits") for row in logits]
 
     @torch.no_grad()

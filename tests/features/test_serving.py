@@ -447,7 +447,7 @@ def test_a_compile_cache_that_cannot_be_written_or_stays_locked_compiles_without
     from roformer_hf.serving import compiled
 
     # compiled as the eager encoder it is built from: this test is about where it goes
-    monkeypatch.setattr(compiled, "_compile", lambda build, example, max_length, path: compiled.CompiledEncoder(
+    monkeypatch.setattr(compiled, "_compile", lambda build, example, max_length, path, kind: kind(
         build(), path, max_length, loaded=False))
     blocked = tmp_path / "file"
     blocked.write_text("a file where the folder would be")
@@ -557,6 +557,95 @@ def test_compiled_int8_encoder_is_quantized_statically_and_embeds_one_input_near
     torch.testing.assert_close(got, _ran(dynamic, {"input": [[token]]})[0], atol=1e-6, rtol=0)
 
 
+def _scored(served, path, body):
+    """The answer to a `/predict` or `/rerank` request, and whether the compiled classifier ran."""
+    compiled, calls = served.loaded.compiled, []
+    runner = compiled.runner if compiled is not None else None
+    if compiled is not None:
+        compiled.runner = lambda *tensors: calls.append(tensors) or runner(*tensors)
+    try:
+        answer = served.answer(path, body)
+    finally:
+        if compiled is not None:
+            compiled.runner = runner
+    return answer, bool(calls)
+
+
+@pytest.fixture(scope="module")
+def reranker(tokenizer, tmp_path_factory):
+    """A cross-encoder's folder: a sequence classifier of one label, whose logit moves with its input."""
+    torch.manual_seed(1)
+    model = RoFormerForSequenceClassification(tiny_config(vocab_size=len(tokenizer), num_labels=1,
+                                                          initializer_range=0.3))
+    return save_folder(model.eval(), tokenizer, tmp_path_factory.mktemp("reranker") / "reranker")
+
+
+@pytest.mark.slow
+def test_compiled_classifier_scores_one_input_or_pair_as_the_eager_model(reranker, calibration, tmp_path,
+                                                                         monkeypatch):
+    from roformer_hf.serving.compiled import CompiledClassifier, OneClassifierInput
+    from roformer_hf.serving.loaded import CALIBRATION_TOKENS, calibration_batches, static_int8_encoder
+
+    eager = ServedModel(reranker)
+    served = ServedModel(reranker, compile=True, compile_cache=tmp_path)  # the classifier, not the encoder
+    assert isinstance(served.loaded.compiled, CompiledClassifier) and served.embed_alone is None
+    package = served.loaded.compiled.path
+    assert served.loaded.describe().endswith(f"one input at a time compiled, saved to {package})")
+
+    def logits(value):  # the eager model's, a sentence or a pair
+        with torch.no_grad():
+            return eager.model(**eager.tokenizer(*([value] if isinstance(value, str) else value),
+                                                 return_tensors="pt")).logits[0, 0]
+
+    # sentences of 3 to 12 tokens, and pairs, whose second text has token type 1
+    inputs = SENTENCES + [[SENTENCES[0], SENTENCES[1]], [SENTENCES[3], SENTENCES[2]]]
+    expected = torch.stack([logits(value) for value in inputs])
+    assert expected.std() > 0.1  # the logit tells the inputs apart
+    for value, want in zip(inputs, expected):
+        answer, compiled = _scored(served, "/predict", {"inputs": value, "raw_scores": True})
+        assert compiled
+        torch.testing.assert_close(torch.tensor(answer[0]["score"]), want, atol=1e-5, rtol=0)
+    answer, compiled = _scored(served, "/rerank", {"query": SENTENCES[0], "texts": [SENTENCES[1]],
+                                                    "raw_scores": True})
+    assert compiled
+    torch.testing.assert_close(torch.tensor(answer[0]["score"]), expected[4], atol=1e-5, rtol=0)
+    answer, compiled = _scored(served, "/rerank", {"query": SENTENCES[0], "texts": SENTENCES, "raw_scores": True})
+    assert not compiled  # several pairs: the eager model, one padded batch
+    assert answer == eager.answer("/rerank", {"query": SENTENCES[0], "texts": SENTENCES, "raw_scores": True})
+    with pytest.raises(ValueError, match=r"token_type_ids of shape \(1, 3\): expected input_ids' \(1, 4\)"):
+        served.loaded.compiled(torch.tensor([[2, 5, 6, 3]]), torch.zeros(1, 3, dtype=torch.long))
+
+    # The next start loads the package; nothing compiles.
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiler)
+    again = ServedModel(reranker, compile=True, compile_cache=tmp_path)
+    assert again.loaded.compiled.loaded and again.loaded.compiled.path == package
+    body = {"inputs": inputs[-1], "raw_scores": True}
+    assert _scored(again, "/predict", body) == _scored(served, "/predict", body)
+    monkeypatch.undo()
+
+    # int8: the classifier quantized statically on the calibration file (token types 0), near fp32, not equal to it.
+    pytest.importorskip("torchao", reason="the compiled int8 classifier is quantized with torchao")
+    quantized = ServedModel(reranker, int8=True, compile=True, calibration=calibration, compile_cache=tmp_path)
+    assert quantized.loaded.compiled.path != package
+    lines = [line for line in calibration.read_text().splitlines() if line]
+    rows = quantized.tokenizer(lines, truncation=True, max_length=quantized.loaded.max_length)["input_ids"]
+    reference = static_int8_encoder(OneClassifierInput(eager.model).eval(),
+                                    calibration_batches(rows, CALIBRATION_TOKENS), quantized.loaded.max_length)
+    got = []
+    for value in inputs:
+        answer, compiled = _scored(quantized, "/predict", {"inputs": value, "raw_scores": True})
+        assert compiled
+        got.append(answer[0]["score"])
+        features = eager.tokenizer(*([value] if isinstance(value, str) else value), return_tensors="pt")
+        with torch.no_grad():
+            static = reference(input_ids=features["input_ids"], token_type_ids=features["token_type_ids"])[0][0, 0]
+        # as the uncompiled graph, but for an activation on a rounding boundary (see the int8 encoder's test)
+        torch.testing.assert_close(torch.tensor(got[-1]), static, atol=0.05, rtol=0)
+    # int8's error on this small random model: up to 0.3 on logits of 0.2 to 2.7 (quantize_int8's eager model too)
+    torch.testing.assert_close(torch.tensor(got), expected, atol=0.5, rtol=0)
+    assert not torch.allclose(torch.tensor(got), expected, atol=1e-4, rtol=0)
+
+
 def test_the_calibration_runs_with_the_default_prompt_and_a_failing_export_says_so(folders, tmp_path, monkeypatch):
     import shutil
 
@@ -664,12 +753,15 @@ def test_a_package_compiled_now_that_answers_wrongly_stops_the_start_and_is_not_
                                                                                        tmp_path):
     from roformer_hf.serving import compiled
 
-    def halved(build, example, max_length, path):  # a compiler that computes something else
+    def halved(build, example, max_length, path, kind):  # a compiler that computes something else
         module = build()
-        return compiled.CompiledEncoder(lambda ids: tuple(0.5 * out for out in module(ids)), path, max_length,
-                                        loaded=False)
+        return kind(lambda *inputs: tuple(0.5 * out for out in module(*inputs)), path, max_length, loaded=False)
 
     monkeypatch.setattr(compiled, "_compile", halved)
+    with pytest.raises(RuntimeError, match=r"compile=True: the compiled classifier \(compiled now\) answers a probe "
+                                           r"input unlike the eager model: its logits differ by up to .*; expected "
+                                           r"each logit within 0.001 of the largest one's magnitude"):
+        ServedModel(folders["clf"], compile=True, compile_cache=tmp_path)
     for name in ("mlm", "sim"):  # last hidden states; RoFormer-Sim's pooler output too
         with pytest.raises(RuntimeError, match=r"compile=True: the compiled encoder \(compiled now\) answers a probe "
                                                r"input unlike the eager model: its last hidden states differ by up "
@@ -689,6 +781,16 @@ def test_probe_agreement_holds_rounding_and_refuses_another_answer():
     assert probe_agrees(quantized, expected, fp32=False) and not probe_agrees(quantized, expected, fp32=True)
     assert not probe_agrees(expected * 1.5, expected, fp32=False)
     assert not probe_agrees(torch.randn(expected.shape, generator=generator), expected, fp32=False)
+
+
+def test_logits_agreement_is_relative_to_the_largest_logit_or_to_one():
+    from roformer_hf.serving.loaded import logits_agree
+
+    logits = torch.tensor([[4.0, -2.0, 0.5]])
+    assert logits_agree(logits + 0.003, logits, fp32=True) and not logits_agree(logits + 0.005, logits, fp32=True)
+    assert logits_agree(logits + 0.9, logits, fp32=False) and not logits_agree(logits + 1.1, logits, fp32=False)
+    near_zero = torch.tensor([[0.002]])  # one label's logit near zero: judged on the scale of 1, not on its own
+    assert logits_agree(near_zero + 5e-4, near_zero, fp32=True) and not logits_agree(near_zero + 0.3, near_zero, False)
 
 
 def test_the_default_compile_cache_follows_the_environment(monkeypatch, tmp_path):
