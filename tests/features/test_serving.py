@@ -469,6 +469,42 @@ def test_a_compile_cache_that_cannot_be_written_or_stays_locked_compiles_without
     assert not list((tmp_path / "cache").glob("*.pt2"))
 
 
+# Two replicas starting at once: each waits for the other to be ready, then loads the folder with `compile`.
+_STARTING_TOGETHER = """
+import json, sys, time
+from pathlib import Path
+from roformer_hf.serving import ServedModel
+folder, cache, ready, me = sys.argv[1:5]
+Path(ready, me).touch()
+while len(list(Path(ready).iterdir())) < 2:
+    time.sleep(0.01)
+served = ServedModel(folder, compile=True, compile_cache=cache)
+embedding = [float(x) for x in served.answer("/v1/embeddings", {"input": "the king dies"})["data"][0]["embedding"]]
+print(json.dumps({"loaded": served.loaded.compiled.loaded, "path": str(served.loaded.compiled.path),
+                  "embedding": embedding}))
+"""
+
+
+@pytest.mark.slow
+def test_replicas_starting_together_compile_once_and_serve_the_same_package(folders, tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    starts = [subprocess.Popen([PYTHON, "-c", _STARTING_TOGETHER, str(folders["sim"]), str(tmp_path / "cache"),
+                                str(ready), str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+              for i in range(2)]
+    answers = []
+    for start in starts:
+        out, err = start.communicate(timeout=300)
+        assert start.returncode == 0, err[-2000:]
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    # one compiled and saved; the other waited on the key's lock and loaded what it saved
+    assert sorted(answer["loaded"] for answer in answers) == [False, True]
+    assert answers[0]["path"] == answers[1]["path"]
+    assert [path.name for path in (tmp_path / "cache").glob("*.pt2")] == [Path(answers[0]["path"]).name]
+    assert answers[0]["embedding"] == answers[1]["embedding"]
+
+
 @pytest.fixture(scope="module")
 def calibration(tmp_path_factory):
     """A calibration file: inputs like those the server embeds, one per line, blank lines among them, and one longer
