@@ -39,6 +39,9 @@ FORMAT = 1  # of the cache's packages and keys; a change of what a key covers ra
 # than any compile, short of forever where that process hangs.
 LOCK_TIMEOUT_S = 1800.0
 PROBE_TEXT = "A short sentence that checks the compiled encoder against the eager one."
+# The packages a cache folder keeps, in megabytes in all (`cache_limit`): after each save, the least recently used
+# beyond it are removed. 0 keeps every one.
+CACHE_LIMIT_ENV, DEFAULT_CACHE_LIMIT_MB = "ROFORMER_HF_COMPILE_CACHE_MB", 4096
 
 
 class OneInput(nn.Module):
@@ -177,6 +180,10 @@ def compiled_package(build: Callable[[], nn.Module], example: tuple[torch.Tensor
             package = _compile(build, example, max_length, Path(folder) / "package.pt2", kind)
             check(package)
             package.path = _save(package.path, path, factors) if lock is not None else None
+        if package.path is not None and (limit := cache_limit()) is not None:
+            for removed in prune(cache, package.path, limit):
+                logger.info("compile cache %s: removed %s, the least recently used beyond %s MB", cache,
+                            removed.name, limit // 2**20)
         return package
     finally:
         if lock is not None:
@@ -197,7 +204,62 @@ def _load(path: Path, max_length: int, check: Callable[[CompiledEncoder], None],
                        type(error).__name__, error)
         return None
     logger.info("compiled %s loaded from %s", kind.what, path)
+    try:
+        os.utime(path)  # used now: the last a full cache removes (`prune`)
+    except OSError:
+        pass  # a cache that is only readable
     return package
+
+
+def cache_limit() -> int | None:
+    """The bytes of packages a cache folder keeps (`CACHE_LIMIT_ENV`, in megabytes; default `DEFAULT_CACHE_LIMIT_MB`);
+    None where it is 0 (keep every package), or, with a warning, not a number of megabytes."""
+    value = os.environ.get(CACHE_LIMIT_ENV)
+    try:
+        megabytes = float(value) if value is not None else DEFAULT_CACHE_LIMIT_MB
+        if not megabytes >= 0:
+            raise ValueError(value)
+    except ValueError:
+        logger.warning("%s=%r: expected a number of megabytes (0: keep every package); no package is removed",
+                       CACHE_LIMIT_ENV, value)
+        return None
+    return int(megabytes * 2**20) if megabytes else None
+
+
+def prune(cache: Path, keep: Path, limit: int) -> list[Path]:
+    """Removes the least recently used packages of `cache` (by modification time, which a load renews), each with its
+    ``.json``, until the packages left take at most `limit` bytes, or only `keep` (the one just saved) is left; returns
+    those removed. A package that another process was about to load fails to load there and is compiled again; the
+    ``.lock`` files stay (empty, and a process may hold one)."""
+    def used(package: Path) -> float:
+        try:
+            return package.stat().st_mtime
+        except OSError:  # removed meanwhile
+            return float("inf")
+
+    others = sorted((package for package in cache.glob("*.pt2") if package != keep), key=used)
+    sizes = {}
+    for package in [keep, *others]:
+        try:
+            sizes[package] = package.stat().st_size
+        except OSError:
+            sizes[package] = 0
+    total, removed = sum(sizes.values()), []
+    for package in others:  # the least recently used first
+        if total <= limit:
+            break
+        try:
+            package.unlink()
+            package.with_suffix(".json").unlink(missing_ok=True)
+        except FileNotFoundError:  # another process removed it
+            total -= sizes[package]
+            continue
+        except OSError as error:
+            logger.warning("compile cache %s: %s could not be removed (%s)", cache, package.name, error)
+            continue
+        total -= sizes[package]
+        removed.append(package)
+    return removed
 
 
 def _save(package: Path, path: Path, factors: dict) -> Path | None:
@@ -277,5 +339,6 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
-__all__ = ["CompiledClassifier", "CompiledEncoder", "LOCK_TIMEOUT_S", "OneClassifierInput", "OneInput", "PROBE_TEXT",
-           "cache_key", "compiled_package", "default_compile_cache"]
+__all__ = ["CACHE_LIMIT_ENV", "CompiledClassifier", "CompiledEncoder", "DEFAULT_CACHE_LIMIT_MB", "LOCK_TIMEOUT_S",
+           "OneClassifierInput", "OneInput", "PROBE_TEXT", "cache_key", "cache_limit", "compiled_package",
+           "default_compile_cache", "prune"]

@@ -440,6 +440,61 @@ def test_a_compile_cache_entry_that_is_broken_or_answers_wrongly_is_compiled_aga
         assert third.loaded.compiled.loaded and third.loaded.compiled.path == package  # what replaced it serves
 
 
+def test_a_full_compile_cache_removes_the_least_recently_used_packages(folders, tmp_path, caplog, monkeypatch):
+    import time
+
+    from roformer_hf.serving import compiled
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    now = time.time()
+    for age, name in enumerate("abcd"):  # d used longest ago
+        (cache / f"{name}.pt2").write_bytes(b"x" * 1000)
+        (cache / f"{name}.json").write_text("{}")
+        (cache / f"{name}.lock").touch()
+        os.utime(cache / f"{name}.pt2", (now - 60 * age, now - 60 * age))
+    os.utime(cache / "a.pt2", (now - 3600, now - 3600))  # a: the package just saved, though its file is older
+    assert compiled.prune(cache, cache / "a.pt2", 2500) == [cache / "d.pt2", cache / "c.pt2"]
+    assert sorted(path.name for path in cache.iterdir()) == ["a.json", "a.lock", "a.pt2", "b.json", "b.lock",
+                                                             "b.pt2", "c.lock", "d.lock"]
+    assert compiled.prune(cache, cache / "a.pt2", 10) == [cache / "b.pt2"]  # never the one just saved
+    assert compiled.prune(cache, cache / "a.pt2", 10) == []
+
+    monkeypatch.setenv(compiled.CACHE_LIMIT_ENV, "0")
+    assert compiled.cache_limit() is None
+    monkeypatch.setenv(compiled.CACHE_LIMIT_ENV, "1.5")
+    assert compiled.cache_limit() == 1.5 * 2**20
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv(compiled.CACHE_LIMIT_ENV, bad)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="roformer_hf.serving.compiled"):
+            assert compiled.cache_limit() is None
+        assert f"ROFORMER_HF_COMPILE_CACHE_MB={bad!r}: expected a number of megabytes" in caplog.text
+    monkeypatch.delenv(compiled.CACHE_LIMIT_ENV)
+    assert compiled.cache_limit() == compiled.DEFAULT_CACHE_LIMIT_MB * 2**20
+
+    # Starts that save packages keep the folder within the limit; a load makes its package the last to go.
+    def writes_a_package(build, example, max_length, path, kind):  # 400 kB, answering as the eager model
+        path.write_bytes(b"x" * 400_000)
+        return kind(build(), path, max_length, loaded=False)
+
+    sim = compiled.OneInput(ServedModel(folders["sim"]).model.base_model).eval()
+    monkeypatch.setattr(compiled, "_compile", writes_a_package)
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: sim)  # loads RoFormer-Sim's, below
+    monkeypatch.setenv(compiled.CACHE_LIMIT_ENV, "1")  # two packages of 400 kB fit, three do not
+    folder = tmp_path / "lru"
+    first = ServedModel(folders["sim"], compile=True, compile_cache=folder).loaded.compiled.path
+    second = ServedModel(folders["mlm"], compile=True, compile_cache=folder).loaded.compiled.path
+    os.utime(first, (now - 60, now - 60))
+    os.utime(second, (now - 30, now - 30))
+    loaded = ServedModel(folders["sim"], compile=True, compile_cache=folder).loaded.compiled
+    assert loaded.loaded and loaded.path == first and first.stat().st_mtime > second.stat().st_mtime
+    with caplog.at_level(logging.INFO, logger="roformer_hf.serving.compiled"):
+        third = ServedModel(folders["clf"], compile=True, compile_cache=folder).loaded.compiled.path
+    assert sorted(folder.glob("*.pt2")) == sorted([first, third])  # the mlm's, least recently used, went
+    assert f"removed {second.name}, the least recently used beyond 1 MB" in caplog.text
+
+
 def test_a_compile_cache_that_cannot_be_written_or_stays_locked_compiles_without_it(folders, tmp_path, caplog,
                                                                                      monkeypatch):
     from filelock import FileLock
