@@ -46,13 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--int8", action="store_true", help="quantize the linear layers to int8 (CPU)")
     model.add_argument("--compile", action="store_true",
                        help="embed one input at a time with the encoder compiled ahead of time by AOTInductor (CPU; "
-                            "compiled at the first start, seconds to a minute, then loaded from --compile-cache; "
-                            "batches stay eager)")
+                            "a sequence classifier: /predict and /rerank of one input through the classifier "
+                            "compiled; compiled at the first start, seconds to a minute, then loaded from "
+                            "--compile-cache; batches stay eager)")
     model.add_argument("--calibration", default=None, metavar="FILE",
-                       help="with --int8 --compile: inputs like those the server will embed, one per line, that fix "
-                            "the compiled int8 encoder's activation scales (it is quantized statically)")
+                       help="with --int8 --compile: inputs like those the server will embed or classify, one per line, that fix "
+                            "the compiled int8 graph's activation scales (it is quantized statically)")
     model.add_argument("--compile-cache", default=None, metavar="DIR",
-                       help="with --compile: the folder that keeps compiled encoders between starts (default: "
+                       help="with --compile: the folder that keeps compiled packages between starts (default: "
                             "$ROFORMER_HF_CACHE/compiled, else $XDG_CACHE_HOME/roformer_hf/compiled, else "
                             "~/.cache/roformer_hf/compiled)")
     model.add_argument("--replicas", type=int, default=None,

@@ -2,7 +2,8 @@
 (`roformer_hf/cli.py`), or `serve run roformer_hf.serving:build_app folder=FOLDER` on a Ray cluster.
 
 - `loaded`: the folder loaded once (the head its config names, the tokenizer, its sentence embedding's facts).
-- `compiled`: the encoder for one input, compiled ahead of time (AOTInductor) and kept in a cache between starts.
+- `compiled`: the encoder (or a classifier) for one input, compiled ahead of time (AOTInductor) and kept in a cache
+  between starts.
 - `tasks`: the work on token ids (embed, classify, fill-mask, complete, similar), a list of inputs at a time.
 - `protocol`: the table of routes, typed request bodies, and inputs read into token ids; one module per protocol
   fills it: `openai_api` (OpenAI's), `tei_api` (text-embeddings-inference's), `native_api` (this server's own).

@@ -4,10 +4,12 @@ the next start.
 `compiled_package` exports the encoder on one input's ids (`OneInput`: no mask, no cache, any length from 2 tokens to
 the model's longest), or a sequence classifier on one input's ids and token types (`OneClassifierInput`), compiles it
 with inductor's settings for latency on CPU (frozen weights: packed once, the activations fused into their GEMMs; the
-kernels called from C++) into a package (`torch._inductor.aoti_compile_and_package`) and loads it. The package is saved in a cache folder under a key of everything the compiled code depends on
-(`cache_key`: the weights, the config, the calibration, the thread count, the CPU, the versions of the code), so a
-replica that starts again, or a second replica of the same model, loads it in about a second instead of compiling for
-tens of seconds. Replicas starting together compile once: the others wait on the key's lock, then load.
+kernels called from C++) into a package (`torch._inductor.aoti_compile_and_package`) and loads it. The package is
+saved in a cache folder under a key of everything the compiled code depends on (`cache_key`: the weights, the config,
+the calibration, the thread count, the CPU, the versions of the code), so a replica that starts again, or a second
+replica of the same model, loads it in about a second instead of compiling for tens of seconds; after each save the
+least recently used packages beyond `cache_limit` are removed (`prune`). Replicas starting together compile once: the
+others wait on the key's lock, then load.
 
 Every package, compiled now or loaded, must first answer a probe input as the eager model does (`check`) before it
 serves; one loaded that does not, or cannot be loaded, is compiled again and replaced, with a warning.
@@ -18,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
+import re
 import shutil
 import tempfile
 import time
@@ -34,7 +38,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, SequenceCl
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # of the cache's packages and keys; a change of what a key covers raises it
+FORMAT = 2  # of the cache's packages and keys; a change of what a key covers raises it
 # How long a start waits for another process compiling the same key before it compiles for itself, unsaved: longer
 # than any compile, short of forever where that process hangs.
 LOCK_TIMEOUT_S = 1800.0
@@ -42,6 +46,7 @@ PROBE_TEXT = "A short sentence that checks the compiled encoder against the eage
 # The packages a cache folder keeps, in megabytes in all (`cache_limit`): after each save, the least recently used
 # beyond it are removed. 0 keeps every one.
 CACHE_LIMIT_ENV, DEFAULT_CACHE_LIMIT_MB = "ROFORMER_HF_COMPILE_CACHE_MB", 4096
+_KEY = re.compile(r"[0-9a-f]{32}")  # `cache_key`'s digest, a package's name
 
 
 class OneInput(nn.Module):
@@ -70,14 +75,13 @@ class OneClassifierInput(nn.Module):
         return (self.classifier(input_ids=input_ids, token_type_ids=token_type_ids).logits,)
 
 
-class CompiledEncoder:
-    """A loaded package of `OneInput`, called as the encoder is: ``encoder(input_ids=(1, L))``,
-    ``2 <= L <= max_length``, the lengths it was compiled for (the package itself checks no shape). `path`: the
-    package's file in the cache, None where it is not saved; `loaded`: whether it came from the cache rather than
-    from compiling in this process."""
+class CompiledPackage:
+    """A loaded package (AOTInductor's), which takes `inputs`, each ``(1, L)`` with ``2 <= L <= max_length``, the
+    lengths it was compiled for (the package itself checks no shape). `path`: the package's file in the cache, None
+    where it is not saved; `loaded`: whether it came from the cache rather than from compiling in this process."""
 
-    inputs = ("input_ids",)  # the package's arguments, each ``(1, L)``
-    what = "encoder"
+    inputs: tuple[str, ...] = ("input_ids",)  # the package's arguments
+    what = "graph"
 
     def __init__(self, runner: Callable, path: Path | None, max_length: int, loaded: bool):
         self.runner, self.path, self.max_length, self.loaded = runner, path, max_length, loaded
@@ -90,8 +94,15 @@ class CompiledEncoder:
                              f"2 <= L <= {self.max_length}, the lengths the {self.what} was compiled for")
         for name, tensor in zip(self.inputs[1:], inputs[1:]):
             if tensor.shape != input_ids.shape:
-                raise ValueError(f"{name} of shape {tuple(tensor.shape)}: expected input_ids' {tuple(input_ids.shape)}")
+                raise ValueError(f"{name} of shape {tuple(tensor.shape)}: expected input_ids' "
+                                 f"{tuple(input_ids.shape)}")
         return self.runner(*inputs)
+
+
+class CompiledEncoder(CompiledPackage):
+    """A loaded package of `OneInput`, called as the encoder is: ``encoder(input_ids=(1, L))``."""
+
+    what = "encoder"
 
     def __call__(self, input_ids: torch.Tensor) -> BaseModelOutputWithPooling:
         outputs = self.outputs(input_ids)
@@ -99,14 +110,15 @@ class CompiledEncoder:
                                           pooler_output=outputs[1] if len(outputs) > 1 else None)
 
 
-class CompiledClassifier(CompiledEncoder):
+class CompiledClassifier(CompiledPackage):
     """A loaded package of `OneClassifierInput`, called as the classifier is: ``classifier(input_ids=(1, L),
-    token_type_ids=(1, L))`` (token types default to zeros), ``2 <= L <= max_length``."""
+    token_type_ids=(1, L))`` (token types default to zeros)."""
 
     inputs = ("input_ids", "token_type_ids")
     what = "classifier"
 
-    def __call__(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> SequenceClassifierOutput:
+    def __call__(self, input_ids: torch.Tensor,
+                 token_type_ids: torch.Tensor | None = None) -> SequenceClassifierOutput:
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         return SequenceClassifierOutput(logits=self.outputs(input_ids, token_type_ids)[0])
@@ -126,12 +138,14 @@ def default_compile_cache() -> Path | None:
         return None
 
 
-def cache_key(model: nn.Module, precision: str, max_length: int, calibration: Sequence[torch.Tensor] = ()) -> dict:
+def cache_key(model: nn.Module, precision: str, max_length: int,
+              calibration: Sequence[dict[str, torch.Tensor]] = ()) -> dict:
     """What the compiled code of `model` (the eager encoder or classifier, before any quantization) depends on, with
-    its digest under ``"key"``: its class, the weights' bytes, the config (its attention implementation included), `precision`, the longest
-    input, the calibration's token ids (int8), torch's thread count (inductor writes it into its kernels), the CPU (its
-    ISA picks the kernels and the packed weights' layout), inductor's settings from the environment
-    (``TORCHINDUCTOR_*``) and the versions of torch, transformers, torchao and roformer_hf's code."""
+    its digest under ``"key"``: its class, the weights' bytes, the config (its attention implementation included),
+    `precision`, the longest input, the calibration's batches (int8; `loaded.calibration_batches`), torch's thread
+    count (inductor writes it into its kernels), the CPU (its ISA picks the kernels and the packed weights' layout),
+    inductor's settings from the environment (``TORCHINDUCTOR_*``) and the versions of torch, transformers, torchao and
+    roformer_hf's code."""
     weights = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         tensor = tensor.detach().cpu().contiguous()
@@ -139,9 +153,10 @@ def cache_key(model: nn.Module, precision: str, max_length: int, calibration: Se
         weights.update(tensor.view(-1).view(torch.uint8).numpy())
     calibrated = hashlib.sha256()
     for batch in calibration:
-        calibrated.update(json.dumps(batch.tolist()).encode())
-    factors = {"format": FORMAT, "model": type(model).__name__, "precision": precision, "max_length": max_length, "threads": torch.get_num_threads(),
-               "cpu": _cpu(), "torch": torch.__version__, "transformers": _version("transformers"),
+        calibrated.update(json.dumps({name: tensor.tolist() for name, tensor in sorted(batch.items())}).encode())
+    factors = {"format": FORMAT, "model": type(model).__name__, "precision": precision, "max_length": max_length,
+               "threads": torch.get_num_threads(), "cpu": _cpu(), "torch": torch.__version__,
+               "transformers": _version("transformers"),
                "torchao": _version("torchao") if precision == "int8" else None, "code": _code_digest(),
                "config": _config_digest(model.config),
                "inductor_environment": {name: value for name, value in sorted(os.environ.items())
@@ -152,8 +167,8 @@ def cache_key(model: nn.Module, precision: str, max_length: int, calibration: Se
 
 
 def compiled_package(build: Callable[[], nn.Module], example: tuple[torch.Tensor, ...], max_length: int,
-                     factors: dict, check: Callable[[CompiledEncoder], None], cache: Path | None,
-                     kind: type[CompiledEncoder] = CompiledEncoder) -> CompiledEncoder:
+                     factors: dict, check: Callable[[CompiledPackage], None], cache: Path | None,
+                     kind: type[CompiledPackage] = CompiledEncoder) -> CompiledPackage:
     """The package of the module `build()` returns (`OneInput` or `OneClassifierInput`, or one exported from it) as a
     `kind`, from `cache` under ``factors["key"]`` where it holds one that passes `check` (which raises where the
     package answers wrongly), else compiled now, checked, and saved there. `example`: the inputs ``(1, L)`` to export
@@ -181,17 +196,20 @@ def compiled_package(build: Callable[[], nn.Module], example: tuple[torch.Tensor
             check(package)
             package.path = _save(package.path, path, factors) if lock is not None else None
         if package.path is not None and (limit := cache_limit()) is not None:
-            for removed in prune(cache, package.path, limit):
-                logger.info("compile cache %s: removed %s, the least recently used beyond %s MB", cache,
-                            removed.name, limit // 2**20)
+            try:
+                for removed in prune(cache, package.path, limit):
+                    logger.info("compile cache %s: removed %s, the least recently used beyond %g MB", cache,
+                                removed.name, limit / 2**20)
+            except OSError as error:  # the package is saved and serves; the folder is only fuller than it should be
+                logger.warning("compile cache %s could not be pruned (%s)", cache, error)
         return package
     finally:
         if lock is not None:
             lock.release()
 
 
-def _load(path: Path, max_length: int, check: Callable[[CompiledEncoder], None],
-          kind: type[CompiledEncoder]) -> CompiledEncoder | None:
+def _load(path: Path, max_length: int, check: Callable[[CompiledPackage], None],
+          kind: type[CompiledPackage]) -> CompiledPackage | None:
     """The package at `path` where it is there and passes `check`; None where it is not there, and with a warning
     where it cannot be loaded or fails the check (it is compiled again)."""
     if not path.is_file():
@@ -217,7 +235,7 @@ def cache_limit() -> int | None:
     value = os.environ.get(CACHE_LIMIT_ENV)
     try:
         megabytes = float(value) if value is not None else DEFAULT_CACHE_LIMIT_MB
-        if not megabytes >= 0:
+        if not (math.isfinite(megabytes) and megabytes >= 0):
             raise ValueError(value)
     except ValueError:
         logger.warning("%s=%r: expected a number of megabytes (0: keep every package); no package is removed",
@@ -229,15 +247,17 @@ def cache_limit() -> int | None:
 def prune(cache: Path, keep: Path, limit: int) -> list[Path]:
     """Removes the least recently used packages of `cache` (by modification time, which a load renews), each with its
     ``.json``, until the packages left take at most `limit` bytes, or only `keep` (the one just saved) is left; returns
-    those removed. A package that another process was about to load fails to load there and is compiled again; the
-    ``.lock`` files stay (empty, and a process may hold one)."""
+    those removed. Only files named as this module names packages (``KEY.pt2``) are counted or removed. A package that
+    another process was about to load fails to load there and is compiled again; the ``.lock`` files stay (empty, and
+    a process may hold one)."""
     def used(package: Path) -> float:
         try:
             return package.stat().st_mtime
         except OSError:  # removed meanwhile
             return float("inf")
 
-    others = sorted((package for package in cache.glob("*.pt2") if package != keep), key=used)
+    others = sorted((package for package in cache.glob("*.pt2") if package != keep and _KEY.fullmatch(package.stem)),
+                    key=used)
     sizes = {}
     for package in [keep, *others]:
         try:
@@ -279,7 +299,7 @@ def _save(package: Path, path: Path, factors: dict) -> Path | None:
 
 
 def _compile(build: Callable[[], nn.Module], example: tuple[torch.Tensor, ...], max_length: int, path: Path,
-             kind: type[CompiledEncoder]) -> CompiledEncoder:
+             kind: type[CompiledPackage]) -> CompiledPackage:
     module = build()
     start = time.perf_counter()
     length = torch.export.Dim("length", min=2, max=max_length)  # one length for every input
@@ -339,6 +359,6 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
-__all__ = ["CACHE_LIMIT_ENV", "CompiledClassifier", "CompiledEncoder", "DEFAULT_CACHE_LIMIT_MB", "LOCK_TIMEOUT_S",
-           "OneClassifierInput", "OneInput", "PROBE_TEXT", "cache_key", "cache_limit", "compiled_package",
-           "default_compile_cache", "prune"]
+__all__ = ["CACHE_LIMIT_ENV", "CompiledClassifier", "CompiledEncoder", "CompiledPackage", "DEFAULT_CACHE_LIMIT_MB",
+           "LOCK_TIMEOUT_S", "OneClassifierInput", "OneInput", "PROBE_TEXT", "cache_key", "cache_limit",
+           "compiled_package", "default_compile_cache", "prune"]

@@ -29,6 +29,7 @@ from .compiled import (
     PROBE_TEXT,
     CompiledClassifier,
     CompiledEncoder,
+    CompiledPackage,
     OneClassifierInput,
     OneInput,
     cache_key,
@@ -62,8 +63,8 @@ class LoadedModel:
             types of one input or pair), since its routes return logits. With `int8`, the compiled graph is quantized
             statically (`quantization.static_int8`), the eager model by `quantize_int8`.
         calibration: with `int8` and `compile`, and only then: a UTF-8 text file of inputs like those the server
-            will embed, one per line (`read_calibration`), run through the encoder to fix the compiled int8
-            encoder's activation scales.
+            will embed or classify, one per line (`read_calibration`; `calibration_rows`: a classifier's also in
+            pairs), run through the encoder (or classifier) to fix the compiled int8 graph's activation scales.
         compile_cache: with `compile`: the folder where compiled encoders are kept between starts (default
             `compiled.default_compile_cache()`), each under a key of all it depends on (`compiled.cache_key`).
     """
@@ -118,66 +119,68 @@ class LoadedModel:
         if int8:
             quantize_int8(self.model)
 
-    def _compiled(self, texts: list[str] | None, cache: Path | None) -> CompiledEncoder:
+    def _compiled(self, texts: list[str] | None, cache: Path | None) -> CompiledPackage:
         """The encoder for one input (a sequence classifier: the classifier), compiled (`compiled.compiled_package`):
-        as saved, or with calibration `texts` quantized statically, each text with the folder's default prompt before
-        it, as a request without `prompt_name` gets it. It must answer a probe input as the eager model does
-        (`probe_agrees`; a classifier's logits: `logits_agree`)."""
+        as saved, or with calibration `texts` quantized statically (`calibration_rows`). It must answer a probe input
+        as the eager model does (`probe_agrees`; a classifier's logits: `logits_agree`)."""
         classifier = self.is_classifier
         module = (OneClassifierInput(self.model) if classifier else OneInput(self.model.base_model)).eval()
+        kind = CompiledClassifier if classifier else CompiledEncoder
+        what = kind.what
         calibration = []
         if texts is not None:
             prompt = self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name else ""
-            rows = self.tokenizer([prompt + text for text in texts], truncation=True,
-                                  max_length=self.max_length)["input_ids"]
+            rows = calibration_rows(self.tokenizer, [prompt + text for text in texts], self.max_length, classifier)
             calibration = calibration_batches(rows, CALIBRATION_TOKENS)
             if not calibration:
                 raise ValueError(f"calibration: none of its {len(texts)} inputs is 2 tokens long or more, the "
-                                 f"shortest input the compiled {'classifier' if classifier else 'encoder'} takes; "
-                                 f"expected inputs like those the server will {'classify' if classifier else 'embed'}")
-            self.calibrated_on = sum(len(batch) for batch in calibration)
-        # The probe: one input like those served (int8: a calibration input, within the range it calibrated; a
-        # classifier: a pair, both token types).
+                                 f"shortest input the compiled {what} takes; expected inputs like those the server "
+                                 f"will {'classify' if classifier else 'embed'}")
+            self.calibrated_on = sum(len(batch["input_ids"]) for batch in calibration)
+        # The probe: one input like those served (int8: a calibration input, within the range it calibrated); a
+        # classifier's, a pair (both token types).
         if calibration:
-            probe = (calibration[0][:1],)
+            pairs = [batch for batch in calibration if "token_type_ids" in batch and batch["token_type_ids"].any()]
+            probe = tuple((pairs or calibration)[0][name][:1] for name in kind.inputs)
         else:
-            pair = ([PROBE_TEXT],) if classifier else ()
-            encoded = self.tokenizer([PROBE_TEXT], *pair, truncation=True, max_length=self.max_length,
-                                     return_tensors="pt")
-            probe = (encoded["input_ids"],)
-            if classifier:
-                probe += (encoded.get("token_type_ids", torch.zeros_like(encoded["input_ids"])),)
-        if classifier and len(probe) == 1:
-            probe += (torch.zeros_like(probe[0]),)
+            encoded = self.tokenizer([PROBE_TEXT], *([[PROBE_TEXT]] if classifier else []), truncation=True,
+                                     max_length=self.max_length, return_tensors="pt")
+            encoded.setdefault("token_type_ids", torch.zeros_like(encoded["input_ids"]))
+            probe = tuple(encoded[name] for name in kind.inputs)
         probe = tuple(tensor.to(self.device) for tensor in probe)
         with torch.no_grad():
-            expected = [output.float() for output in module(*probe)]  # the encoder's last hidden states and pooler
+            expected = [output.float() for output in module(*probe)]
         names = ("logits",) if classifier else ("last hidden states", "pooler output")
         fp32 = self.dtype == "float32"
 
-        def check(compiled: CompiledEncoder) -> None:
+        def check(compiled: CompiledPackage) -> None:
             with torch.no_grad():
                 got = [output.float() for output in compiled.outputs(*probe)]
+            where = compiled.path if compiled.loaded else "compiled now"
+            shapes = [tuple(output.shape) for output in got]
+            if shapes != [tuple(output.shape) for output in expected]:
+                raise RuntimeError(f"compile=True: the compiled {what} ({where}) answers a probe input with outputs "
+                                   f"of shapes {shapes}; expected the eager model's "
+                                   f"{[tuple(output.shape) for output in expected]}")
             for name, have, want in zip(names, got, expected):
-                agrees = logits_agree(have, want, fp32) if classifier else probe_agrees(have, want, fp32)
-                if not agrees:
-                    where = compiled.path if compiled.loaded else "compiled now"
-                    raise RuntimeError(
-                        f"compile=True: the compiled {compiled.what} ({where}) answers a probe input unlike the eager "
-                        f"model: its {name} differ by up to {(have - want).abs().max().item():.3g}, lowest cosine "
-                        f"{torch.cosine_similarity(have, want, dim=-1).min().item():.6f}; expected "
-                        + (_LOGITS_EXPECTED[fp32] if classifier else _PROBE_EXPECTED[fp32])
-                        + ("" if fp32 else f" ({self.dtype})")
-                        + ("; with int8, a calibration file of inputs like those served, or int8 without compile"
-                           if calibration else ""))
+                if logits_agree(have, want, fp32) if classifier else probe_agrees(have, want, fp32):
+                    continue
+                cosine = torch.cosine_similarity(have, want, dim=-1).min().item()
+                raise RuntimeError(
+                    f"compile=True: the compiled {what} ({where}) answers a probe input unlike the eager model: its "
+                    f"{name} differ by up to {(have - want).abs().max().item():.3g}"
+                    + ("" if classifier else f", lowest cosine {cosine:.6f}") + "; expected "
+                    + (_LOGITS_EXPECTED[fp32] if classifier else _PROBE_EXPECTED[fp32])
+                    + ("" if fp32 else f" ({self.dtype})")
+                    + ("; with int8, a calibration file of inputs like those served, or int8 without compile"
+                       if calibration else ""))
 
         def build() -> nn.Module:
             return static_int8_encoder(module, calibration, self.max_length) if calibration else module
 
         factors = cache_key(self.model if classifier else self.model.base_model, self.dtype, self.max_length,
                             calibration)
-        return compiled_package(build, probe, self.max_length, factors, check, cache,
-                                CompiledClassifier if classifier else CompiledEncoder)
+        return compiled_package(build, probe, self.max_length, factors, check, cache, kind)
 
     def _folder_normalizes(self) -> bool:
         modules = json.loads((self.folder / MODULES_FILE).read_text(encoding="utf-8"))
@@ -218,26 +221,26 @@ class LoadedModel:
 def compile_refusal(compile: bool, int8: bool, device: str, calibration: str | os.PathLike | None = None,
                     compile_cache: str | os.PathLike | None = None) -> str | None:
     """Why `compile` (and `calibration`, `compile_cache`) cannot apply with these settings, or None: the compiled
-    encoder is AOTInductor's CPU package with frozen weights, as saved (fp32 or bf16) or, with `int8`, quantized
+    encoder (or classifier) is AOTInductor's CPU package with frozen weights, as saved (fp32 or bf16) or, with `int8`, quantized
     statically with torchao, its activations' scales from the `calibration` file (`quantize_int8`'s layers do not
     compile into one graph)."""
     if calibration is not None and not (compile and int8):
         return (f"calibration={str(calibration)!r} with compile={compile} and int8={int8}: the calibration fixes the "
-                "activation scales of the compiled int8 encoder; expected it with compile=True and int8=True only")
+                "activation scales of the compiled int8 graph; expected it with compile=True and int8=True only")
     if compile_cache is not None and not compile:
-        return (f"compile_cache={str(compile_cache)!r} with compile=False: the folder keeps compiled encoders; "
+        return (f"compile_cache={str(compile_cache)!r} with compile=False: the folder keeps compiled packages; "
                 "expected it with compile=True only")
     if not compile:
         return None
     if str(device).split(":")[0] != "cpu":
-        return (f"compile=True with device={device!r}: the compiled encoder is inductor's CPU graph; expected "
+        return (f"compile=True with device={device!r}: the compiled graph is inductor's CPU code; expected "
                 "device='cpu'")
     if Version(torch.__version__).release < (2, 6):  # 2.5's aoti_compile_and_package takes other arguments
         return f"compile=True with torch {torch.__version__}: expected torch 2.6 or later (AOTInductor's packages)"
     if int8 and calibration is None:
-        return ("compile=True with int8=True and no calibration: the compiled int8 encoder is quantized statically, "
+        return ("compile=True with int8=True and no calibration: the compiled int8 graph is quantized statically, "
                 "its activations' scales fixed ahead of time; expected calibration=FILE, a text file of inputs like "
-                "those the server will embed, one per line")
+                "those the server will embed or classify, one per line")
     if int8 and importlib.util.find_spec("torchao") is None:
         return ("compile=True with int8=True: the static quantization is torchao's, which is not installed; expected "
                 "pip install roformer_hf[quantization]")
@@ -263,25 +266,42 @@ def read_calibration(path: str | os.PathLike) -> list[str]:
 CALIBRATION_TOKENS = 2048
 
 
-def calibration_batches(rows: list[list[int]], budget: int) -> list[torch.Tensor]:
-    """Token-id rows as the batches the calibration runs: rows of one length together, with no padding, at most
-    `budget` tokens a batch (one forward for each length, not for each row), the largest batch first (the one the
-    export traces); rows shorter than 2 tokens, which the compiled encoder never gets, left out."""
-    groups: dict[int, list[list[int]]] = {}
+def calibration_rows(tokenizer, texts: list[str], max_length: int, pairs: bool) -> list[dict[str, list[int]]]:
+    """The calibration file's `texts` tokenized as the server tokenizes requests (cut at `max_length`): each text
+    alone, and where the model scores `pairs` (a sequence classifier, a cross-encoder), with token types, and each two
+    consecutive texts as a pair too (the second of token type 1), so that the scales cover what pairs bring."""
+    encoded = tokenizer(texts, truncation=True, max_length=max_length)
+    if not pairs:
+        return [{"input_ids": ids} for ids in encoded["input_ids"]]
+    firsts, seconds = texts[0:len(texts) - 1:2], texts[1::2]
+    joined = tokenizer(firsts, seconds, truncation=True, max_length=max_length) if seconds else {"input_ids": []}
+    rows = []
+    for batch in (encoded, joined):
+        types = batch.get("token_type_ids") or [[0] * len(ids) for ids in batch["input_ids"]]
+        rows += [{"input_ids": ids, "token_type_ids": kinds} for ids, kinds in zip(batch["input_ids"], types)]
+    return rows
+
+
+def calibration_batches(rows: list[dict[str, list[int]]], budget: int) -> list[dict[str, torch.Tensor]]:
+    """Tokenized rows (`calibration_rows`) as the batches the calibration runs: rows of one length together, with no
+    padding, at most `budget` tokens a batch (one forward for each length, not for each row), the largest batch first
+    (the one the export traces); rows shorter than 2 tokens, which the compiled graph never gets, left out."""
+    groups: dict[int, list[dict[str, list[int]]]] = {}
     for row in rows:
-        if len(row) >= 2:
-            groups.setdefault(len(row), []).append(row)
+        if len(row["input_ids"]) >= 2:
+            groups.setdefault(len(row["input_ids"]), []).append(row)
     batches = []
     for length, group in groups.items():
         per_batch = max(1, budget // length)
-        batches += [torch.tensor(group[i:i + per_batch]) for i in range(0, len(group), per_batch)]
-    return sorted(batches, key=len, reverse=True)
+        batches += [{name: torch.tensor([row[name] for row in group[i:i + per_batch]]) for name in group[0]}
+                    for i in range(0, len(group), per_batch)]
+    return sorted(batches, key=lambda batch: len(batch["input_ids"]), reverse=True)
 
 
 _PROBE_EXPECTED = {True: f"a cosine of at least {PROBE_COSINE_FP32} and differences within 1e-3 of the largest value",
                    False: f"a cosine of at least {PROBE_COSINE} and lengths within {PROBE_NORM:.0%}"}
-_LOGITS_EXPECTED = {True: f"each logit within {PROBE_LOGITS_FP32} of the largest one's magnitude (or of 1, if larger)",
-                    False: f"each logit within {PROBE_LOGITS:.0%} of the largest one's magnitude (or of 1, if larger)"}
+_LOGITS_EXPECTED = {True: f"each logit within {PROBE_LOGITS_FP32:.1%} of the largest one's magnitude (or of 1)",
+                    False: f"each logit within {PROBE_LOGITS:.0%} of the largest one's magnitude (or of 1)"}
 
 
 def logits_agree(got: torch.Tensor, expected: torch.Tensor, fp32: bool) -> bool:
@@ -304,25 +324,26 @@ def probe_agrees(got: torch.Tensor, expected: torch.Tensor, fp32: bool) -> bool:
     return cosine >= PROBE_COSINE and bool(((ratio - 1).abs() <= PROBE_NORM).all())
 
 
-def static_int8_encoder(module: OneInput | OneClassifierInput, calibration: list[torch.Tensor],
+def static_int8_encoder(module: OneInput | OneClassifierInput, calibration: list[dict[str, torch.Tensor]],
                         max_length: int) -> nn.Module:
     """`module` exported for any length from 2 to `max_length` (and any number of rows, where the first calibration
-    batch has several) and quantized statically (`quantization.static_int8`) on the `calibration` batches of ids (a
-    classifier's token types all 0)."""
+    batch has several) and quantized statically (`quantization.static_int8`) on the `calibration` batches
+    (`calibration_batches`: ids, and a classifier's token types)."""
     dims = {1: torch.export.Dim("length", min=2, max=max_length)}
-    if calibration[0].shape[0] > 1:  # else every batch is one row (a traced 1 is a constant)
-        dims[0] = torch.export.Dim("rows", min=1, max=max(len(batch) for batch in calibration))
-    names = ("input_ids", "token_type_ids") if isinstance(module, OneClassifierInput) else ("input_ids",)
+    rows = [len(batch["input_ids"]) for batch in calibration]
+    if rows[0] > 1:  # else every batch is one row (a traced 1 is a constant)
+        dims[0] = torch.export.Dim("rows", min=1, max=max(rows))
+    classifier = isinstance(module, OneClassifierInput)
+    names = ("input_ids", "token_type_ids") if classifier else ("input_ids",)
     device = next(module.parameters()).device
-    inputs = [{name: batch.to(device) if name == "input_ids" else torch.zeros_like(batch, device=device)
-               for name in names} for batch in calibration]
     try:
-        return static_int8(module, inputs, dict.fromkeys(names, dims))
+        return static_int8(module, [{name: batch[name].to(device) for name in names} for batch in calibration],
+                           dict.fromkeys(names, dims))
     except Exception as error:  # torch.export's and torchao's errors have no common base class
-        raise RuntimeError(f"compile=True with int8=True: the encoder could not be exported and quantized "
-                           f"statically on the calibration inputs ({type(error).__name__}: {error}); expected "
-                           "a calibration file of inputs like those the server will embed, or int8 without "
-                           "compile") from error
+        raise RuntimeError(f"compile=True with int8=True: the {'classifier' if classifier else 'encoder'} could not "
+                           f"be exported and quantized statically on the calibration inputs ({type(error).__name__}: "
+                           f"{error}); expected a calibration file of inputs like those the server will "
+                           f"{'classify' if classifier else 'embed'}, or int8 without compile") from error
 
 
 def _device(device: str) -> torch.device:
@@ -340,5 +361,5 @@ def _device(device: str) -> torch.device:
 
 
 __all__ = ["CALIBRATION_TOKENS", "LoadedModel", "PROBE_COSINE", "PROBE_COSINE_FP32", "PROBE_LOGITS",
-           "PROBE_LOGITS_FP32", "PROBE_NORM", "TOKENIZER_FILES", "calibration_batches", "compile_refusal", "logits_agree", "probe_agrees", "read_calibration",
-           "static_int8_encoder"]
+           "PROBE_LOGITS_FP32", "PROBE_NORM", "TOKENIZER_FILES", "calibration_batches", "calibration_rows",
+           "compile_refusal", "logits_agree", "probe_agrees", "read_calibration", "static_int8_encoder"]

@@ -34,13 +34,14 @@ class ServedModel(Tasks):
         max_inputs: the most inputs one request may carry.
         device: where the model runs (`"cpu"`, `"cuda"`).
         name: the name clients give as `model` (default: the folder's name).
-        compile: embed one input at a time with the encoder compiled ahead of time (AOTInductor, on CPU; with
-            `int8` quantized statically, from `calibration`): compiled here (seconds to a minute, by the model's size)
+        compile: embed one input at a time with the encoder compiled ahead of time (AOTInductor, on CPU; a sequence
+            classifier: classify one input with the classifier compiled; with `int8` quantized statically, from
+            `calibration`): compiled here (seconds to a minute, by the model's size)
             or loaded from `compile_cache` (about a second), and never while serving (an input of one token runs
             eagerly); batches of several inputs stay eager.
-        calibration: with `int8` and `compile`: a text file of inputs like those the server will embed, one per
-            line, that fix the compiled int8 encoder's activation scales (`LoadedModel`).
-        compile_cache: with `compile`: the folder that keeps compiled encoders between starts (default
+        calibration: with `int8` and `compile`: a text file of inputs like those the server will embed or classify,
+            one per line, that fix the compiled int8 graph's activation scales (`LoadedModel`).
+        compile_cache: with `compile`: the folder that keeps compiled packages between starts (default
             `compiled.default_compile_cache()`; `LoadedModel`).
         settings: the server's settings that `/info` reports (`max_batch_tokens`, `max_ongoing_requests`).
 

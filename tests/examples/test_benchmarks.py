@@ -410,3 +410,22 @@ def test_serving_benchmark_checks_answers_and_reports_every_measure():
                       result.stdout)
     assert bound, result.stdout
     assert float(bound.group(4)) == pytest.approx(float(bound.group(2)) + 5 + float(bound.group(3)), abs=0.15)
+
+
+def test_predict_benchmark_times_eager_and_compiled_classifiers_that_agree():
+    """`bench_predict.py --quick`: a served cross-encoder's one sentence and one pair, eager and compiled, in fp32 and
+    int8, every compiled request answered by the package, and each start after the first loading it."""
+    pytest.importorskip("ray.serve", reason="the benchmark serves with roformer_hf.serving: pip install roformer_hf[serve]")
+    pytest.importorskip("torchao", reason="its int8 classifier is quantized statically with torchao")
+    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_predict.py"), "--quick", "--sentences", "4"],
+                            capture_output=True, text=True, timeout=300, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
+            if line.startswith("| fp32") or line.startswith("| int8")]
+    assert [row[:2] for row in rows] == [[precision, request] for precision in ("fp32", "int8")
+                                         for request in ("/predict of one sentence", "/rerank of one pair")]
+    for row in rows:
+        eager, compiled = (float(cell.split()[0]) for cell in row[2:4])
+        assert eager > 0 and compiled > 0 and float(row[4].rstrip("x")) == pytest.approx(compiled / eager, abs=0.01)
+        assert float(row[5]) <= (1e-4 if row[0] == "fp32" else 0.5)
+    assert re.search(r"- fp32: start with compile [0-9.]+ s into an empty cache, [0-9.]+ s from it", result.stdout)

@@ -391,7 +391,8 @@ def test_compile_cache_keys_hold_what_the_compiled_code_depends_on(folders, tmp_
     assert cache_key(model, "float32", 32) == key  # the same model, the same key
     ids = torch.tensor([[2, 5, 6, 3]])
     others = [cache_key(model, "bfloat16", 32), cache_key(model, "float32", 16),
-              cache_key(model, "int8", 32, [ids]), cache_key(model, "int8", 32, [ids + 1])]
+              cache_key(model, "int8", 32, [{"input_ids": ids}]), cache_key(model, "int8", 32, [{"input_ids": ids + 1}]),
+              cache_key(model, "int8", 32, [{"input_ids": ids, "token_type_ids": torch.ones_like(ids)}])]
     with torch.no_grad():
         model.encoder.layer[0].attention.self.query.weight[0, 0] += 1e-3  # one weight of one layer
     others.append(cache_key(model, "float32", 32))
@@ -448,23 +449,28 @@ def test_a_full_compile_cache_removes_the_least_recently_used_packages(folders, 
     cache = tmp_path / "cache"
     cache.mkdir()
     now = time.time()
+    key = {name: name * 32 for name in "abcd"}  # as `cache_key` names packages
     for age, name in enumerate("abcd"):  # d used longest ago
-        (cache / f"{name}.pt2").write_bytes(b"x" * 1000)
-        (cache / f"{name}.json").write_text("{}")
-        (cache / f"{name}.lock").touch()
-        os.utime(cache / f"{name}.pt2", (now - 60 * age, now - 60 * age))
-    os.utime(cache / "a.pt2", (now - 3600, now - 3600))  # a: the package just saved, though its file is older
-    assert compiled.prune(cache, cache / "a.pt2", 2500) == [cache / "d.pt2", cache / "c.pt2"]
-    assert sorted(path.name for path in cache.iterdir()) == ["a.json", "a.lock", "a.pt2", "b.json", "b.lock",
-                                                             "b.pt2", "c.lock", "d.lock"]
-    assert compiled.prune(cache, cache / "a.pt2", 10) == [cache / "b.pt2"]  # never the one just saved
-    assert compiled.prune(cache, cache / "a.pt2", 10) == []
+        (cache / f"{key[name]}.pt2").write_bytes(b"x" * 1000)
+        (cache / f"{key[name]}.json").write_text("{}")
+        (cache / f"{key[name]}.lock").touch()
+        os.utime(cache / f"{key[name]}.pt2", (now - 60 * age, now - 60 * age))
+    (cache / "mine.pt2").write_bytes(b"x" * 10_000)  # not a package of this cache's: never counted or removed
+    os.utime(cache / "mine.pt2", (now - 7200, now - 7200))
+    a, b, c, d = (cache / f"{key[name]}.pt2" for name in "abcd")
+    os.utime(a, (now - 3600, now - 3600))  # a: the package just saved, though its file is older
+    assert compiled.prune(cache, a, 2500) == [d, c]
+    assert sorted(path.name for path in cache.iterdir()) == sorted(
+        [f"{key['a']}.json", f"{key['a']}.lock", f"{key['a']}.pt2", f"{key['b']}.json", f"{key['b']}.lock",
+         f"{key['b']}.pt2", f"{key['c']}.lock", f"{key['d']}.lock", "mine.pt2"])
+    assert compiled.prune(cache, a, 10) == [b]  # never the one just saved
+    assert compiled.prune(cache, a, 10) == [] and (cache / "mine.pt2").is_file()
 
     monkeypatch.setenv(compiled.CACHE_LIMIT_ENV, "0")
     assert compiled.cache_limit() is None
     monkeypatch.setenv(compiled.CACHE_LIMIT_ENV, "1.5")
     assert compiled.cache_limit() == 1.5 * 2**20
-    for bad in ("lots", "-1"):
+    for bad in ("lots", "-1", "inf"):
         monkeypatch.setenv(compiled.CACHE_LIMIT_ENV, bad)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="roformer_hf.serving.compiled"):
@@ -531,7 +537,8 @@ from pathlib import Path
 from roformer_hf.serving import ServedModel
 folder, cache, ready, me = sys.argv[1:5]
 Path(ready, me).touch()
-while len(list(Path(ready).iterdir())) < 2:
+deadline = time.monotonic() + 60
+while len(list(Path(ready).iterdir())) < 2 and time.monotonic() < deadline:
     time.sleep(0.01)
 served = ServedModel(folder, compile=True, compile_cache=cache)
 embedding = [float(x) for x in served.answer("/v1/embeddings", {"input": "the king dies"})["data"][0]["embedding"]]
@@ -545,14 +552,20 @@ def test_replicas_starting_together_compile_once_and_serve_the_same_package(fold
     ready = tmp_path / "ready"
     ready.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    starts = [subprocess.Popen([PYTHON, "-c", _STARTING_TOGETHER, str(folders["sim"]), str(tmp_path / "cache"),
-                                str(ready), str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-              for i in range(2)]
-    answers = []
-    for start in starts:
-        out, err = start.communicate(timeout=300)
-        assert start.returncode == 0, err[-2000:]
-        answers.append(json.loads(out.strip().splitlines()[-1]))
+    logs = [(tmp_path / f"out{i}", tmp_path / f"err{i}") for i in range(2)]  # files: no pipe fills and blocks
+    starts = []
+    try:
+        for i, (out, err) in enumerate(logs):
+            with open(out, "w", encoding="utf-8") as stdout, open(err, "w", encoding="utf-8") as stderr:
+                starts.append(subprocess.Popen([PYTHON, "-c", _STARTING_TOGETHER, str(folders["sim"]),
+                                                str(tmp_path / "cache"), str(ready), str(i)],
+                                               stdout=stdout, stderr=stderr, env=env))
+        for start, (out, err) in zip(starts, logs):
+            assert start.wait(timeout=300) == 0, err.read_text()[-2000:]
+    finally:
+        for start in starts:
+            start.kill()
+    answers = [json.loads(out.read_text().strip().splitlines()[-1]) for out, _ in logs]
     # one compiled and saved; the other waited on the key's lock and loaded what it saved
     assert sorted(answer["loaded"] for answer in answers) == [False, True]
     assert answers[0]["path"] == answers[1]["path"]
@@ -584,9 +597,14 @@ def test_calibration_batches_hold_every_row_once_by_length_within_the_budget(see
     generator = torch.Generator().manual_seed(seed)
     rows = [torch.randint(0, 100, (int(n),), generator=generator).tolist()
             for n in torch.randint(1, 12, (40,), generator=generator)]
+    types = [torch.randint(0, 2, (len(row),), generator=generator).tolist() for row in rows]  # a classifier's rows
     budget = int(torch.randint(5, 40, (1,), generator=generator))
-    batches = calibration_batches(rows, budget)
-    assert sorted(row for batch in batches for row in batch.tolist()) == sorted(row for row in rows if len(row) >= 2)
+    batches = calibration_batches([{"input_ids": row, "token_type_ids": kinds} for row, kinds in zip(rows, types)],
+                                  budget)
+    assert sorted((row, kinds) for batch in batches for row, kinds in zip(batch["input_ids"].tolist(),
+                                                                          batch["token_type_ids"].tolist())) == \
+        sorted((row, kinds) for row, kinds in zip(rows, types) if len(row) >= 2)  # each row with its own types
+    batches = [batch["input_ids"] for batch in batches]
     for batch in batches:  # one length, no padding; within the budget unless one row alone exceeds it
         assert batch.dim() == 2 and (batch.numel() <= budget or len(batch) == 1)
     assert [len(batch) for batch in batches] == sorted((len(batch) for batch in batches), reverse=True)
@@ -600,7 +618,12 @@ def test_calibration_batches_hold_every_row_once_by_length_within_the_budget(see
 def test_compiled_int8_encoder_is_quantized_statically_and_embeds_one_input_near_fp32(folders, calibration, static_sim,
                                                                                      name, tmp_path):
     from roformer_hf.serving.compiled import CompiledEncoder, OneInput
-    from roformer_hf.serving.loaded import CALIBRATION_TOKENS, calibration_batches, static_int8_encoder
+    from roformer_hf.serving.loaded import (
+        CALIBRATION_TOKENS,
+        calibration_batches,
+        calibration_rows,
+        static_int8_encoder,
+    )
 
     fp32, dynamic = ServedModel(folders[name]), ServedModel(folders[name], int8=True)
     expected = encode(fp32.model, fp32.tokenizer, SENTENCES)
@@ -618,8 +641,9 @@ def test_compiled_int8_encoder_is_quantized_statically_and_embeds_one_input_near
     # What the package was compiled from is torchao's static quantization of the encoder: every dense layer's input
     # quantized with a fixed scale (query/key/value share theirs), its weight per channel; run uncompiled, it is the
     # reference. The same calibration gives the same scales.
-    graph = static_int8_encoder(OneInput(fp32.model.base_model).eval(), calibration_batches(rows, CALIBRATION_TOKENS),
-                                served.loaded.max_length)
+    batches = calibration_batches(calibration_rows(served.tokenizer, lines, served.loaded.max_length, pairs=False),
+                                  CALIBRATION_TOKENS)
+    graph = static_int8_encoder(OneInput(fp32.model.base_model).eval(), batches, served.loaded.max_length)
     targets = [str(node.target) for node in graph.graph.nodes]
     linears = sum(type(module) is torch.nn.Linear for module in fp32.model.base_model.modules())
     assert sum(t == "quantized_decomposed.dequantize_per_channel.default" for t in targets) == linears
@@ -675,7 +699,12 @@ def reranker(tokenizer, tmp_path_factory):
 def test_compiled_classifier_scores_one_input_or_pair_as_the_eager_model(reranker, calibration, tmp_path,
                                                                          monkeypatch):
     from roformer_hf.serving.compiled import CompiledClassifier, OneClassifierInput
-    from roformer_hf.serving.loaded import CALIBRATION_TOKENS, calibration_batches, static_int8_encoder
+    from roformer_hf.serving.loaded import (
+        CALIBRATION_TOKENS,
+        calibration_batches,
+        calibration_rows,
+        static_int8_encoder,
+    )
 
     eager = ServedModel(reranker)
     served = ServedModel(reranker, compile=True, compile_cache=tmp_path)  # the classifier, not the encoder
@@ -714,12 +743,15 @@ def test_compiled_classifier_scores_one_input_or_pair_as_the_eager_model(reranke
     assert _scored(again, "/predict", body) == _scored(served, "/predict", body)
     monkeypatch.undo()
 
-    # int8: the classifier quantized statically on the calibration file (token types 0), near fp32, not equal to it.
+    # int8: the classifier quantized statically on the calibration file's lines, alone and in pairs, near fp32 and not
+    # equal to it.
     pytest.importorskip("torchao", reason="the compiled int8 classifier is quantized with torchao")
     quantized = ServedModel(reranker, int8=True, compile=True, calibration=calibration, compile_cache=tmp_path)
     assert quantized.loaded.compiled.path != package
     lines = [line for line in calibration.read_text().splitlines() if line]
-    rows = quantized.tokenizer(lines, truncation=True, max_length=quantized.loaded.max_length)["input_ids"]
+    rows = calibration_rows(quantized.tokenizer, lines, quantized.loaded.max_length, pairs=True)
+    assert len(rows) == len(lines) + len(lines) // 2 and sum(any(row["token_type_ids"]) for row in rows) == len(lines) // 2
+    assert re.search(rf"\(int8 static, calibrated on {len(rows)} inputs\)", quantized.loaded.describe())
     reference = static_int8_encoder(OneClassifierInput(eager.model).eval(),
                                     calibration_batches(rows, CALIBRATION_TOKENS), quantized.loaded.max_length)
     got = []
@@ -732,7 +764,8 @@ def test_compiled_classifier_scores_one_input_or_pair_as_the_eager_model(reranke
             static = reference(input_ids=features["input_ids"], token_type_ids=features["token_type_ids"])[0][0, 0]
         # as the uncompiled graph, but for an activation on a rounding boundary (see the int8 encoder's test)
         torch.testing.assert_close(torch.tensor(got[-1]), static, atol=0.05, rtol=0)
-    # int8's error on this small random model: up to 0.3 on logits of 0.2 to 2.7 (quantize_int8's eager model too)
+    # int8's error on this small random model: up to 0.2 on logits of 1 to 3 (0.3 on pairs without pairs among the
+    # calibration inputs; quantize_int8's eager model's as large)
     torch.testing.assert_close(torch.tensor(got), expected, atol=0.5, rtol=0)
     assert not torch.allclose(torch.tensor(got), expected, atol=1e-4, rtol=0)
 
