@@ -247,15 +247,19 @@ def cache_limit() -> int | None:
 def prune(cache: Path, keep: Path, limit: int) -> list[Path]:
     """Removes the least recently used packages of `cache` (by modification time, which a load renews), each with its
     ``.json``, until the packages left take at most `limit` bytes, or only `keep` (the one just saved) is left; returns
-    those removed. Only files named as this module names packages (``KEY.pt2``) are counted or removed. A package that
-    another process was about to load fails to load there and is compiled again; the ``.lock`` files stay (empty, and
-    a process may hold one)."""
+    those removed. Only files named as this module names packages (``KEY.pt2``) are counted or removed, and the copies
+    of a save that stopped midway (``KEY.PID.part``, older than `LOCK_TIMEOUT_S`). A package that another process was
+    about to load fails to load there and is compiled again; the ``.lock`` files stay (empty, and a process may hold
+    one)."""
     def used(package: Path) -> float:
         try:
             return package.stat().st_mtime
         except OSError:  # removed meanwhile
             return float("inf")
 
+    for part in cache.glob("*.part"):  # a save writes its copy in seconds, under the key's lock
+        if _KEY.fullmatch(part.name.split(".")[0]) and time.time() - used(part) > LOCK_TIMEOUT_S:
+            part.unlink(missing_ok=True)
     others = sorted((package for package in cache.glob("*.pt2") if package != keep and _KEY.fullmatch(package.stem)),
                     key=used)
     sizes = {}

@@ -457,12 +457,16 @@ def test_a_full_compile_cache_removes_the_least_recently_used_packages(folders, 
         os.utime(cache / f"{key[name]}.pt2", (now - 60 * age, now - 60 * age))
     (cache / "mine.pt2").write_bytes(b"x" * 10_000)  # not a package of this cache's: never counted or removed
     os.utime(cache / "mine.pt2", (now - 7200, now - 7200))
+    stale, fresh = cache / f"{key['b']}.123.part", cache / f"{key['c']}.456.part"  # saves that stopped midway
+    for part, age in ((stale, compiled.LOCK_TIMEOUT_S + 60), (fresh, 10)):
+        part.write_bytes(b"x" * 10_000)
+        os.utime(part, (now - age, now - age))
     a, b, c, d = (cache / f"{key[name]}.pt2" for name in "abcd")
     os.utime(a, (now - 3600, now - 3600))  # a: the package just saved, though its file is older
     assert compiled.prune(cache, a, 2500) == [d, c]
     assert sorted(path.name for path in cache.iterdir()) == sorted(
         [f"{key['a']}.json", f"{key['a']}.lock", f"{key['a']}.pt2", f"{key['b']}.json", f"{key['b']}.lock",
-         f"{key['b']}.pt2", f"{key['c']}.lock", f"{key['d']}.lock", "mine.pt2"])
+         f"{key['b']}.pt2", f"{key['c']}.lock", f"{key['d']}.lock", "mine.pt2", fresh.name])  # the stale copy went
     assert compiled.prune(cache, a, 10) == [b]  # never the one just saved
     assert compiled.prune(cache, a, 10) == [] and (cache / "mine.pt2").is_file()
 
