@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
                     diff = abs(score(eager.answer(path, body)) - score(compiled.answer(path, body)))
                     worst = max(worst, diff)
                 if not int8 and worst > FP32_SCORE_DIFF:
-                    raise SystemExit(f"{label}: the compiled classifier's fp32 scores differ from the eager model's by "
-                                     f"up to {worst:.3g}; expected at most {FP32_SCORE_DIFF}")
+                    raise SystemExit(f"{label}: the compiled classifier's fp32 scores differ from the eager model's "
+                                     f"by up to {worst:.3g}; expected at most {FP32_SCORE_DIFF}")
                 progress(f"{precision}: timing {label}")
                 for _ in range(args.repeats):
                     for path, body in calls:
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         print()
         for note in notes:
             print(f"- {note}")
-        print("- int8 eager is `quantize_int8` (activations quantized per call); int8 compiled is quantized statically "
-              "on the calibration file: their scores differ by int8's rounding, not only the compiler's")
+        print("- int8 eager is `quantize_int8` (activations quantized per call); int8 compiled is quantized "
+              "statically on the calibration file: their scores differ by int8's rounding, not only the compiler's")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

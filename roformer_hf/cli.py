@@ -50,8 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                             "compiled; compiled at the first start, seconds to a minute, then loaded from "
                             "--compile-cache; batches stay eager)")
     model.add_argument("--calibration", default=None, metavar="FILE",
-                       help="with --int8 --compile: inputs like those the server will embed or classify, one per line, that fix "
-                            "the compiled int8 graph's activation scales (it is quantized statically)")
+                       help="with --int8 --compile: inputs like those the server will embed or classify, one per "
+                            "line, that fix the compiled int8 graph's activation scales (it is quantized statically)")
     model.add_argument("--compile-cache", default=None, metavar="DIR",
                        help="with --compile: the folder that keeps compiled packages between starts (default: "
                             "$ROFORMER_HF_CACHE/compiled, else $XDG_CACHE_HOME/roformer_hf/compiled, else "

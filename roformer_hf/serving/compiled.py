@@ -125,7 +125,7 @@ class CompiledClassifier(CompiledPackage):
 
 
 def default_compile_cache() -> Path | None:
-    """Where compiled encoders are kept unless told: ``$ROFORMER_HF_CACHE/compiled``, else
+    """Where compiled packages are kept unless told: ``$ROFORMER_HF_CACHE/compiled``, else
     ``$XDG_CACHE_HOME/roformer_hf/compiled``, else ``~/.cache/roformer_hf/compiled``; None where none of them is known
     (no home folder), with a warning: each start compiles."""
     root = os.environ.get("ROFORMER_HF_CACHE")
@@ -199,7 +199,7 @@ def compiled_package(build: Callable[[], nn.Module], example: tuple[torch.Tensor
             try:
                 for removed in prune(cache, package.path, limit):
                     logger.info("compile cache %s: removed %s, the least recently used beyond %g MB", cache,
-                                removed.name, limit / 2**20)
+                                removed.name, limit / 10**6)
             except OSError as error:  # the package is saved and serves; the folder is only fuller than it should be
                 logger.warning("compile cache %s could not be pruned (%s)", cache, error)
         return package
@@ -241,7 +241,7 @@ def cache_limit() -> int | None:
         logger.warning("%s=%r: expected a number of megabytes (0: keep every package); no package is removed",
                        CACHE_LIMIT_ENV, value)
         return None
-    return int(megabytes * 2**20) if megabytes else None
+    return int(megabytes * 10**6) if megabytes else None
 
 
 def prune(cache: Path, keep: Path, limit: int) -> list[Path]:
@@ -274,7 +274,6 @@ def prune(cache: Path, keep: Path, limit: int) -> list[Path]:
             break
         try:
             package.unlink()
-            package.with_suffix(".json").unlink(missing_ok=True)
         except FileNotFoundError:  # another process removed it
             total -= sizes[package]
             continue
@@ -283,6 +282,10 @@ def prune(cache: Path, keep: Path, limit: int) -> list[Path]:
             continue
         total -= sizes[package]
         removed.append(package)
+        try:
+            package.with_suffix(".json").unlink(missing_ok=True)
+        except OSError:
+            pass  # a few bytes, and nothing reads a key's factors without its package
     return removed
 
 

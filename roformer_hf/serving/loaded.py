@@ -65,7 +65,7 @@ class LoadedModel:
         calibration: with `int8` and `compile`, and only then: a UTF-8 text file of inputs like those the server
             will embed or classify, one per line (`read_calibration`; `calibration_rows`: a classifier's also in
             pairs), run through the encoder (or classifier) to fix the compiled int8 graph's activation scales.
-        compile_cache: with `compile`: the folder where compiled encoders are kept between starts (default
+        compile_cache: with `compile`: the folder where compiled packages are kept between starts (default
             `compiled.default_compile_cache()`), each under a key of all it depends on (`compiled.cache_key`).
     """
 
@@ -128,8 +128,9 @@ class LoadedModel:
         kind = CompiledClassifier if classifier else CompiledEncoder
         what = kind.what
         calibration = []
-        if texts is not None:
-            prompt = self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name else ""
+        if texts is not None:  # an embedding's default prompt before each, as a request without `prompt_name` gets it
+            prompt = self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name and not classifier \
+                else ""
             rows = calibration_rows(self.tokenizer, [prompt + text for text in texts], self.max_length, classifier)
             calibration = calibration_batches(rows, CALIBRATION_TOKENS)
             if not calibration:
@@ -140,8 +141,8 @@ class LoadedModel:
         # The probe: one input like those served (int8: a calibration input, within the range it calibrated); a
         # classifier's, a pair (both token types).
         if calibration:
-            pairs = [batch for batch in calibration if "token_type_ids" in batch and batch["token_type_ids"].any()]
-            probe = tuple((pairs or calibration)[0][name][:1] for name in kind.inputs)
+            row = calibration_probe(calibration)
+            probe = tuple(row[name] for name in kind.inputs)
         else:
             encoded = self.tokenizer([PROBE_TEXT], *([[PROBE_TEXT]] if classifier else []), truncation=True,
                                      max_length=self.max_length, return_tensors="pt")
@@ -221,9 +222,9 @@ class LoadedModel:
 def compile_refusal(compile: bool, int8: bool, device: str, calibration: str | os.PathLike | None = None,
                     compile_cache: str | os.PathLike | None = None) -> str | None:
     """Why `compile` (and `calibration`, `compile_cache`) cannot apply with these settings, or None: the compiled
-    encoder (or classifier) is AOTInductor's CPU package with frozen weights, as saved (fp32 or bf16) or, with `int8`, quantized
-    statically with torchao, its activations' scales from the `calibration` file (`quantize_int8`'s layers do not
-    compile into one graph)."""
+    encoder (or classifier) is AOTInductor's CPU package with frozen weights, as saved (fp32 or bf16) or, with `int8`,
+    quantized statically with torchao, its activations' scales from the `calibration` file (`quantize_int8`'s layers
+    do not compile into one graph)."""
     if calibration is not None and not (compile and int8):
         return (f"calibration={str(calibration)!r} with compile={compile} and int8={int8}: the calibration fixes the "
                 "activation scales of the compiled int8 graph; expected it with compile=True and int8=True only")
@@ -268,8 +269,9 @@ CALIBRATION_TOKENS = 2048
 
 def calibration_rows(tokenizer, texts: list[str], max_length: int, pairs: bool) -> list[dict[str, list[int]]]:
     """The calibration file's `texts` tokenized as the server tokenizes requests (cut at `max_length`): each text
-    alone, and where the model scores `pairs` (a sequence classifier, a cross-encoder), with token types, and each two
-    consecutive texts as a pair too (the second of token type 1), so that the scales cover what pairs bring."""
+    alone, and where the model scores `pairs` (a sequence classifier, a cross-encoder), with token types, and the
+    first and second texts, the third and fourth, and so on, as pairs too (the second of token type 1, where the
+    tokenizer gives token types), so that the scales cover what pairs bring."""
     encoded = tokenizer(texts, truncation=True, max_length=max_length)
     if not pairs:
         return [{"input_ids": ids} for ids in encoded["input_ids"]]
@@ -280,6 +282,17 @@ def calibration_rows(tokenizer, texts: list[str], max_length: int, pairs: bool) 
         types = batch.get("token_type_ids") or [[0] * len(ids) for ids in batch["input_ids"]]
         rows += [{"input_ids": ids, "token_type_ids": kinds} for ids, kinds in zip(batch["input_ids"], types)]
     return rows
+
+
+def calibration_probe(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The calibration row ``(1, L)`` that probes a compiled int8 graph: a pair (a row with token type 1) where the
+    batches hold one, else the first batch's first row."""
+    for batch in batches:
+        types = batch.get("token_type_ids")
+        pairs = [] if types is None else types.any(dim=1).nonzero().flatten().tolist()
+        if pairs:
+            return {name: tensor[pairs[0]:pairs[0] + 1] for name, tensor in batch.items()}
+    return {name: tensor[:1] for name, tensor in batches[0].items()}
 
 
 def calibration_batches(rows: list[dict[str, list[int]]], budget: int) -> list[dict[str, torch.Tensor]]:
@@ -361,5 +374,6 @@ def _device(device: str) -> torch.device:
 
 
 __all__ = ["CALIBRATION_TOKENS", "LoadedModel", "PROBE_COSINE", "PROBE_COSINE_FP32", "PROBE_LOGITS",
-           "PROBE_LOGITS_FP32", "PROBE_NORM", "TOKENIZER_FILES", "calibration_batches", "calibration_rows",
+           "PROBE_LOGITS_FP32", "PROBE_NORM", "TOKENIZER_FILES", "calibration_batches", "calibration_probe",
+           "calibration_rows",
            "compile_refusal", "logits_agree", "probe_agrees", "read_calibration", "static_int8_encoder"]

@@ -412,10 +412,13 @@ def test_serving_benchmark_checks_answers_and_reports_every_measure():
     assert float(bound.group(4)) == pytest.approx(float(bound.group(2)) + 5 + float(bound.group(3)), abs=0.15)
 
 
+@pytest.mark.slow
 def test_predict_benchmark_times_eager_and_compiled_classifiers_that_agree():
     """`bench_predict.py --quick`: a served cross-encoder's one sentence and one pair, eager and compiled, in fp32 and
-    int8, every compiled request answered by the package, and each start after the first loading it."""
-    pytest.importorskip("ray.serve", reason="the benchmark serves with roformer_hf.serving: pip install roformer_hf[serve]")
+    int8, the fp32 scores within the script's bound of the eager ones (it stops otherwise), and a start after the
+    first loading the package."""
+    pytest.importorskip("ray.serve", reason="the benchmark serves with roformer_hf.serving: pip install "
+                                            "roformer_hf[serve]")
     pytest.importorskip("torchao", reason="its int8 classifier is quantized statically with torchao")
     result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_predict.py"), "--quick", "--sentences", "4"],
                             capture_output=True, text=True, timeout=300, cwd=BENCHMARKS)
@@ -426,6 +429,7 @@ def test_predict_benchmark_times_eager_and_compiled_classifiers_that_agree():
                                          for request in ("/predict of one sentence", "/rerank of one pair")]
     for row in rows:
         eager, compiled = (float(cell.split()[0]) for cell in row[2:4])
-        assert eager > 0 and compiled > 0 and float(row[4].rstrip("x")) == pytest.approx(compiled / eager, abs=0.01)
+        # the ratio of the unrounded medians, the cells rounded to 0.01 ms
+        assert eager > 0 and compiled > 0 and float(row[4].rstrip("x")) == pytest.approx(compiled / eager, abs=0.03)
         assert float(row[5]) <= (1e-4 if row[0] == "fp32" else 0.5)
     assert re.search(r"- fp32: start with compile [0-9.]+ s into an empty cache, [0-9.]+ s from it", result.stdout)
