@@ -959,7 +959,7 @@ def test_the_default_compile_cache_follows_the_environment(monkeypatch, tmp_path
 
 
 @pytest.fixture(scope="module")
-def server(folders, calibration):
+def server(folders, calibration, reranker):
     """Ray Serve on 127.0.0.1, one application per folder under its own route prefix; its base URL."""
     import ray
     from ray import serve
@@ -980,6 +980,9 @@ def server(folders, calibration):
         serve.run(build_app({"folder": str(folders["sim"]), "replicas": "1", "threads": "1", "num_cpus": "0",
                              "compile": "true"}),
                   name="compiled", route_prefix="/compiled", blocking=False)
+        serve.run(build_app({"folder": str(reranker), "replicas": "1", "threads": "1", "num_cpus": "0",
+                             "compile": "true"}),  # a cross-encoder: the classifier compiled
+                  name="reranker", route_prefix="/reranker", blocking=False)
         if importlib.util.find_spec("torchao") is not None:  # its static quantization
             serve.run(build_app({"folder": str(folders["sim"]), "replicas": "1", "threads": "1", "num_cpus": "0",
                                  "int8": "true", "compile": "true", "calibration": str(calibration)}),
@@ -1059,6 +1062,21 @@ def test_http_compiled_replica_answers_what_encode_gives(server, served):
 
 
 @pytest.mark.slow
+def test_http_compiled_reranker_answers_what_the_library_gives(server, reranker):
+    eager = ServedModel(reranker)
+    for body in ({"query": SENTENCES[0], "texts": [SENTENCES[1]], "raw_scores": True},  # one pair: the package
+                 {"query": SENTENCES[0], "texts": SENTENCES, "raw_scores": True, "return_text": True}):  # eager
+        got = _post(f"{server}/reranker/rerank", body)
+        assert got.status_code == 200, got.text
+        expected = eager.answer("/rerank", body)
+        assert [row["index"] for row in got.json()] == [row["index"] for row in expected]
+        assert max(abs(a["score"] - b["score"]) for a, b in zip(got.json(), expected)) < 1e-5
+    got = _post(f"{server}/reranker/predict", {"inputs": [SENTENCES[2], SENTENCES[3]], "raw_scores": True})  # a pair
+    assert got.status_code == 200, got.text
+    assert abs(got.json()[0]["score"] - eager.answer("/predict", {"inputs": [SENTENCES[2], SENTENCES[3]],
+                                                                  "raw_scores": True})[0]["score"]) < 1e-5
+
+
 def test_http_static_int8_replica_answers_what_the_library_gives(server, folders, static_sim):
     """`calibration` reaches the replica: one input at a time it answers as the same folder quantized statically in
     this process, several at a time as `quantize_int8`'s model."""
