@@ -97,6 +97,13 @@ class Tasks:
         features = [row if isinstance(row, dict) else {"input_ids": row} for row in rows]
         return self.tokenizer.pad(features, return_tensors="pt", padding_side=side).to(self.loaded.device).data
 
+    def _compiled_takes(self, ids: list[int], token_types: list[int] | None = None) -> bool:
+        """Whether the compiled graph takes this one input: a length it was compiled for, and ids and token types the
+        model has embeddings for (the eager model refuses others by name; the compiled one stops at its bounds check
+        with inductor's message)."""
+        return (2 <= len(ids) <= self.loaded.max_length and min(ids) >= 0 and max(ids) < self.config.vocab_size
+                and (not token_types or min(token_types) >= 0 and max(token_types) < self.config.type_vocab_size))
+
     @torch.no_grad()
     def embed(self, ids: list[list[int]]) -> list[torch.Tensor | RowError]:
         """The sentence embeddings `(H,)` of token-id rows, not normalized: sorted by length, as `encode` does (rows of
@@ -105,8 +112,8 @@ class Tasks:
         vectors: list = [None] * len(ids)
         for rows in by_tokens(order, [len(row) for row in ids], EMBED_TOKENS):
             padded = self._pad([ids[i] for i in rows], "right")
-            if len(rows) == 1 and self.embed_alone is not None and 2 <= len(ids[rows[0]]) <= self.loaded.max_length:
-                batch = self.embed_alone(padded)  # one input of a length the compiled encoder takes
+            if len(rows) == 1 and self.embed_alone is not None and self._compiled_takes(ids[rows[0]]):
+                batch = self.embed_alone(padded)  # one input the compiled encoder takes
             else:
                 batch = self.embed_batch(padded)
             batch = batch.float().cpu()
@@ -118,7 +125,7 @@ class Tasks:
     def classify(self, rows: list[dict[str, list[int]]]) -> list[torch.Tensor | RowError]:
         """The logits `(num_labels,)` of each row (`input_ids`, and `token_type_ids` for a pair)."""
         if len(rows) == 1 and self.classify_alone is not None and \
-                2 <= len(rows[0]["input_ids"]) <= self.loaded.max_length:  # one input the compiled classifier takes
+                self._compiled_takes(rows[0]["input_ids"], rows[0].get("token_type_ids")):
             row = {name: torch.tensor([values], device=self.loaded.device) for name, values in rows[0].items()}
             logits = self.classify_alone(row["input_ids"], row.get("token_type_ids")).logits.float().cpu()
         else:

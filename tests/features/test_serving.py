@@ -710,6 +710,19 @@ def _scored(served, path, body):
     return answer, bool(calls)
 
 
+def _scored_rows(served, rows):
+    """`Tasks.run` of classify items of token-id rows, and whether the compiled classifier ran."""
+    from roformer_hf.serving.tasks import Item
+
+    compiled, calls = served.loaded.compiled, []
+    runner = compiled.runner
+    compiled.runner = lambda *tensors: calls.append(tensors) or runner(*tensors)
+    try:
+        return served.run([Item("classify", (), row, len(row["input_ids"])) for row in rows]), bool(calls)
+    finally:
+        compiled.runner = runner
+
+
 @pytest.fixture(scope="module")
 def reranker(tokenizer, tmp_path_factory):
     """A cross-encoder's folder: a sequence classifier of one label, whose logit moves with its input."""
@@ -758,6 +771,13 @@ def test_compiled_classifier_scores_one_input_or_pair_as_the_eager_model(reranke
     assert answer == eager.answer("/rerank", {"query": SENTENCES[0], "texts": SENTENCES, "raw_scores": True})
     with pytest.raises(ValueError, match=r"token_type_ids of shape \(1, 3\): expected input_ids' \(1, 4\)"):
         served.loaded.compiled(torch.tensor([[2, 5, 6, 3]]), torch.zeros(1, 3, dtype=torch.long))
+    # Ids or token types the model has no embedding for: the eager model's error, by name, not the package's bounds
+    # check (inductor's message, a C++ stack)
+    for row in ({"input_ids": [2, 5, served.config.vocab_size, 3], "token_type_ids": [0, 0, 0, 0]},
+                {"input_ids": [2, 5, 6, 3], "token_type_ids": [0, 0, served.config.type_vocab_size, 0]}):
+        (error,), compiled = _scored_rows(served, [row])
+        assert not compiled and isinstance(error, RowError)
+        assert re.search(r"(input_ids|token_type_ids) contains \d+; expected values in \[0, \d+\)", str(error)), error
 
     # The next start loads the package; nothing compiles.
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiler)
