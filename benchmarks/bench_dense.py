@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n## Dense kernels per shape (µs per call, median)\n")
     print(*machine_lines(), sep="\n")
     print(f"- encoder layer: hidden {size.hidden}, intermediate {size.intermediate}; {args.repeats} calls each; "
-          f"Intel CPU (`fused._INTEL`, MKL for one fp32 row): {fused._INTEL}\n")
+          f"this CPU's rule (`fused.RULE`): {fused.RULE}\n")
     print("| dtype | rows | layer | " + " | ".join(KERNELS) + " | packed: same bits | `_dense_kernel` picks | "
           "its time / the fastest |")
     print("|---|---|---|" + "---|" * (len(KERNELS) + 3))

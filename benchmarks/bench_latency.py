@@ -194,13 +194,15 @@ def gemm_rate(precision: str, hidden: int, intermediate: int, rows: int = 2048, 
     """FLOP/s (two per multiply-add) of this process's threads on one large product at `precision`: the
     feed-forward's expansion over `rows` tokens, ``(rows x hidden) @ (hidden x intermediate)``, where the GEMM runs at
     the CPU's arithmetic rate rather than waiting on its weights; fp32 and bf16 through `nn.functional.linear`, int8
-    through `torch._int_mm` (int8 products summed in int32, as a VNNI kernel sums them). The best of `repeats`."""
+    through roformer_hf's `quantization.Int8Linear` (the kernel its int8 forward takes at that many rows: oneDNN's, or
+    fbgemm's, on CPUs without VNNI, where `torch._int_mm` has no fast kernel). The best of `repeats`."""
     if precision == "int8":
-        a = torch.randint(-128, 128, (rows, hidden), dtype=torch.int8)
-        b = torch.randint(-128, 128, (hidden, intermediate), dtype=torch.int8)
+        x = torch.randn(rows, hidden)
+        layer = quantization.Int8Linear(torch.nn.Linear(hidden, intermediate, bias=False))
 
         def product():
-            return torch._int_mm(a, b)
+            with torch.inference_mode():
+                return layer(x)
     else:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         x, weight = torch.randn(rows, hidden, dtype=dtype), torch.randn(intermediate, hidden, dtype=dtype)

@@ -27,6 +27,7 @@ Xeon).
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -61,9 +62,60 @@ def cpu_vendor() -> str:
     return ""
 
 
-_INTEL = cpu_vendor() == "GenuineIntel"
 PACKING_HINT = 16  # the rows oneDNN lays a packed weight out for; it serves every row count
-PACKED_MAX_ROWS = 256  # fp32 off Intel: beyond, the GEMM is bound by its arithmetic, not by reading the weight
+# oneDNN's CPU limits (`ONEDNN_MAX_CPU_ISA`, formerly `DNNL_MAX_CPU_ISA`) that keep its kernels off AVX-512.
+_LIMITS_BELOW_AVX512 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"}
+
+
+@dataclass(frozen=True)
+class DenseRule:
+    """Which GEMM a dense layer takes in CPU inference on one kind of CPU (`_dense_kernel`), and whether oneDNN
+    applies the GELU that follows it, as measured on that kind (`benchmarks/RESULTS.md`, "Dense kernels per shape").
+
+    Attributes:
+        cpu: the CPU kind, as the benchmarks name it.
+        packed_max_rows: fp32 inputs of 2 up to this many rows take oneDNN's kernel on the packed weight.
+        beyond: the fp32 kernel past them: ``"onednn"`` (on the layer's own weight) or ``"module"`` (MKL's).
+        one_row: the fp32 kernel of one row (a decoding step).
+        fuses_gelu: oneDNN applies GELU to its product before storing it; else ``F.gelu`` runs on the stored product.
+    """
+
+    cpu: str
+    packed_max_rows: float
+    beyond: str
+    one_row: str
+    fuses_gelu: bool
+
+
+# Intel Xeon (AVX-512): the packed weight at every row count, 1.05-1.10x up to 2626 rows; MKL's matrix-vector product
+# for one row, 0.5-0.85x oneDNN's time.
+INTEL_RULE = DenseRule("Intel, AVX-512", math.inf, "onednn", "module", fuses_gelu=True)
+# AMD EPYC with AVX-512: the packed weight up to 1.5x faster at 2-256 rows; beyond, the GEMM is bound by its arithmetic.
+AVX512_RULE = DenseRule("AMD, AVX-512", 256, "onednn", "onednn", fuses_gelu=True)
+# AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, with their weights read from memory as a forward
+# reads them, took 0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626 and 1.11x at 2626;
+# oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2.
+AVX2_RULE = DenseRule("AVX2 only", 512, "module", "onednn", fuses_gelu=False)
+
+
+def onednn_has_avx512() -> bool:
+    """Whether oneDNN's and ATen's kernels run AVX-512 here: the CPU has it (ATen's capability, which
+    ``ATEN_CPU_CAPABILITY`` may lower) and oneDNN is not held below it."""
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    if limit.strip().upper() in _LIMITS_BELOW_AVX512:
+        return False
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def dense_rule() -> DenseRule:
+    """This CPU's `DenseRule`: AVX2 only (a CPU without AVX-512 on any vendor's; measured on an AMD EPYC), else
+    Intel's or AMD's AVX-512 rule by the vendor."""
+    if not onednn_has_avx512():
+        return AVX2_RULE
+    return INTEL_RULE if cpu_vendor() == "GenuineIntel" else AVX512_RULE
+
+
+RULE = dense_rule()
 # Each layer's weight in oneDNN's blocked layout, with what it was packed from (`_source`): made at the layer's first
 # call that `_dense_kernel` packs for, made again once the weight changes, dropped with the layer.
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
@@ -234,7 +286,7 @@ def _packed_call(weight: Tensor, bias: Tensor | None, post_op: tuple[str, str], 
             return _KERNEL.binary(x, residual, weight, bias, "add")
     elif sizes is None:
         def run(x: Tensor) -> Tensor:
-            return _KERNEL(x, weight, bias, name, [], algorithm)
+            return _product(x, weight, bias, name, algorithm)
     else:
         def run(x: Tensor) -> tuple[Tensor, ...]:
             return _KERNEL(x, weight, bias, "none", [], "").split(sizes, dim=-1)
@@ -308,7 +360,7 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
                 _record((layer,), activation, residual is not None)
             if residual is not None:
                 return _KERNEL.binary(x, residual, weight, layer.bias, "add")
-            return _KERNEL(x, weight, layer.bias, name, [], algorithm)
+            return _product(x, weight, layer.bias, name, algorithm)
     output = layer(x) if activation is None else dropout(activation, layer(x))
     return output if residual is None else residual + output
 
@@ -338,6 +390,13 @@ def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...
     return output.split([layer.out_features for layer in layers], dim=-1)
 
 
+def _product(x: Tensor, weight: Tensor, bias: Tensor | None, name: str, algorithm: str) -> Tensor:
+    """oneDNN's product with the activation `name` applied, by oneDNN or after it (`DenseRule.fuses_gelu`)."""
+    if name == "gelu" and not RULE.fuses_gelu:
+        return torch._C._nn.gelu_(_KERNEL(x, weight, bias, "none", [], ""))
+    return _KERNEL(x, weight, bias, name, [], algorithm)
+
+
 def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Tensor | None] | None:
     """The layers' weights packed side by side and their biases concatenated, for `x`; ``None`` where that does not
     apply: an input that is not packed for (`_dense_kernel`), a layer the kernel cannot compute, biases on some layers
@@ -364,26 +423,24 @@ def _side_by_side_tensors(layers: tuple[nn.Linear, ...]) -> list[Tensor]:
 
 def _dense_kernel(x: Tensor) -> str:
     """The GEMM a dense layer's call takes for the input `x` once `fusion_applies` and the layer is the kernel's
-    (`_kernel_applies`), chosen from the input's dtype and rows and the CPU, as measured per CPU kind
-    (`benchmarks/RESULTS.md`, "Dense kernels per shape"):
+    (`_kernel_applies`), chosen from the input's dtype and rows by this CPU's `RULE` (`DenseRule`: the figures behind
+    each CPU kind's rule are beside it, and in `benchmarks/RESULTS.md`, "Dense kernels per shape"):
 
     - ``"packed"``: oneDNN's kernel on the weight packed in its blocked layout (`_PACK`, what torch.compile's CPU
       backend does with frozen weights), which reads faster and gives the same bits as the layer's own weight. fp32:
-      2 to `PACKED_MAX_ROWS` rows, where the GEMM waits on its weight (short sentences: up to 1.5x per dense layer;
-      AMD EPYC); past the range the GEMM is bound by its arithmetic and gained little there. On Intel CPUs every row
-      count above one: 1.05-1.10x from 626 to 2626 rows too (Intel Xeon with AVX-512). bf16: every row count (that
+      2 to `DenseRule.packed_max_rows` rows, where the GEMM waits on its weight; bf16: every row count (an Intel
       Xeon: 2x at one row, 1.3x at 16).
-    - ``"module"``: the layer's own call (MKL's GEMM), the activation or addition applied after it. fp32, one row, on
-      Intel CPUs, where MKL's matrix-vector product takes 0.5-0.85x oneDNN's time (a decoding step; a packed weight
-      would sum in another order).
-    - ``"onednn"``: oneDNN's kernel on the layer's own weight: every other input.
+    - ``"module"``: the layer's own call (MKL's GEMM), the activation or addition applied after it: where the rule
+      names it for one fp32 row (Intel CPUs, where MKL's matrix-vector product takes 0.5-0.85x oneDNN's time; a
+      packed weight would sum in another order) or past the packed rows (AVX2 only).
+    - ``"onednn"``: oneDNN's kernel on the layer's own weight, where the rule names it, and for an input of no rows.
     """
     rows = x.numel() // x.shape[-1]
-    if _PACK is not None and (x.dtype == torch.bfloat16 or 1 < rows <= (math.inf if _INTEL else PACKED_MAX_ROWS)):
+    if _PACK is not None and (x.dtype == torch.bfloat16 or 1 < rows <= RULE.packed_max_rows):
         return "packed"
-    if rows == 1 and _INTEL:
-        return "module"
-    return "onednn"
+    if rows == 1:
+        return RULE.one_row
+    return RULE.beyond if rows > RULE.packed_max_rows else "onednn"  # past the packed rows, or none at all
 
 
 def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:

@@ -33,6 +33,11 @@ def kernel(monkeypatch):
     return counting
 
 
+# Each CPU kind's rule (`fused.DenseRule`), tested on any CPU: what a rule picks computes the same thing everywhere.
+RULES = [pytest.param(rule, id=rule.cpu) for rule in (fused.INTEL_RULE, fused.AVX512_RULE, fused.AVX2_RULE)]
+GELU_CALL = "gelu" if fused.RULE.fuses_gelu else "none"  # the name oneDNN's call gets for a GELU on this CPU
+
+
 def reference(layer, x, activation=None, residual=None):
     output = nn.functional.linear(x.double(), layer.weight.double(),
                                   None if layer.bias is None else layer.bias.double())
@@ -58,7 +63,7 @@ def test_the_kernel_computes_what_the_module_would(kernel, shape, bias, case):
         actual = fused_linear(layer, x, activation, residual)
     expected = reference(layer, x, None if case.startswith("residual") else activation, residual)
     torch.testing.assert_close(actual, expected.float(), atol=1e-5, rtol=1e-5)
-    assert kernel.calls == [{"gelu": "gelu", "relu": "relu"}.get(case, "add" if residual is not None else "none")]
+    assert kernel.calls == [{"gelu": GELU_CALL, "relu": "relu"}.get(case, "add" if residual is not None else "none")]
 
 
 def test_bf16_is_fused_within_bf16_error_where_onednn_has_bf16(kernel):
@@ -67,7 +72,24 @@ def test_bf16_is_fused_within_bf16_error_where_onednn_has_bf16(kernel):
         actual = fused_linear(layer.bfloat16(), x.bfloat16(), ACT2FN["gelu"])
     torch.testing.assert_close(actual.float(), reference(layer, x, ACT2FN["gelu"]).float(), atol=0.05, rtol=0.02)
     # CPUs without AVX-512 have no oneDNN bf16 GEMM: the module runs instead.
-    assert kernel.calls == (["gelu"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else [])
+    assert kernel.calls == ([GELU_CALL] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else [])
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rows", [1, 16, 600])
+def test_gelu_is_applied_by_onednn_or_after_its_product_as_the_rule_says(kernel, monkeypatch, rule, rows):
+    """A CPU whose oneDNN computes GELU slowly as a post-op (AVX2 only) applies it after the product: the same
+    activation either way."""
+    monkeypatch.setattr(fused, "RULE", rule)
+    torch.manual_seed(rows)
+    layer, x = nn.Linear(32, 48), torch.randn(rows, 32)
+    with torch.inference_mode():
+        fused_linear(layer, x)  # the packing call, where the rule packs
+        kernel.calls.clear()
+        actual = fused_linear(layer, x, ACT2FN["gelu"])
+    torch.testing.assert_close(actual, reference(layer, x, ACT2FN["gelu"]).float(), atol=1e-5, rtol=1e-5)
+    module = fused._dense_kernel(x) == "module"
+    assert kernel.calls == ([] if module else ["gelu" if rule.fuses_gelu else "none"])
 
 
 def test_autograd_takes_the_module(kernel):
@@ -137,7 +159,7 @@ def test_dropout_in_training_is_applied_not_fused(kernel):
     torch.testing.assert_close(output[~dropped], 2 * reference(layer, x).float()[~dropped])
 
 
-PACKED_CASES = [("fp32", rows) for rows in (2, 5, 16, 37, 130, fused.PACKED_MAX_ROWS)] + [
+PACKED_CASES = [("fp32", rows) for rows in (2, 5, 16, 37, 130, min(fused.RULE.packed_max_rows, 300))] + [
     pytest.param("bf16", rows, marks=pytest.mark.skipif(not fused._BF16_GEMMS, reason="no oneDNN bf16 GEMM here"))
     for rows in (1, 2, 16, 300)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -153,15 +175,19 @@ def test_a_packed_weight_gives_the_bits_of_the_layers_own(dtype, rows, case):
     residual = torch.randn(rows, 80, dtype=x.dtype) if case == "residual" else None
     name, algorithm = {"none": ("none", ""), "gelu": ("gelu", "none"), "relu": ("relu", "")}.get(case, ("none", ""))
     with torch.inference_mode():
-        unpacked = fused._KERNEL.binary(x, residual, layer.weight, layer.bias, "add") if residual is not None else \
-            fused._KERNEL(x, layer.weight, layer.bias, name, [], algorithm)
+        if residual is not None:
+            unpacked = fused._KERNEL.binary(x, residual, layer.weight, layer.bias, "add")
+        elif name == "gelu" and not fused.RULE.fuses_gelu:
+            unpacked = nn.functional.gelu(fused._KERNEL(x, layer.weight, layer.bias, "none", [], ""))
+        else:
+            unpacked = fused._KERNEL(x, layer.weight, layer.bias, name, [], algorithm)
         assert torch.equal(fused_linear(layer, x, activation, residual), unpacked)
     assert fused._PACKED[layer][1].is_mkldnn  # it ran on the packed copy
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
 def test_the_packed_weight_follows_the_weight_it_was_packed_from(monkeypatch):
-    monkeypatch.setattr(fused, "_INTEL", False)  # one fp32 row: oneDNN's kernel on the layer's own weight
+    monkeypatch.setattr(fused, "RULE", fused.AVX512_RULE)  # one fp32 row: oneDNN's kernel on the layer's own weight
     torch.manual_seed(0)
     layer, x = nn.Linear(16, 8), torch.randn(4, 16)
     with torch.inference_mode():
@@ -230,39 +256,46 @@ def test_the_packed_weight_follows_changes_that_leave_the_version_count_alone(ch
         torch.testing.assert_close(output, reference(layer, x).float(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("intel", [True, False])
-def test_one_fp32_row_takes_mkl_on_intel_cpus_and_onednn_elsewhere(kernel, monkeypatch, intel):
-    monkeypatch.setattr(fused, "_INTEL", intel)
+@pytest.mark.parametrize("rule", RULES)
+def test_one_fp32_row_takes_the_rules_kernel(kernel, monkeypatch, rule):
+    """MKL's matrix-vector product on Intel CPUs, oneDNN's on the layer's own weight elsewhere."""
+    monkeypatch.setattr(fused, "RULE", rule)
     torch.manual_seed(0)
     layer, x, activation = nn.Linear(16, 8), torch.randn(1, 1, 16), ACT2FN["gelu"]
     residual = torch.randn(1, 1, 8)
     with torch.inference_mode():
         activated, added = fused_linear(layer, x, activation), fused_linear(layer, x, None, residual)
-    assert kernel.calls == ([] if intel else ["gelu", "add"]) and layer not in fused._PACKED
+    onednn = ["gelu" if rule.fuses_gelu else "none", "add"]
+    assert kernel.calls == ([] if rule.one_row == "module" else onednn) and layer not in fused._PACKED
     torch.testing.assert_close(activated, reference(layer, x, activation).float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(added, reference(layer, x, None, residual).float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
-@pytest.mark.parametrize("intel", [True, False])
-def test_long_fp32_inputs_use_the_packed_weight_on_intel_cpus_only(monkeypatch, intel):
-    monkeypatch.setattr(fused, "_INTEL", intel)
-    layer, x = nn.Linear(16, 8), torch.randn(fused.PACKED_MAX_ROWS + 1, 16)
+@pytest.mark.parametrize("rule", RULES)
+def test_long_fp32_inputs_take_the_rules_kernel(monkeypatch, rule):
+    """Past the rows a rule packs for: the packed weight on Intel CPUs, oneDNN on the layer's own weight on AMD's
+    with AVX-512 (no second copy of the weight for bulk inference), MKL's GEMM (the module's call) with AVX2 only."""
+    monkeypatch.setattr(fused, "RULE", rule)
+    layer, x = nn.Linear(16, 8), torch.randn(513, 16)
     with torch.inference_mode():
         output = fused_linear(layer, x)
-    # elsewhere no second copy of the weight for bulk inference
-    assert (layer in fused._PACKED) == intel
-    assert torch.equal(output, fused._KERNEL(x, layer.weight, layer.bias, "none", [], ""))
+    assert (layer in fused._PACKED) == (rule.packed_max_rows >= 513)
+    if rule.packed_max_rows >= 513 or rule.beyond == "onednn":  # the packed weight gives the unpacked one's bits
+        assert torch.equal(output, fused._KERNEL(x, layer.weight, layer.bias, "none", [], ""))
+    else:
+        assert torch.equal(output, nn.functional.linear(x, layer.weight, layer.bias))
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
-@pytest.mark.parametrize(("dtype", "rows"), [("fp32", rows) for rows in (1, 2, 16, fused.PACKED_MAX_ROWS,
-                                                                        fused.PACKED_MAX_ROWS + 1)]
+@pytest.mark.parametrize(("dtype", "rows"), [("fp32", rows) for rows in (1, 2, 16, 256, 257, 513)]
                          + [pytest.param("bf16", rows, marks=pytest.mark.skipif(not fused._BF16_GEMMS,
                                                                                 reason="no oneDNN bf16 GEMM here"))
-                            for rows in (1, 16, fused.PACKED_MAX_ROWS + 1)])
+                            for rows in (1, 16, 257)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_layers_on_one_input_give_the_bits_of_each_alone(dtype, rows, bias):
+@pytest.mark.parametrize("rule", RULES)
+def test_layers_on_one_input_give_the_bits_of_each_alone(monkeypatch, rule, dtype, rows, bias):
+    monkeypatch.setattr(fused, "RULE", rule)
     torch.manual_seed(rows)
     layers = tuple(nn.Linear(32, out, bias=bias).to(DTYPES[dtype]) for out in (32, 16, 16))
     x = torch.randn(rows, 32, dtype=DTYPES[dtype])
@@ -270,7 +303,7 @@ def test_layers_on_one_input_give_the_bits_of_each_alone(dtype, rows, bias):
         alone = [fused_linear(layer, x) for layer in layers]
         together = fused.fused_linears(layers, x)
         assert all(torch.equal(a, b) for a, b in zip(alone, together))
-        packed = dtype == "bf16" or 1 < rows <= fused.PACKED_MAX_ROWS or (rows > 1 and fused._INTEL)
+        packed = dtype == "bf16" or 1 < rows <= rule.packed_max_rows
         assert (layers[0] in fused._PACKED_SIDE_BY_SIDE) == packed
         with torch.no_grad():
             layers[2].weight.add_(1.0)  # the side-by-side copy follows each layer's weight
