@@ -22,7 +22,10 @@ roformer_hf's calls (`fused_linear`), plain `nn.Linear`s (MKL) and, where it is 
 the same module (`openvino.convert_model`, the latency hint, fp32); in bf16 the module cast, and OpenVINO's bf16
 inference precision; in int8 roformer_hf's `quantize_int8` and OpenVINO's graph quantized by nncf. With the kernels
 OpenVINO chose for its dense layers: what the model's dense layers cost against what the same layers cost in the
-runtime the latency target names.
+runtime the latency target names. In fp32 roformer_hf's calls also run under each other CPU kind's rule
+(`fused.DenseRule`), in the same turns: whether this CPU's rule is the fastest of them here. A layer timed alone keeps
+its weight in the caches call after call; in a row, each reads its weight from memory, as a forward does, so the
+rules are judged on the calls in a row.
 """
 
 from __future__ import annotations
@@ -103,6 +106,18 @@ class DenseChain(torch.nn.Module):
 
 CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after one untimed: its weights as a server keeps them
 CHAIN_PATHS = ("roformer_hf", "nn.Linear (MKL)", "OpenVINO")
+RULES = (fused.INTEL_RULE, fused.AVX512_RULE, fused.AVX2_RULE)  # each CPU kind's `fused.DenseRule`
+
+
+def under_rule(rule: fused.DenseRule, call):
+    """`call` with the dense layers taking `rule`'s kernels instead of this CPU's."""
+    def run():
+        mine, fused.RULE = fused.RULE, rule
+        try:
+            return call()
+        finally:
+            fused.RULE = mine
+    return run
 
 
 def openvino_chain(chain: DenseChain, x: torch.Tensor, precision: str, threads: int):
@@ -128,9 +143,9 @@ def openvino_chain(chain: DenseChain, x: torch.Tensor, precision: str, threads: 
 
 def chain_times(size, layers: int, rows: int, precision: str, repeats: int,
                 threads: int) -> tuple[dict[str, float], str]:
-    """Milliseconds per `DenseChain` forward of each path at `precision` (``"fp32"``; ``"bf16"``: the chain cast,
-    OpenVINO's bf16 inference precision; ``"int8"``: roformer_hf's `quantize_int8` against OpenVINO's nncf
-    quantization): the median over `repeats` of the mean of `CHAIN_BLOCK` calls in a row, the paths taking turns. And
+    """Milliseconds per `DenseChain` forward of each path at `precision` (``"fp32"``, with roformer_hf also under each
+    other CPU kind's rule; ``"bf16"``: the chain cast, OpenVINO's bf16 inference precision; ``"int8"``: roformer_hf's
+    `quantize_int8` against OpenVINO's nncf quantization): the median over `repeats` of the mean of `CHAIN_BLOCK` calls in a row, the paths taking turns. And
     the kernels OpenVINO chose for its dense layers, or why it did not run."""
     torch.manual_seed(0)
     chain, x = DenseChain(size, layers).eval(), torch.randn(rows, size.hidden)
@@ -144,6 +159,8 @@ def chain_times(size, layers: int, rows: int, precision: str, repeats: int,
         calls["roformer_hf"] = lambda: cast(x_bf16).float()
     else:
         calls["roformer_hf"] = lambda: chain(x)
+        calls.update({f"rule: {rule.cpu}": under_rule(rule, calls["roformer_hf"]) for rule in RULES
+                      if rule != fused.RULE})
 
         def plain_linear():
             with torch.backends.mkldnn.flags(enabled=False):  # `fusion_applies` false: each call is the layer's own
@@ -222,12 +239,23 @@ def main(argv: list[str] | None = None) -> None:
               f"turns, each the mean of {CHAIN_BLOCK} calls in a row)\n")
         print("| precision | rows | " + " | ".join(CHAIN_PATHS) + " | roformer_hf / OpenVINO | OpenVINO's kernels |")
         print("|---|---|" + "---|" * (len(CHAIN_PATHS) + 2))
+        by_rule = {}
         for precision in args.chain_precisions:
             for rows in args.chain_rows:
                 times, kernels = chain_times(size, args.layers, rows, precision, args.repeats, torch.get_num_threads())
                 cells = [f"{times[path]:.3f}" if path in times else "–" for path in CHAIN_PATHS]
                 ratio = f"{times['roformer_hf'] / times['OpenVINO']:.2f}x" if "OpenVINO" in times else "–"
                 print(f"| {precision} | {rows} | " + " | ".join(cells) + f" | {ratio} | {kernels} |")
+                if precision == "fp32":
+                    by_rule[rows] = [times["roformer_hf" if rule == fused.RULE else f"rule: {rule.cpu}"]
+                                     for rule in RULES]
+        if by_rule:
+            print(f"\nThe fp32 calls in a row under each CPU kind's rule (ms, from the same turns; this CPU's: "
+                  f"{fused.RULE.cpu}), each over the fastest:\n")
+            print("| rows | " + " | ".join(rule.cpu for rule in RULES) + " |")
+            print("|---|" + "---|" * len(RULES))
+            for rows, times in by_rule.items():
+                print(f"| {rows} | " + " | ".join(f"{time:.3f} ({time / min(times):.2f}x)" for time in times) + " |")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ usual; of any other layer it reads nothing but its type.
 
 Each call decides for itself: what holds for every layer of a forward alike (the device, the dtype, autograd, autocast,
 compiling or tracing, global hooks) is `fusion_applies` (about 2 µs), then the layer's own conditions, then the GEMM
-for the input's shape and the CPU (`_dense_kernel`), so the model's code calls ``fused_linear(self.dense, x)`` and
-passes nothing down. Within a model's forward (`one_forward`, entered by `encode`), the calls that took the packed
+for the input's shape by the CPU's rule (`_dense_kernel`, `DenseRule`: which kernel at how many rows, and whether
+oneDNN applies GELU itself; each CPU kind's rule is measured there), so the model's code calls
+``fused_linear(self.dense, x)`` and passes nothing down. Within a model's forward (`one_forward`, entered by `encode`), the calls that took the packed
 kernel in an earlier forward of that model are checked all together at its start, and each such call then only
 confirms that it is the call checked: the same checks, run before the first GEMM rather than between GEMMs, where each
 has just pushed Python's data out of the caches (a 16-token fp32 forward of base width 3-6% faster on an Intel

@@ -171,6 +171,13 @@ def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_re
     precisions = ["fp32", *(["bf16"] if fused._BF16_GEMMS else []), "int8"]
     assert [(row[0], row[1]) for row in chain] == [(precision, rows) for precision in precisions
                                                    for rows in ("16", "300")]
+    rules = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
+             if re.match(r"\| (16|300) \| [0-9.]+ \(", line)]
+    assert [row[0] for row in rules] == ["16", "300"]  # fp32, each CPU kind's rule: its time and over the fastest
+    for row in rules:
+        times = [float(cell.split()[0]) for cell in row[1:]]
+        assert len(times) == 3 and all(time > 0 for time in times)
+        assert [cell.split()[1] for cell in row[1:]] == [f"({time / min(times):.2f}x)" for time in times]
     for precision, _, ours, plain, openvino, ratio, kernels in chain:
         assert float(ours) > 0 and (float(plain) > 0 if precision == "fp32" else plain == "–")
         if has_openvino and (precision != "int8" or importlib.util.find_spec("nncf")):
