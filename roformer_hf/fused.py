@@ -18,11 +18,11 @@ Each call decides for itself: what holds for every layer of a forward alike (the
 compiling or tracing, global hooks) is `fusion_applies` (about 2 µs), then the layer's own conditions, then the GEMM
 for the input's shape by the CPU's rule (`_dense_kernel`, `DenseRule`: which kernel at how many rows, and whether
 oneDNN applies GELU itself; each CPU kind's rule is measured there), so the model's code calls
-``fused_linear(self.dense, x)`` and passes nothing down. Within a model's forward (`one_forward`, entered by `encode`), the calls that took the packed
-kernel in an earlier forward of that model are checked all together at its start, and each such call then only
-confirms that it is the call checked: the same checks, run before the first GEMM rather than between GEMMs, where each
-has just pushed Python's data out of the caches (a 16-token fp32 forward of base width 3-6% faster on an Intel
-Xeon).
+``fused_linear(self.dense, x)`` and passes nothing down. Within a model's forward (`one_forward`, entered by
+`encode`), the calls that took the packed kernel in an earlier forward of that model are checked all together at its
+start, and each such call then only confirms that it is the call checked: the same checks, run before the first GEMM
+rather than between GEMMs, where each has just pushed Python's data out of the caches (a 16-token fp32 forward of base
+width 3-6% faster on an Intel Xeon).
 """
 
 from __future__ import annotations
@@ -94,17 +94,20 @@ INTEL_RULE = DenseRule("Intel, AVX-512", math.inf, "onednn", "module", fuses_gel
 # AMD EPYC with AVX-512: the packed weight up to 1.5x faster at 2-256 rows; beyond, the GEMM is bound by its arithmetic.
 AVX512_RULE = DenseRule("AMD, AVX-512", 256, "onednn", "onednn", fuses_gelu=True)
 # AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, with their weights read from memory as a forward
-# reads them, took 0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626 and 1.11x at 2626;
+# reads them, took 0.57-0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626, 1.11x at 2626;
 # oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2.
 AVX2_RULE = DenseRule("AVX2 only", 512, "module", "onednn", fuses_gelu=False)
 
 
 def onednn_has_avx512() -> bool:
-    """Whether oneDNN's and ATen's kernels run AVX-512 here: the CPU has it (ATen's capability, which
-    ``ATEN_CPU_CAPABILITY`` may lower) and oneDNN is not held below it."""
+    """Whether oneDNN's kernels run AVX-512 here: the CPU has it and oneDNN is not held below it (oneDNN reads its
+    limit once, from the environment)."""
     limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
     if limit.strip().upper() in _LIMITS_BELOW_AVX512:
         return False
+    is_avx512_supported = getattr(torch.cpu, "_is_avx512_supported", None)
+    if is_avx512_supported is not None:
+        return bool(is_avx512_supported())
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 

@@ -409,3 +409,17 @@ def test_what_changes_between_forwards_is_followed(kernel, change):
         output = model(input_ids).last_hidden_state
     assert seen == (["hooked"] if change == "a hook on a dense layer" else [])
     torch.testing.assert_close(output, module_path(model, input_ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("avx512", "vendor", "limit", "expected"), [
+    (True, "GenuineIntel", "", fused.INTEL_RULE), (True, "AuthenticAMD", "", fused.AVX512_RULE),
+    (False, "AuthenticAMD", "", fused.AVX2_RULE), (False, "GenuineIntel", "", fused.AVX2_RULE),
+    (True, "GenuineIntel", "avx2", fused.AVX2_RULE), (True, "AuthenticAMD", "AVX512_CORE", fused.AVX512_RULE)])
+def test_the_rule_follows_the_cpus_vendor_and_what_onednn_may_run(monkeypatch, avx512, vendor, limit, expected):
+    """A CPU without AVX-512, or oneDNN held below it (``ONEDNN_MAX_CPU_ISA``), takes the AVX2 rule whatever its
+    vendor; with AVX-512 the vendor picks Intel's or AMD's."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512, raising=False)
+    monkeypatch.setattr(fused, "cpu_vendor", lambda: vendor)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
+    assert fused.dense_rule() is expected
