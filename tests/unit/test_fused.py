@@ -88,7 +88,7 @@ def test_gelu_is_applied_by_onednn_or_after_its_product_as_the_rule_says(kernel,
         kernel.calls.clear()
         actual = fused_linear(layer, x, ACT2FN["gelu"])
     torch.testing.assert_close(actual, reference(layer, x, ACT2FN["gelu"]).float(), atol=1e-5, rtol=1e-5)
-    module = fused._dense_kernel(x) == "module"
+    module = rule.one_row == "module" if rows == 1 else rows > rule.packed_max_rows and rule.beyond == "module"
     assert kernel.calls == ([] if module else ["gelu" if rule.fuses_gelu else "none"])
 
 
