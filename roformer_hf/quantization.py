@@ -396,7 +396,8 @@ def static_int8(module: nn.Module, calibration: Sequence[Mapping[str, Tensor]],
                 dynamic_shapes: Mapping[str, Any] | None = None) -> nn.Module:
     """`module` exported and quantized statically, for `torch.compile` on CPU: torchao's PT2E flow for inductor's x86
     kernels (`X86InductorQuantizer`: int8 weights with a scale per output channel; int8 activations whose scale and
-    zero point are fixed ahead of time from the `calibration` inputs, as OpenVINO's nncf does). Compiled with frozen
+    zero point are fixed ahead of time from the `calibration` inputs, as OpenVINO's nncf does; 7-bit activations on
+    CPUs without VNNI, as `Int8Linear`'s saturation-safe mode). Compiled with frozen
     weights (inductor's ``freezing``), its dense layers become oneDNN's int8 GEMMs on weights packed once
     (`torch.ops.onednn.qlinear_pointwise`) with nothing run from Python between them: for the latency of one short
     input (docs/quantization.md).
@@ -423,7 +424,10 @@ def static_int8(module: nn.Module, calibration: Sequence[Mapping[str, Tensor]],
         raise ImportError(f"static_int8 quantizes with torchao's PT2E flow, which did not import ({error}): pip "
                           "install roformer_hf[quantization]") from error
     graph = torch.export.export(module, (), dict(calibration[0]), dynamic_shapes=dynamic_shapes).module()
-    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+    # Without VNNI oneDNN sums pairs of uint8 x int8 products in int16, which saturates on 8-bit activations (the
+    # compiled graph strayed to a cosine of 0.96 from this graph, an AVX2 EPYC); 7 bits cannot saturate there.
+    config = x86.get_default_x86_inductor_quantization_config(reduce_range=not _cpu_has_vnni())
+    quantizer = x86.X86InductorQuantizer().set_global(config)
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
         for inputs in calibration:
