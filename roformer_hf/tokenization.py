@@ -376,6 +376,11 @@ def train_tokenizer(
     `texts` is read once, in batches of `batch_size`, so a generator over a corpus larger than memory works. The
     vocabulary starts with `[PAD] [UNK] [CLS] [SEP] [MASK]` (ids 0 to 4; `RoFormerConfig.pad_token_id` is 0).
 
+    Two trainings on the same texts need not give the same vocabulary: tokenizers' WordPiece trainer numbers the word
+    pieces (``##e``) in the order of a hash map, which changes between processes, and where two merges are equally
+    frequent the numbers decide. Save the trained tokenizer with the model (`save_pretrained`) rather than training it
+    again.
+
     Args:
         texts: Any iterable of strings (a list, a generator, a `datasets` column).
         vocab_size: The size of the vocabulary, special tokens included; a small corpus may give fewer.

@@ -170,8 +170,14 @@ SERVING_CORPUS = ["the king speaks and the queen dies", "a crown and a sword at 
 
 
 def serving_tokenizer():
-    """A WordPiece tokenizer trained on `SERVING_CORPUS` (about 150 ids, inputs of up to 32 tokens)."""
-    return roformer_hf.train_tokenizer(SERVING_CORPUS, vocab_size=150, min_frequency=1, model_max_length=32)
+    """A WordPiece tokenizer of `SERVING_CORPUS`'s words, their letters and the letters as word pieces (inputs of up to
+    32 tokens), the same in every process. The words are the pieces a trained vocabulary ends with, but tokenizers'
+    WordPiece trainer numbers the word pieces in hash-map order, so a trained vocabulary's ids (and the pieces between
+    letters and words) change from one process to the next, and with them every model built on it."""
+    words = sorted({word for line in SERVING_CORPUS for word in line.split()})
+    letters = sorted({letter for word in words for letter in word})
+    pieces = dict.fromkeys([*roformer_hf.tokenization.SPECIAL_TOKENS, *letters, *(f"##{letter}" for letter in letters), *words])
+    return roformer_hf.RoFormerHFTokenizer(vocab={piece: i for i, piece in enumerate(pieces)}, model_max_length=32)
 
 
 def save_folder(model, tokenizer, folder: Path) -> Path:
