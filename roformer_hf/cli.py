@@ -137,7 +137,7 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     try:
         from .serving import ServedModel, autoscaling, build_app, default_replicas, default_threads, direct_ingress_env
         from .serving.ingress import command_env
-        from .serving.loaded import compile_refusal, read_calibration
+        from .serving.loaded import compile_caution, compile_refusal, read_calibration
     except ImportError as error:
         parser.exit(2, f"roformer-hf serve needs Ray Serve ({error}): pip install roformer_hf[serve]\n")
     log = logging.getLogger(__name__)
@@ -170,6 +170,8 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         stray = ("calibration" if args.calibration is not None and not (args.compile and args.int8) else
                  "compile-cache" if args.compile_cache is not None and not args.compile else "compile")
         parser.error(f"--{stray}: {refusal}")
+    if (caution := compile_caution(args.compile, args.int8)) is not None:
+        log.warning("--int8 --compile: %s", caution)
     if args.calibration is not None:
         try:
             read_calibration(args.calibration)

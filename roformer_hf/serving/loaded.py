@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from transformers import AutoTokenizer
 
 from ..configuration import RoFormerConfig
 from ..modeling import HEADS, RoFormerForCausalLM, RoFormerForMaskedLM, RoFormerForSequenceClassification
-from ..quantization import quantize_int8, static_int8
+from ..quantization import _cpu_has_vnni, quantize_int8, static_int8
 from ..sentence import (
     MODULES_FILE,
     folder_pooling,
@@ -47,6 +48,8 @@ PROBE_NORM = 0.1  # bf16 and int8: each vector's length within this fraction of 
 # quantization moved a small random model's logits by up to 0.1 on a scale of 1.3
 PROBE_LOGITS_FP32, PROBE_LOGITS = 1e-3, 0.25
 
+
+logger = logging.getLogger(__name__)
 
 class LoadedModel:
     """The model of a saved folder and the facts the protocols read about it.
@@ -113,6 +116,8 @@ class LoadedModel:
         self.eos_token_id = eos if eos is not None else self.tokenizer.sep_token_id  # [SEP] ends a sentence
 
         self.compiled, self.calibrated_on = None, 0
+        if (caution := compile_caution(compile, int8)) is not None:
+            logger.warning("%s", caution)
         if compile:  # from the model as saved, before the eager model's layers are swapped for int8 ones
             cache = default_compile_cache() if compile_cache is None else Path(compile_cache).expanduser()
             self.compiled = self._compiled(texts, cache)
@@ -248,6 +253,18 @@ def compile_refusal(compile: bool, int8: bool, device: str, calibration: str | o
     return None
 
 
+def compile_caution(compile: bool, int8: bool) -> str | None:
+    """Why `compile` with `int8` runs, but slower than the eager int8 layers, on this CPU; None elsewhere. Without VNNI
+    (an AMD EPYC with AVX2 only, or oneDNN held below it) the static graph's int8 GEMMs take oneDNN's kernel without
+    VNNI, where the eager layers take fbgemm's: one 16-token sentence, 4 layers of base width, took 1.16-1.17x the
+    eager int8 time compiled on an AVX2 EPYC (benchmarks/RESULTS.md)."""
+    if not (compile and int8) or _cpu_has_vnni():
+        return None
+    return ("compile=True with int8=True on a CPU without VNNI: the compiled int8 graph runs oneDNN's int8 GEMMs "
+            "without VNNI, slower here than the eager int8 layers (fbgemm's kernel): one sentence took about 1.16x the "
+            "eager int8 time on an AVX2 EPYC. Expected int8 without compile on this CPU (docs/serving.md)")
+
+
 def read_calibration(path: str | os.PathLike) -> list[str]:
     """The inputs of a calibration file: its non-blank lines, stripped; a clear error for a file that is missing,
     not UTF-8 text or holds none."""
@@ -375,5 +392,5 @@ def _device(device: str) -> torch.device:
 
 __all__ = ["CALIBRATION_TOKENS", "LoadedModel", "PROBE_COSINE", "PROBE_COSINE_FP32", "PROBE_LOGITS",
            "PROBE_LOGITS_FP32", "PROBE_NORM", "TOKENIZER_FILES", "calibration_batches", "calibration_probe",
-           "calibration_rows",
-           "compile_refusal", "logits_agree", "probe_agrees", "read_calibration", "static_int8_encoder"]
+           "calibration_rows", "compile_caution", "compile_refusal", "logits_agree", "probe_agrees", "read_calibration",
+           "static_int8_encoder"]

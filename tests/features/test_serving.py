@@ -844,6 +844,35 @@ def test_the_calibration_runs_with_the_default_prompt_and_a_failing_export_says_
     assert sorted(seen) == sorted(tokenizer(["the queen : " + line for line in lines])["input_ids"])
 
 
+@pytest.mark.parametrize("vnni", [False, True])
+def test_int8_compile_without_vnni_says_it_runs_slower_than_eager_int8(folders, calibration, monkeypatch, caplog,
+                                                                       capsys, vnni):
+    from roformer_hf.serving import loaded
+
+    monkeypatch.setattr(loaded, "_cpu_has_vnni", lambda: vnni)
+    assert loaded.compile_caution(True, False) is None and loaded.compile_caution(False, True) is None
+    caution = loaded.compile_caution(True, True)
+    assert (caution is None) == vnni
+    assert vnni or re.search(r"compile=True with int8=True on a CPU without VNNI: .* slower here than the eager int8 "
+                             r"layers .* Expected int8 without compile on this CPU", caution)
+
+    def refused(module, batches, max_length):  # the caution comes before the compile, which is not the point here
+        raise RuntimeError("not compiled")
+
+    monkeypatch.setattr(loaded, "static_int8_encoder", refused)
+    with caplog.at_level(logging.WARNING, logger=loaded.__name__), pytest.raises(RuntimeError, match="not compiled"):
+        ServedModel(folders["mlm"], int8=True, compile=True, calibration=calibration)
+    assert [record.getMessage() for record in caplog.records if record.name == loaded.__name__] == \
+        ([] if vnni else [caution])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(SystemExit):  # the command says it at its start
+        main(["serve", str(folders["mlm"]), "--int8", "--compile", "--calibration", str(calibration),
+              "--max-batch-tokens", "1"])
+    assert "--max-batch-tokens=1" in capsys.readouterr().err  # it stopped there, after the caution, before Ray
+    said = [record.getMessage() for record in caplog.records if "VNNI" in record.getMessage()]
+    assert said == ([] if vnni else [f"--int8 --compile: {caution}"])
+
+
 def test_build_app_hands_the_replicas_the_calibration_file_and_compile_cache_whole_paths(folders, monkeypatch,
                                                                                           tmp_path):
     from roformer_hf.serving import build_app
