@@ -19,7 +19,8 @@ What it does:
 5. Measures the GEMM rate in --dtype of the shapes the model runs (real-token rows) with MKL's kernel (`torch.mm`,
    what `nn.Linear` and autograd run) and oneDNN's (what roformer_hf's `fused_linear` runs in inference); the
    reference is the largest, the FFN expansion, sampled again between the model runs so it sees the same machine
-   load, with the kernel the step runs (inference: oneDNN, usually the faster; training: MKL). Counts
+   load, with the kernel the step runs (inference: oneDNN, or MKL where the CPU's dense rule, `fused.RULE`, hands
+   the batch's rows to it; training: MKL). Counts
    the model's real-token FLOPs analytically (`workload.forward_flops`) and reports achieved GFLOP/s as % of that
    rate; a training step counts 3x the forward FLOPs.
 6. Measures peak memory for one long sequence (default 4096 tokens) in a fresh subprocess per model and mode;
@@ -369,7 +370,8 @@ def report(args, size, flops, parity, low_precision, onnx, times, rates, referen
     print(f"\n{args.dtype} GEMM rate of the model's shapes with the real tokens as rows, GFLOP/s, median of repeats, "
           "with MKL (torch.mm, what nn.Linear runs) and oneDNN (what roformer_hf's fused_linear runs in inference); "
           "the reference rates above are FFN up sampled between the model runs, with the kernel each step runs "
-          "(inference: oneDNN; training: torch.mm):\n")
+          f"(inference: {reference_gemm['infer'][0]}, by this CPU's dense rule ({fused.RULE.cpu}); training: "
+          "torch.mm):\n")
     print(f"| shape | {' | '.join(kernels)} |\n|---|{'---|' * len(kernels)}")
     for name in dict.fromkeys(name for name, _ in rates):
         print(f"| {name} | {' | '.join(f'{rates[name, kernel]:.1f}' for kernel in kernels)} |")
@@ -532,9 +534,13 @@ def main() -> None:
                 gemm_samples[name] += times[mode].pop(name)
         for (name, gemm), kernel in zip(references.items(), kernels):
             rates["FFN up again, sampled between the model runs", kernel] = gemm.gflops(gemm_samples[name])
-        # Each step against the GEMM kernel it runs: inference through fused_linear (oneDNN, where available),
-        # training through autograd's (MKL's).
-        reference_gemm = {"infer": (kernels[-1], rates["FFN up again, sampled between the model runs", kernels[-1]]),
+        # Each step against the GEMM kernel it runs: inference through fused_linear (oneDNN where this CPU's dense
+        # rule takes it at these rows, MKL's where the rule hands the rows to the layer's own call), training through
+        # autograd's (MKL's).
+        infer_kernel = kernels[-1]
+        if fused._dense_kernel(torch.empty(tokens, h, dtype=dtype)) == "module":
+            infer_kernel = GEMM_KERNELS[0]
+        reference_gemm = {"infer": (infer_kernel, rates["FFN up again, sampled between the model runs", infer_kernel]),
                           "train": (kernels[0], rates["FFN up again, sampled between the model runs", kernels[0]])}
         del models, sessions, runners  # runners hold the models too
         gc.collect()

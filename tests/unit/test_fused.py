@@ -287,6 +287,25 @@ def test_long_fp32_inputs_take_the_rules_kernel(monkeypatch, rule):
         assert torch.equal(output, nn.functional.linear(x, layer.weight, layer.bias))
 
 
+@pytest.mark.parametrize("after", ["gelu", "relu", "residual"])
+def test_rows_the_rule_hands_to_the_module_get_its_bits_and_leave_the_inputs_alone(monkeypatch, after):
+    """Past the AVX2 rule's packed rows the layer's own call runs and the activation or residual is applied to its
+    output in place: the bits of the module path, and neither the input nor the residual changes."""
+    monkeypatch.setattr(fused, "RULE", fused.AVX2_RULE)
+    torch.manual_seed(0)
+    layer, x = nn.Linear(32, 48), torch.randn(600, 32)
+    residual = torch.randn(600, 48) if after == "residual" else None
+    activation = {"gelu": ACT2FN["gelu"], "relu": nn.ReLU(), "residual": None}[after]
+    given = (x.clone(), None if residual is None else residual.clone())
+    with torch.inference_mode():
+        output = fused_linear(layer, x, activation, residual)
+        expected = nn.functional.linear(x, layer.weight, layer.bias)
+        expected = activation(expected) if activation is not None else residual + expected
+    assert torch.equal(output, expected)
+    assert torch.equal(x, given[0]) and (residual is None or torch.equal(residual, given[1]))
+    assert layer not in fused._PACKED
+
+
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
 @pytest.mark.parametrize(("dtype", "rows"), [("fp32", rows) for rows in (1, 2, 16, 256, 257, 513)]
                          + [pytest.param("bf16", rows, marks=pytest.mark.skipif(not fused._BF16_GEMMS,
