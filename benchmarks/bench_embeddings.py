@@ -71,15 +71,15 @@ def embed(model, batch_list) -> torch.Tensor:
 
 
 def gemm_rate(tokens: int, hidden: int, intermediate: int, repeats: int = 5) -> float:
-    """fp32 GFLOP/s of the feed-forward's first GEMM at `tokens` rows, the best of `repeats`, in the kernel roformer_hf
-    runs it with: oneDNN's (`fused.fused_linear`), where MKL's `torch.mm` can be much slower (on AMD CPUs it takes
-    its AVX2 path); `torch.mm` where this build has no oneDNN kernel."""
-    a, weight = torch.randn(tokens, hidden), torch.randn(intermediate, hidden)  # (N, K), as a linear layer holds it
-    kernel = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-    product = (lambda: kernel(a, weight, None, "none", [], "")) if kernel is not None else (lambda: a @ weight.t())
+    """fp32 GFLOP/s of the feed-forward's first GEMM at `tokens` rows, the best of `repeats`, through the call
+    roformer_hf's layers make (`fused.fused_linear` in inference): the kernel this CPU's dense rule takes at that many
+    rows (oneDNN's, on the packed weight or not, or MKL's), the layer's own call where no oneDNN kernel applies."""
+    from roformer_hf import fused
+
+    a, layer = torch.randn(tokens, hidden), torch.nn.Linear(hidden, intermediate, bias=False)
     with torch.inference_mode():
-        product()
-        best = min(_timed_call(product) for _ in range(repeats))
+        fused.fused_linear(layer, a)  # packs the weight, where the rule packs
+        best = min(_timed_call(lambda: fused.fused_linear(layer, a)) for _ in range(repeats))
     return 2 * tokens * hidden * intermediate / best / 1e9
 
 
@@ -178,11 +178,14 @@ def _timed(model, batch_list) -> float:
 
 
 def report(args, size, rows, checks, rate) -> None:
+    from roformer_hf import fused
+
     names = list(rows[0][4])
     print("\n## Sentence embeddings on CPU (sentences per second, median of the interleaved repeats)\n")
     print(*machine_lines(), sep="\n")
     print(f"- model: {size.layers} layers, hidden {size.hidden}, {size.heads} heads, intermediate {size.intermediate}, "
-          f"vocab {size.vocab}; fp32 GEMM rate (oneDNN, {size.hidden}x{size.intermediate}, one short batch's rows): "
+          f"vocab {size.vocab}; fp32 GEMM rate ({size.hidden}x{size.intermediate}, one short batch's rows, the dense "
+          f"rule's kernel, {fused.RULE.cpu}): "
           f"{rate:.0f} GFLOP/s; repeats {args.repeats}\n")
     print("| set | batch | sentences | " + " | ".join(names) + " | roformer_hf / transformers | int8 / transformers |"
           " roformer_hf % of GEMM rate |")
