@@ -51,6 +51,7 @@ PROBE_LOGITS_FP32, PROBE_LOGITS = 1e-3, 0.25
 
 logger = logging.getLogger(__name__)
 
+
 class LoadedModel:
     """The model of a saved folder and the facts the protocols read about it.
 

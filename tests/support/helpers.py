@@ -176,7 +176,8 @@ def serving_tokenizer():
     letters and words) change from one process to the next, and with them every model built on it."""
     words = sorted({word for line in SERVING_CORPUS for word in line.split()})
     letters = sorted({letter for word in words for letter in word})
-    pieces = dict.fromkeys([*roformer_hf.tokenization.SPECIAL_TOKENS, *letters, *(f"##{letter}" for letter in letters), *words])
+    pieces = dict.fromkeys([*roformer_hf.tokenization.SPECIAL_TOKENS, *letters,
+                            *(f"##{letter}" for letter in letters), *words])  # "a" is a letter and a word
     return roformer_hf.RoFormerHFTokenizer(vocab={piece: i for i, piece in enumerate(pieces)}, model_max_length=32)
 
 
