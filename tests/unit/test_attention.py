@@ -113,3 +113,37 @@ def test_varlen_kernel_attends_each_sequence_to_its_own_keys():
         torch.testing.assert_close(output[:, q0:q1].double(), expected, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="causal attention on packed sequences needs as many keys as queries"):
         attention.sdpa_varlen_attention_forward(Causal().eval(), query, key, value, None, 0.5, **offsets)
+
+
+@pytest.mark.parametrize("module", [Bidirectional(), Causal()], ids=["bidirectional", "causal"])
+def test_varlen_kernel_attends_runs_of_equal_lengths_in_one_call_each(module, monkeypatch):
+    """Adjacent sequences of one length (a batch sorted by length) share one SDPA call, and each still sees exactly
+    its own keys; a sequence without queries between them holds no rows."""
+    lengths = [4, 4, 4, 0, 3, 3, 5, 4, 4]
+    runs = 5  # 4 x3, 0, 3 x2, 5, 4 x2
+    generator = torch.Generator().manual_seed(5)
+    query, key, value = (torch.randn(1, 3, sum(lengths), 8, generator=generator) for _ in range(3))
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    calls = []
+    sdpa = attention.ALL_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setitem(attention.ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa",
+                        lambda *args, **kwargs: calls.append(args[1].shape) or sdpa(*args, **kwargs))
+    output, _ = attention.sdpa_varlen_attention_forward(module.eval(), query, key, value, None, 0.5,
+                                                        cu_seq_lens_q=offsets)
+    assert len(calls) == runs - 1 and [shape[0] for shape in calls] == [3, 2, 1, 2]
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        q, k, v = (t[:, :, start:end] for t in (query, key, value))
+        expected = (float64_causal_attention(q, k, v, 0.5) if module.is_causal
+                    else ((q.double() @ k.double().transpose(-1, -2) * 0.5).softmax(-1) @ v.double()).transpose(1, 2))
+        torch.testing.assert_close(output[:, start:end].double(), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_varlen_kernel_with_attention_dropout_attends_one_sequence_per_call(monkeypatch):
+    """In training with attention dropout each sequence keeps its own call (and its own draw of the mask)."""
+    calls = []
+    monkeypatch.setitem(attention.ALL_ATTENTION_FUNCTIONS._global_mapping, attention.SDPA_DROPOUT,
+                        lambda module, q, *args, **kwargs: calls.append(q.shape) or (q.transpose(1, 2), None))
+    query = torch.randn(1, 2, 12, 4)
+    attention.sdpa_varlen_attention_forward(Bidirectional().train(), query, query, query, None, 0.5, dropout=0.1,
+                                            cu_seq_lens_q=torch.tensor([0, 4, 8, 12]))
+    assert [shape[0] for shape in calls] == [1, 1, 1]
