@@ -15,7 +15,11 @@ What it does:
    roformer_hf over transformers, and the share of the CPU's GEMM rate that roformer_hf reaches on the short set.
 4. roformer_hf int8 (`roformer_hf.quantization.quantize_int8` on the loaded model): speed over transformers' fp32 and
    the cosine of its embeddings with fp32's (lowest over the sentences).
-5. Where a short batch's time goes: roformer_hf's operators on one batch of 32 short sentences (torch.profiler).
+5. The bound of the short set in batches of 32: the encoder's dense calls alone on each batch's real tokens
+   (`bench_dense.DenseChain`, through the kernels roformer_hf's layers take for those rows), timed as many times as
+   the models; transformers' time over theirs is the most roformer_hf's speed-up over transformers can be with these
+   GEMM kernels, however little the rest of its forward costs.
+6. Where a short batch's time goes: roformer_hf's operators on one batch of 32 short sentences (torch.profiler).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from workload import parse_args, size_of, timing_parser, transformers_config  # 
 
 SETS = {"short": (8, 32), "~128": (120, 136), "mixed": (8, 256)}
 COSINE_TARGET, INT8_TARGET, INT8_COSINE_TARGET = 0.99999, 1.5, 0.999
+SHORT_TARGET = 1.25  # roformer_hf over transformers on short sentences in batches of 32, fp32
 
 
 def sentences(low: int, high: int, count: int, vocab: int, seed: int) -> list[torch.Tensor]:
@@ -87,6 +92,20 @@ def _timed_call(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def dense_calls_alone(size, batch_list, repeats: int) -> float:
+    """Seconds the encoder's dense calls take alone on the real tokens of every batch in `batch_list`, the median of
+    `repeats`: `bench_dense.DenseChain` of the model's size, each batch's rows in a row, the kernels `fused.fused_linear`
+    takes for them."""
+    from bench_dense import DenseChain
+
+    chain = DenseChain(size, size.layers).eval()
+    inputs = [torch.randn(int(mask.sum()), size.hidden) for _, mask in batch_list]
+    with torch.inference_mode():
+        for x in inputs:  # packs the weights for every kernel the rows take
+            chain(x)
+        return median(_timed_call(lambda: [chain(x) for x in inputs]) for _ in range(repeats))
 
 
 def flops_per_token(size, length: float) -> float:
@@ -164,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
             tokens = sum(int(mask.sum()) for _, mask in batch_list)
             rows.append((set_name, batch_size, count, tokens, times))
     rate = gemm_rate(sum(int(m.sum()) for _, m in short_batches[:1]), size.hidden, size.intermediate)
-    report(args, size, rows, checks, rate)
+    progress("timing the dense calls alone on the short batches")
+    dense = dense_calls_alone(size, short_batches, args.repeats)
+    report(args, size, rows, checks, rate, dense)
     print("\nWhere one batch of 32 short sentences spends roformer_hf's time (fp32, 3 forwards):\n")
     print(where_time_goes(models["roformer_hf"], short_batches[0]))
 
@@ -177,7 +198,7 @@ def _timed(model, batch_list) -> float:
     return time.perf_counter() - start
 
 
-def report(args, size, rows, checks, rate) -> None:
+def report(args, size, rows, checks, rate, dense: float) -> None:
     from roformer_hf import fused
 
     names = list(rows[0][4])
@@ -198,6 +219,12 @@ def report(args, size, rows, checks, rate) -> None:
         cells = " | ".join(f"{per_second[name]:.1f}" for name in names)
         print(f"| {set_name} | {batch_size} | {count} | {cells} | {ratio:.2f}x ({verdict(ratio >= 1.0)}) | "
               f"{ratio8:.2f}x ({verdict(ratio8 >= INT8_TARGET)}) | {100 * achieved / rate:.0f}% |")
+    short = next(times for set_name, batch_size, _, _, times in rows if set_name == "short" and batch_size == 32)
+    reference = median(short["transformers RoFormer"])
+    print(f"\nshort, batch 32: the dense calls alone on the real tokens take {dense:.3f} s with roformer_hf's kernels "
+          f"({fused.RULE.cpu}), transformers' forward {reference:.3f} s: with these kernels roformer_hf / transformers "
+          f"is at most {reference / dense:.2f}x (the goal, {SHORT_TARGET}x, within it: {verdict(reference / dense >= SHORT_TARGET)}; "
+          f"measured {reference / median(short['roformer_hf']):.2f}x)")
     print("\nseconds per set, median (min-max):")
     for set_name, batch_size, _, _, times in rows:
         print(f"- {set_name}, batch {batch_size}: " + "; ".join(f"{n} {spread(s)}" for n, s in times.items()))
