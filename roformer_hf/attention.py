@@ -84,11 +84,11 @@ def sdpa_varlen_attention_forward(
     attends its queries ``cu_seq_lens_q[s]:cu_seq_lens_q[s + 1]`` to its keys ``cu_seq_lens_k[s]:...`` (as flash-attn's
     varlen kernel), causally when ``module.is_causal``, which needs as many keys as queries in every sequence.
 
-    Meant for the CPU, where a loop over sequences costs little next to the attention itself; adjacent sequences of
-    the same lengths are one call on their tokens viewed as a batch, the same bits as a call each (without attention
-    dropout, whose masks each sequence draws for itself): a batch of 32 short sentences sorted by length, as
-    sentence-transformers embeds them, holds a few such runs, and took 0.96x the time (4 layers of base width, an AVX2
-    EPYC). `split` (not indexing) lets the backward pass join the gradients with one `cat`. The model passes
+    Meant for the CPU, where a loop over sequences costs little next to the attention itself. Adjacent sequences of
+    the same lengths are one call on their tokens viewed as a batch, which on the CPU gives the same bits as a call
+    each (not with attention dropout, whose masks each sequence draws for itself): a batch of 32 short sentences
+    sorted by length, as sentence-transformers embeds them, holds a few such runs, and took 0.96x the time (4 layers
+    of base width, an AVX2 EPYC). `split` (not indexing) lets the backward pass join the gradients with one `cat`. The model passes
     `seq_lengths`, read once per forward (without them the offsets are read here), and with attention dropout, a
     causal module's mask of the longest sequence, which each sequence slices (else the dropout kernel renders its own,
     per sequence).
