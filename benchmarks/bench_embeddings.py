@@ -96,8 +96,8 @@ def _timed_call(fn) -> float:
 
 def dense_calls_alone(size, batch_list, repeats: int) -> float:
     """Seconds the encoder's dense calls take alone on the real tokens of every batch in `batch_list`, the median of
-    `repeats`: `bench_dense.DenseChain` of the model's size, each batch's rows in a row, the kernels `fused.fused_linear`
-    takes for them."""
+    `repeats`: `bench_dense.DenseChain` of the model's size, each batch's rows in a row, through the kernels
+    `fused.fused_linear` takes for them."""
     from bench_dense import DenseChain
 
     chain = DenseChain(size, size.layers).eval()
@@ -221,10 +221,11 @@ def report(args, size, rows, checks, rate, dense: float) -> None:
               f"{ratio8:.2f}x ({verdict(ratio8 >= INT8_TARGET)}) | {100 * achieved / rate:.0f}% |")
     short = next(times for set_name, batch_size, _, _, times in rows if set_name == "short" and batch_size == 32)
     reference = median(short["transformers RoFormer"])
+    bound, measured = reference / dense, reference / median(short["roformer_hf"])
     print(f"\nshort, batch 32: the dense calls alone on the real tokens take {dense:.3f} s with roformer_hf's kernels "
-          f"({fused.RULE.cpu}), transformers' forward {reference:.3f} s: with these kernels roformer_hf / transformers "
-          f"is at most {reference / dense:.2f}x (the goal, {SHORT_TARGET}x, within it: {verdict(reference / dense >= SHORT_TARGET)}; "
-          f"measured {reference / median(short['roformer_hf']):.2f}x)")
+          f"({fused.RULE.cpu}), transformers' forward {reference:.3f} s: with these kernels "
+          f"roformer_hf / transformers is at most {bound:.2f}x (the goal, {SHORT_TARGET}x, within it: "
+          f"{verdict(bound >= SHORT_TARGET)}; measured {measured:.2f}x)")
     print("\nseconds per set, median (min-max):")
     for set_name, batch_size, _, _, times in rows:
         print(f"- {set_name}, batch {batch_size}: " + "; ".join(f"{n} {spread(s)}" for n, s in times.items()))

@@ -14,8 +14,9 @@ Which of them a forward calls is decided once, before its first layer (`kernels.
 
 - the ``"varlen"`` form (the layout says everything: real tokens side by side, or packed rows), with flash-attn: its
   varlen kernel reads the tokens directly; with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its
-  own slice, adjacent ones of one length batched (no padding, no mask); with attention dropout in training, `blocked_dropout_attention_forward`
-  (`blocked_dropout.BlockedDropoutAttention`) keeps only the dropout mask, as bits;
+  own slice, adjacent ones of one length as one batch (no padding, no mask); with attention dropout in training,
+  `blocked_dropout_attention_forward` (`blocked_dropout.BlockedDropoutAttention`) keeps only the dropout mask, as
+  bits;
 - otherwise the padded layout ``(B, nh, L, d)`` with the mask's tensor (`attend_padded`): padding, packed rows,
   causality after a cache, a bidirectional prefix.
 """
@@ -88,10 +89,10 @@ def sdpa_varlen_attention_forward(
     the same lengths are one call on their tokens viewed as a batch, which on the CPU gives the same bits as a call
     each (not with attention dropout, whose masks each sequence draws for itself): a batch of 32 short sentences
     sorted by length, as sentence-transformers embeds them, holds a few such runs, and took 0.96x the time (4 layers
-    of base width, an AVX2 EPYC). `split` (not indexing) lets the backward pass join the gradients with one `cat`. The model passes
-    `seq_lengths`, read once per forward (without them the offsets are read here), and with attention dropout, a
-    causal module's mask of the longest sequence, which each sequence slices (else the dropout kernel renders its own,
-    per sequence).
+    of base width, an AVX2 EPYC). `split` (not indexing) lets the backward pass join the gradients with one `cat`.
+    The model passes `seq_lengths`, read once per forward (without them the offsets are read here), and with attention
+    dropout, a causal module's mask of the longest sequence, which each sequence slices (else the dropout kernel
+    renders its own, per sequence).
     """
     if seq_lengths is not None:
         query_lengths = key_lengths = list(seq_lengths)
