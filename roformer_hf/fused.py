@@ -79,6 +79,9 @@ class DenseRule:
         beyond: the fp32 kernel past them: ``"onednn"`` (on the layer's own weight) or ``"module"`` (MKL's).
         one_row: the fp32 kernel of one row (a decoding step).
         fuses_gelu: oneDNN applies GELU to its product before storing it; else ``F.gelu`` runs on the stored product.
+        compiled_max_tokens: the longest input a server started with ``--compile`` sends to the compiled encoder
+            (`serving.compiled`), one input at a time; a longer one runs eagerly, where the compiled graph's GEMMs (the
+            packed weight at every row count, the activation as oneDNN's post-op) took longer than this rule's.
     """
 
     cpu: str
@@ -86,17 +89,20 @@ class DenseRule:
     beyond: str
     one_row: str
     fuses_gelu: bool
+    compiled_max_tokens: float = math.inf
 
 
 # Intel Xeon (AVX-512): the packed weight at every row count, 1.05-1.10x up to 2626 rows; MKL's matrix-vector product
-# for one row, 0.5-0.85x oneDNN's time.
+# for one row, 0.5-0.85x oneDNN's time. The encoder compiled with frozen weights took 0.84-0.97x the eager time for
+# one input of 8-512 tokens.
 INTEL_RULE = DenseRule("Intel, AVX-512", math.inf, "onednn", "module", fuses_gelu=True)
 # AMD EPYC with AVX-512: the packed weight up to 1.5x faster at 2-256 rows; beyond, the GEMM is bound by its arithmetic.
 AVX512_RULE = DenseRule("AMD, AVX-512", 256, "onednn", "onednn", fuses_gelu=True)
 # AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, with their weights read from memory as a forward
 # reads them, took 0.57-0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626, 1.11x at 2626;
-# oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2.
-AVX2_RULE = DenseRule("AVX2 only", 512, "module", "onednn", fuses_gelu=False)
+# oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2. The compiled
+# encoder took 0.68-0.94x the eager time for one input of 8-24 tokens, 1.00x at 32, 1.05-1.22x at 48-512.
+AVX2_RULE = DenseRule("AVX2 only", 512, "module", "onednn", fuses_gelu=False, compiled_max_tokens=24)
 
 
 def onednn_has_avx512() -> bool:

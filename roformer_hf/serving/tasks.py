@@ -13,6 +13,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.generation.streamers import BaseStreamer
 
+from .. import fused
 from ..similarity import SeededSampling, embedder, generate_similar
 from .errors import RowError
 from .loaded import LoadedModel
@@ -55,8 +56,9 @@ class Tasks:
         self.model, self.tokenizer, self.config = loaded.model, loaded.tokenizer, loaded.config
         self.embed_batch = embedder(self.model, loaded.pooling)
         # One input alone (a quiet server's request of one sentence) runs the compiled encoder, or a classifier's
-        # compiled classifier, where the folder was loaded with `compile`: faster than the eager model for one row at
-        # every length measured, where batches are faster eager, which skips their padding (benchmarks/RESULTS.md).
+        # compiled classifier, where the folder was loaded with `compile`: faster than the eager model for one row up
+        # to the length this CPU kind's rule names (`_compiled_takes`), where batches are faster eager, which skips
+        # their padding (benchmarks/RESULTS.md).
         self.embed_alone = self.classify_alone = None
         if loaded.compiled is not None and loaded.is_classifier:
             self.classify_alone = loaded.compiled
@@ -98,10 +100,12 @@ class Tasks:
         return self.tokenizer.pad(features, return_tensors="pt", padding_side=side).to(self.loaded.device).data
 
     def _compiled_takes(self, ids: list[int], token_types: list[int] | None = None) -> bool:
-        """Whether the compiled graph takes this one input: a length it was compiled for, and ids and token types the
-        model has embeddings for (the eager model refuses others by name; the compiled one stops at its bounds check
-        with inductor's message)."""
-        return (2 <= len(ids) <= self.loaded.max_length and min(ids) >= 0 and max(ids) < self.config.vocab_size
+        """Whether the compiled graph takes this one input: a length it was compiled for, no longer than this CPU
+        kind's rule sends to it (`fused.DenseRule.compiled_max_tokens`: beyond, the eager model is the faster), and ids
+        and token types the model has embeddings for (the eager model refuses others by name; the compiled one stops at
+        its bounds check with inductor's message)."""
+        longest = min(self.loaded.max_length, fused.RULE.compiled_max_tokens)
+        return (2 <= len(ids) <= longest and min(ids) >= 0 and max(ids) < self.config.vocab_size
                 and (not token_types or min(token_types) >= 0 and max(token_types) < self.config.type_vocab_size))
 
     @torch.no_grad()

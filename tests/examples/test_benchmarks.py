@@ -447,3 +447,31 @@ def test_predict_benchmark_times_eager_and_compiled_classifiers_that_agree():
         assert eager > 0 and compiled > 0 and float(row[4].rstrip("x")) == pytest.approx(compiled / eager, abs=0.03)
         assert float(row[5]) <= (1e-4 if row[0] == "fp32" else 0.5)
     assert re.search(r"- fp32: start with compile [0-9.]+ s into an empty cache, [0-9.]+ s from it", result.stdout)
+
+
+@pytest.mark.slow
+def test_compiled_benchmark_times_the_served_package_against_eager_at_each_length():
+    """`bench_compiled.py --quick`: the package a server with `--compile` builds, timed against the eager model at each
+    length (their outputs within the script's bound, or it stops), and the run of lengths where it paid beside the
+    lengths this CPU kind's rule sends to it."""
+    from roformer_hf import fused
+
+    result = subprocess.run([PYTHON, str(BENCHMARKS / "bench_compiled.py"), "--quick", "--one-lengths", "8", "40",
+                             "--repeats", "2"], capture_output=True, text=True, timeout=300, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
+            if re.match(r"\| \d", line)]
+    assert [row[0] for row in rows] == ["8", "40"]
+    ratios = {}
+    for row in rows:
+        eager, compiled = float(row[1]), float(row[2])
+        assert eager > 0 and compiled > 0 and float(row[3].rstrip("x")) == pytest.approx(compiled / eager, abs=0.03)
+        assert float(row[4]) <= 1e-4
+        assert row[5] == ("compiled" if int(row[0]) <= fused.RULE.compiled_max_tokens else "eager")
+        ratios[int(row[0])] = float(row[3].rstrip("x"))
+    found = re.search(r"compiled faster from the shortest up to: (\w+) tokens; the (.+) rule sends", result.stdout)
+    assert found and found.group(2) == fused.RULE.cpu, result.stdout
+    # the run of lengths where compiled took less time (the cells rounded to 0.01: a ratio of 1.00x goes either way)
+    paid, unpaid = {"none": ((), (8,)), "8": ((8,), (40,)), "40": ((8, 40), ())}[found.group(1)]
+    assert all(ratios[length] <= 1 for length in paid) and all(ratios[length] >= 1 for length in unpaid), ratios
+

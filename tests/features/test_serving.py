@@ -4,6 +4,7 @@ over HTTP on a real Ray Serve; bad requests get a 4xx JSON naming the field whil
 that cannot be served is refused before the port opens."""
 
 import base64
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -36,6 +37,7 @@ from roformer_hf import (  # noqa: E402
     RoFormerForCausalLM,
     RoFormerForMaskedLM,
     RoFormerForSequenceClassification,
+    fused,
 )
 from roformer_hf.cli import main  # noqa: E402
 from roformer_hf.serving import RequestError, RowError, ServedModel  # noqa: E402
@@ -353,6 +355,16 @@ def test_compiled_encoder_embeds_one_input_as_encode_does_and_loads_from_its_cac
         got, compiled, eager_ops = _ran(served, {"input": sentence})
         assert compiled and not eager_ops
         torch.testing.assert_close(got[0], before[i], atol=1e-5, rtol=0)
+    # An input longer than this CPU kind's rule sends to the package runs eagerly: there the eager model is faster.
+    rule = fused.RULE
+    monkeypatch.setattr(fused, "RULE", dataclasses.replace(rule, compiled_max_tokens=6))
+    lengths = [len(ids) for ids in served.tokenizer(SENTENCES)["input_ids"]]
+    assert min(lengths) <= 6 < max(lengths)
+    for i, (sentence, length) in enumerate(zip(SENTENCES, lengths)):
+        got, compiled, eager_ops = _ran(served, {"input": sentence})
+        assert (compiled, eager_ops) == ((True, False) if length <= 6 else (False, True))
+        torch.testing.assert_close(got[0], before[i], atol=1e-5, rtol=0)
+    monkeypatch.setattr(fused, "RULE", rule)
     got, compiled, eager_ops = _ran(served, {"input": SENTENCES})  # several inputs: the eager model, unpadded
     assert eager_ops and not compiled
     torch.testing.assert_close(got, before, atol=1e-5, rtol=0)
