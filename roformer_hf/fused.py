@@ -101,8 +101,8 @@ AVX512_RULE = DenseRule("AMD, AVX-512", 256, "onednn", "onednn", fuses_gelu=True
 # AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, with their weights read from memory as a forward
 # reads them, took 0.57-0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626, 1.11x at 2626;
 # oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2. The compiled
-# encoder (GELU after the product there too) took 0.68-0.87x the eager time for one input of 8-32 tokens, 0.96x at 48,
-# 1.01-1.10x at 64-512.
+# encoder (GELU after the product there too) took 0.68-0.87x the eager time for one input of 8-32 tokens, 0.89-0.96x at
+# 48, 0.98-1.03x at 64, 1.01-1.18x at 96-512.
 AVX2_RULE = DenseRule("AVX2 only", 512, "module", "onednn", fuses_gelu=False, compiled_max_tokens=48)
 
 
