@@ -374,7 +374,12 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
             if residual is not None:
                 return _KERNEL.binary(x, residual, weight, layer.bias, "add")
             return _product(x, weight, layer.bias, name, algorithm)
-    output = layer(x) if activation is None else dropout(activation, layer(x))
+    if activation is None:
+        output = layer(x)
+    elif _gelu_written_out(activation, x):
+        output = activation._gelu_python(layer(x))
+    else:
+        output = dropout(activation, layer(x))
     return output if residual is None else residual + output
 
 
@@ -534,6 +539,17 @@ def _fused_activation(activation: nn.Module | None) -> tuple[str, str] | None:
     if type(activation) is nn.ReLU:
         return "relu", ""  # RoFormer-V2's
     return None
+
+
+def _gelu_written_out(activation: nn.Module, x: Tensor) -> bool:
+    """Whether a compiler tracing CPU inference (`torch.compile`, `torch.export`) sees this GELU written out
+    (transformers' `GELUActivation._gelu_python`, the erf form inductor computes for ``F.gelu`` too) rather than as
+    ``F.gelu``, which inductor's oneDNN pass fuses into the GEMM before it: where this CPU kind's rule applies GELU after
+    oneDNN's product (`DenseRule.fuses_gelu` false: AVX2 only), as the eager forward does. On an AVX2 EPYC the encoder
+    compiled for one input took 0.93x the time of the one with GELU fused at 16 tokens, 0.89x at 512
+    (benchmarks/RESULTS.md)."""
+    return (not RULE.fuses_gelu and torch.compiler.is_compiling() and not torch.is_grad_enabled()
+            and x.device.type == "cpu" and _fused_activation(activation) == ("gelu", "none"))
 
 
 def _kernel_applies(layer: nn.Module, x: Tensor, residual: Tensor | None) -> bool:

@@ -27,18 +27,14 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch._inductor
 from filelock import FileLock
 from torch import nn
-from transformers.activations import GELUActivation
 from transformers.modeling_outputs import BaseModelOutputWithPooling, SequenceClassifierOutput
-
-from .. import fused
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +311,7 @@ def _compile(build: Callable[[], nn.Module], example: tuple[torch.Tensor, ...], 
     start = time.perf_counter()
     length = torch.export.Dim("length", min=2, max=max_length)  # one length for every input
     try:
-        with torch.no_grad(), _gelu_after_products(module):
+        with torch.no_grad():
             program = torch.export.export(module, example, dynamic_shapes={name: {1: length} for name in kind.inputs})
             torch._inductor.aoti_compile_and_package(program, package_path=str(path),
                                                      inductor_configs={"freezing": True})
@@ -326,25 +322,6 @@ def _compile(build: Callable[[], nn.Module], example: tuple[torch.Tensor, ...], 
                            "first thing to check. Expected a machine where it compiles, or compile=False") from error
     logger.info("%s compiled for one input in %.1f s", kind.what, time.perf_counter() - start)
     return kind(runner, path, max_length, loaded=False)
-
-
-@contextmanager
-def _gelu_after_products(module: nn.Module) -> Iterator[None]:
-    """While `module` is exported, on a CPU kind whose rule applies GELU after oneDNN's product
-    (`fused.DenseRule.fuses_gelu` false: AVX2 only), its GELUs written out as their arithmetic (transformers'
-    `GELUActivation._gelu_python`, the erf form inductor computes for ``F.gelu`` too), which inductor's oneDNN pass does
-    not fuse into the GEMM before them as it fuses ``F.gelu``: there oneDNN's GELU post-op is the slower, as in the
-    eager model. On an AVX2 EPYC the encoder compiled so took 0.93x the time of the one with the post-op for one input
-    of 16 tokens, 0.89x at 512 (benchmarks/RESULTS.md). The module is as it was afterwards."""
-    gelus = [] if fused.RULE.fuses_gelu else [
-        layer for layer in module.modules() if isinstance(layer, GELUActivation) and layer.act is nn.functional.gelu]
-    for gelu in gelus:
-        gelu.act = gelu._gelu_python
-    try:
-        yield
-    finally:
-        for gelu in gelus:
-            gelu.act = nn.functional.gelu
 
 
 def _cpu() -> str:

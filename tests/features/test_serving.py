@@ -37,7 +37,6 @@ from roformer_hf import (  # noqa: E402
     RoFormerForCausalLM,
     RoFormerForMaskedLM,
     RoFormerForSequenceClassification,
-    RoFormerModel,
     fused,
 )
 from roformer_hf.cli import main  # noqa: E402
@@ -388,31 +387,6 @@ def test_compiled_encoder_embeds_one_input_as_encode_does_and_loads_from_its_cac
         got, compiled, _ = _ran(again, {"input": sentence})
         assert compiled
         torch.testing.assert_close(got, _ran(served, {"input": sentence})[0], atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("rule", [fused.AVX2_RULE, fused.INTEL_RULE], ids=lambda rule: rule.cpu)
-def test_the_encoder_exported_to_compile_applies_gelu_after_its_products_where_the_rule_does(rule, monkeypatch):
-    """On a CPU kind whose rule applies GELU after the product (AVX2 only), the graph the server compiles holds GELU
-    written out (erf), which inductor does not fuse into the GEMM before it; elsewhere ``aten.gelu``, which it fuses.
-    Both answer as the eager encoder, and the eager encoder keeps its own GELU."""
-    from transformers.activations import GELUActivation
-
-    from roformer_hf.serving.compiled import OneInput, _gelu_after_products
-
-    monkeypatch.setattr(fused, "RULE", rule)
-    torch.manual_seed(0)
-    module = OneInput(RoFormerModel(tiny_config()).eval()).eval()
-    ids = torch.randint(5, 97, (1, 7))
-    with torch.no_grad():
-        expected = module(ids)[0]
-        with _gelu_after_products(module):
-            program = torch.export.export(module, (ids,))
-        got = program.module()(ids)[0]
-    ops = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
-    assert ("aten.gelu.default" in ops, "aten.erf.default" in ops) == (rule.fuses_gelu, not rule.fuses_gelu), ops
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    gelus = [layer for layer in module.modules() if isinstance(layer, GELUActivation)]
-    assert len(gelus) == 2 and all(gelu.act is torch.nn.functional.gelu for gelu in gelus)
 
 
 def _no_compiler(*args, **kwargs):

@@ -442,3 +442,34 @@ def test_the_rule_follows_the_cpus_vendor_and_what_onednn_may_run(monkeypatch, a
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
     assert fused.dense_rule() is expected
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_a_compiler_sees_gelu_written_out_where_the_rule_applies_it_after_the_product(rule, grad, monkeypatch):
+    """Traced for CPU inference (`torch.export`, as the server's compiled encoder and `torch.compile` trace it), a model
+    on a CPU kind whose rule applies GELU after oneDNN's product (AVX2 only) holds GELU written out (erf), which
+    inductor does not fuse into the GEMM before it; elsewhere, and with autograd on, ``aten.gelu``. Every graph
+    answers as the eager model, whose GELU modules stay as they were."""
+    from transformers.activations import GELUActivation
+
+    from roformer_hf import RoFormerConfig, RoFormerForMaskedLM
+
+    monkeypatch.setattr(fused, "RULE", rule)
+    torch.manual_seed(0)
+    model = RoFormerForMaskedLM(RoFormerConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=48,
+                                               max_position_embeddings=64)).eval()
+    ids = torch.randint(5, 97, (1, 7))
+    with torch.set_grad_enabled(grad):
+        expected = model(input_ids=ids).logits
+        program = torch.export.export(model, (), {"input_ids": ids})
+        got = program.module()(input_ids=ids).logits
+    ops = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    written_out = not rule.fuses_gelu and not grad
+    # both layers' FFN and the MLM head's transform: GELU written out, or none of them
+    assert ("aten.gelu.default" in ops, "aten.erf.default" in ops) == (not written_out, written_out), ops
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    gelus = [layer for layer in model.modules() if isinstance(layer, GELUActivation)]
+    assert len(gelus) == 3 and all(gelu.act is nn.functional.gelu for gelu in gelus)
+
