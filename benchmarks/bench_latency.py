@@ -82,7 +82,7 @@ def compiled_for_latency(folder: str, backend: str = "inductor", precision: str 
     """roformer_hf's model of `folder` as docs/export.md compiles it for latency: the padded layout
     (``unpad_inputs=False``: nothing depends on the mask's values, so the forward is one graph), dynamic shapes (a new
     length compiles nothing new), frozen weights (inductor packs them and fuses the activations into its oneDNN
-    GEMMs) and inductor's C++ wrapper (its kernels called from C++, not one by one from Python). It compiles on its
+    GEMMs; with AVX2 only, GELU after them, `fused._gelu_written_out`) and inductor's C++ wrapper (its kernels called from C++, not one by one from Python). It compiles on its
     first call, which must run without autograd. Both are inductor's global settings, read when a graph compiles:
     `torch.compile`'s ``options={"freezing": True}`` does not reach freezing (measured with torch 2.13: the GEMMs
     stayed unpacked, 2.2x slower). `backend`: torch.compile's (both settings are inductor's).

@@ -14,6 +14,7 @@ from packaging.version import Version
 from torch import nn
 from transformers import AutoTokenizer
 
+from .. import fused
 from ..configuration import RoFormerConfig
 from ..modeling import HEADS, RoFormerForCausalLM, RoFormerForMaskedLM, RoFormerForSequenceClassification
 from ..quantization import _cpu_has_vnni, quantize_int8, static_int8
@@ -215,7 +216,8 @@ class LoadedModel:
         return self.is_causal_lm and is_roformer_sim(self.config)
 
     def describe(self) -> str:
-        compiled = ", one input at a time compiled" if self.compiled is not None else ""
+        longest = min(self.max_length, fused.RULE.compiled_max_tokens)
+        compiled = f", one input of at most {longest:.0f} tokens at a time compiled" if self.compiled is not None else ""
         if self.calibrated_on:
             compiled += f" (int8 static, calibrated on {self.calibrated_on} inputs)"
         if self.compiled is not None and self.compiled.path is None:

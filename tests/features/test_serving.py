@@ -321,6 +321,13 @@ def test_cli_refuses_a_port_in_use_before_ray_starts(folders, capsys):
     assert not ray.is_initialized()
 
 
+def _compiled_inputs(served) -> str:
+    """What `LoadedModel.describe` says of the inputs the compiled encoder or classifier takes: one at a time, up to
+    the model's longest or the CPU kind's rule's, the shorter."""
+    longest = min(served.loaded.max_length, fused.RULE.compiled_max_tokens)
+    return f"one input of at most {longest:.0f} tokens at a time compiled"
+
+
 def _ran(served, body):
     """The answer to an embeddings request, and whether it ran the compiled encoder and eager ops (the profiler's
     events: aten's embedding lookup, which the compiled encoder's own kernel does instead)."""
@@ -347,7 +354,7 @@ def test_compiled_encoder_embeds_one_input_as_encode_does_and_loads_from_its_cac
     before = encode(eager.model, eager.tokenizer, SENTENCES)
     served = ServedModel(folders[name], compile=True, compile_cache=tmp_path)  # compiles here, before any request
     package = served.loaded.compiled.path
-    assert served.loaded.describe().endswith(f"one input at a time compiled, saved to {package})")
+    assert served.loaded.describe().endswith(f"{_compiled_inputs(served)}, saved to {package})")
     assert package.parent == tmp_path and package.suffix == ".pt2"
     factors = json.loads(package.with_suffix(".json").read_text())
     assert factors["key"] == package.stem and factors["threads"] == torch.get_num_threads()
@@ -382,7 +389,7 @@ def test_compiled_encoder_embeds_one_input_as_encode_does_and_loads_from_its_cac
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiler)
     again = ServedModel(folders[name], compile=True, compile_cache=tmp_path)
     assert again.loaded.compiled.loaded and again.loaded.compiled.path == package
-    assert again.loaded.describe().endswith(f"one input at a time compiled, loaded from {package})")
+    assert again.loaded.describe().endswith(f"{_compiled_inputs(again)}, loaded from {package})")
     for sentence in SENTENCES[:3]:
         got, compiled, _ = _ran(again, {"input": sentence})
         assert compiled
@@ -672,7 +679,7 @@ def test_compiled_int8_encoder_is_quantized_statically_and_embeds_one_input_near
     lines = [line for line in calibration.read_text().splitlines() if line]
     rows = served.tokenizer(lines, truncation=True, max_length=served.loaded.max_length)["input_ids"]
     assert (len({len(ids) for ids in rows}) < len(rows)) == (name == "sim")
-    assert re.search(rf"one input at a time compiled \(int8 static, calibrated on {len(lines)} inputs\), "
+    assert re.search(rf"{_compiled_inputs(served)} \(int8 static, calibrated on {len(lines)} inputs\), "
                      r"(saved to|loaded from) .*\.pt2\)$", served.loaded.describe())
     # What the package was compiled from is torchao's static quantization of the encoder: every dense layer's input
     # quantized with a fixed scale (query/key/value share theirs), its weight per channel; run uncompiled, it is the
@@ -762,7 +769,7 @@ def test_compiled_classifier_scores_one_input_or_pair_as_the_eager_model(reranke
     served = ServedModel(reranker, compile=True, compile_cache=tmp_path)  # the classifier, not the encoder
     assert isinstance(served.loaded.compiled, CompiledClassifier) and served.embed_alone is None
     package = served.loaded.compiled.path
-    assert served.loaded.describe().endswith(f"one input at a time compiled, saved to {package})")
+    assert served.loaded.describe().endswith(f"{_compiled_inputs(served)}, saved to {package})")
 
     def logits(value):  # the eager model's, a sentence or a pair
         with torch.no_grad():
