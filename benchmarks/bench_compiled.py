@@ -1,7 +1,7 @@
 """Where the served compiled encoder pays on this CPU: one input of each length, the eager model against the package
 `roformer-hf serve --compile` builds, and the longest input the CPU kind's rule sends to the package.
 
-    python benchmarks/bench_compiled.py           # 4 layers of base width, lengths 8 to 512 (about 5 minutes on 2 cores)
+    python benchmarks/bench_compiled.py           # 4 layers of base width, lengths 8 to 512 (about 2 minutes on 2 cores)
     python benchmarks/bench_compiled.py --quick   # tiny model (about a minute: the compile)
 
 It builds a randomly initialised `RoFormerModel` of the size flags (dropout 0), compiles the encoder for one input as

@@ -81,7 +81,7 @@ class DenseRule:
         fuses_gelu: oneDNN applies GELU to its product before storing it; else ``F.gelu`` runs on the stored product.
         compiled_max_tokens: the longest input a server started with ``--compile`` sends to the compiled encoder
             (`serving.compiled`), one input at a time; a longer one runs eagerly, where the compiled graph's GEMMs (the
-            packed weight at every row count, the activation as oneDNN's post-op) took longer than this rule's.
+            packed weight at every row count, query, key and value apart) took longer than this rule's.
     """
 
     cpu: str

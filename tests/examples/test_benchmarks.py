@@ -474,4 +474,3 @@ def test_compiled_benchmark_times_the_served_package_against_eager_at_each_lengt
     # the run of lengths where compiled took less time (the cells rounded to 0.01: a ratio of 1.00x goes either way)
     paid, unpaid = {"none": ((), (8,)), "8": ((8,), (40,)), "40": ((8, 40), ())}[found.group(1)]
     assert all(ratios[length] <= 1 for length in paid) and all(ratios[length] >= 1 for length in unpaid), ratios
-
