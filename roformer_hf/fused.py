@@ -272,11 +272,11 @@ def _check(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bo
         return None
     if len(layers) == 1:
         layer = layers[0]
-        cached = _PACKED.get(layer)
-        if (cached is None or layer.weight.is_inference()
-                or not _same_source(cached[0], (layer.weight,))):
+        cached, parameters = _PACKED.get(layer), layer._parameters  # `_layer_applies`: a plain `nn.Linear`
+        weight = parameters["weight"]
+        if cached is None or weight.is_inference() or not _same_source(cached[0], (weight,)):
             return None
-        weight, bias, out_features = cached[1], layer.bias, layer.weight.shape[0]
+        weight, bias, out_features = cached[1], parameters["bias"], weight.shape[0]
     else:
         cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
         if cached is None or not _same_source(cached[0], _side_by_side_tensors(layers)):
@@ -448,7 +448,8 @@ def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Ten
 
 def _side_by_side_tensors(layers: tuple[nn.Linear, ...]) -> list[Tensor]:
     """What layers packed side by side are made from: each layer's weight, then its bias if it has one."""
-    return [tensor for layer in layers for tensor in (layer.weight, layer.bias) if tensor is not None]
+    return [tensor for layer in layers for name in ("weight", "bias")
+            if (tensor := layer._parameters[name]) is not None]  # plain `nn.Linear`s: without `__getattr__`'s cost
 
 
 def _dense_kernel(x: Tensor) -> str:
