@@ -276,7 +276,7 @@ def _check(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bo
         weight = parameters["weight"]
         if cached is None or weight.is_inference() or not _same_source(cached[0], (weight,)):
             return None
-        weight, bias, out_features = cached[1], parameters["bias"], weight.shape[0]
+        weight, bias, out_features = cached[1], parameters.get("bias"), weight.shape[0]
     else:
         cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
         if cached is None or not _same_source(cached[0], _side_by_side_tensors(layers)):
@@ -449,7 +449,7 @@ def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Ten
 def _side_by_side_tensors(layers: tuple[nn.Linear, ...]) -> list[Tensor]:
     """What layers packed side by side are made from: each layer's weight, then its bias if it has one."""
     return [tensor for layer in layers for name in ("weight", "bias")
-            if (tensor := layer._parameters[name]) is not None]  # plain `nn.Linear`s: without `__getattr__`'s cost
+            if (tensor := layer._parameters.get(name)) is not None]  # plain `nn.Linear`s: without `__getattr__`'s cost
 
 
 def _dense_kernel(x: Tensor) -> str:
