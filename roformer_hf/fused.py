@@ -449,7 +449,7 @@ def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Ten
 def _side_by_side_tensors(layers: tuple[nn.Linear, ...]) -> list[Tensor]:
     """What layers packed side by side are made from: each layer's weight, then its bias if it has one."""
     return [tensor for layer in layers for name in ("weight", "bias")
-            if (tensor := layer._parameters[name]) is not None]  # plain `nn.Linear`s: without `__getattr__`'s cost
+            if (tensor := layer._parameters[name]) is not None]  # `_layer_applies`'s layers: without `__getattr__`
 
 
 def _dense_kernel(x: Tensor) -> str:
@@ -561,13 +561,14 @@ def _kernel_applies(layer: nn.Module, x: Tensor, residual: Tensor | None) -> boo
 
 def _layer_applies(layer: nn.Module, dtype: torch.dtype) -> bool:
     """The layer's conditions for inputs of `dtype`. The layer's type first: a replacement (quantized, adapted) may
-    hold anything under `weight`, or nothing."""
+    hold anything under `weight`, or nothing. Its weight and bias (or None) must be where `nn.Linear` registers them: a
+    bias deleted, or set as a plain attribute, leaves the layer its own call."""
     if type(layer) is not nn.Linear:
         return False
     parameters = layer._parameters  # what `layer.weight` reads, without `nn.Module.__getattr__`'s cost
     weight, bias = parameters.get("weight"), parameters.get("bias")
-    return (type(weight) is nn.Parameter and dtype in _KERNEL_DTYPES and weight.dtype == dtype
-            and (bias is None or bias.dtype == dtype) and not _hooked(layer))
+    return (type(weight) is nn.Parameter and "bias" in parameters and dtype in _KERNEL_DTYPES
+            and weight.dtype == dtype and (bias is None or bias.dtype == dtype) and not _hooked(layer))
 
 
 def _fits(residual: Tensor, x: Tensor, out_features: int) -> bool:

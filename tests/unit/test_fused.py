@@ -100,6 +100,19 @@ def test_autograd_takes_the_module(kernel):
     torch.testing.assert_close(output.detach(), reference(layer, x, ACT2FN["gelu"]).float())
 
 
+def test_a_bias_that_is_not_a_parameter_leaves_the_layer_its_own_call(kernel):
+    layer, x = layer_and_input()
+    bias = torch.randn(layer.out_features)
+    del layer.bias
+    layer.bias = bias  # a plain attribute, which `nn.Linear.forward` reads
+    with torch.no_grad():
+        assert torch.equal(fused_linear(layer, x), nn.functional.linear(x, layer.weight, bias))
+    del layer.bias  # no bias at all: the module's own error
+    with torch.no_grad(), pytest.raises(AttributeError, match="bias"):
+        fused_linear(layer, x)
+    assert kernel.calls == []
+
+
 def test_hooks_see_their_calls(kernel):
     layer, x = layer_and_input()
     activation, seen = ACT2FN["gelu"], []
