@@ -11,6 +11,7 @@ an encoder layer (query/key/value side by side, attention output, FFN up, FFN do
 - MKL: `nn.functional.linear`, what a plain `nn.Linear` runs (in bf16 PyTorch routes it to oneDNN itself);
 - oneDNN: `torch.ops.mkldnn._linear_pointwise` on the layer's own weight;
 - oneDNN packed: the same on the weight packed in oneDNN's blocked layout (`_reorder_linear_weight`);
+- few rows: `roformer_hf.few_rows`' GEMM on the weight packed in its tiles (fp32, where it is available);
 
 medians of `--repeats` calls after warm-up, and whether the packed weight gives the bits of the unpacked one. Then
 the kernel `_dense_kernel` chooses for each shape, and how much slower it is than the fastest (1.00x: the rule picks
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.util
 import time
 from collections import Counter
@@ -42,12 +44,12 @@ from common import machine_lines
 from transformers.activations import ACT2FN
 from workload import add_size_arguments, parse_args, size_of
 
-from roformer_hf import fused
+from roformer_hf import few_rows, fused
 from roformer_hf.fused import fused_linear, fused_linears
 from roformer_hf.quantization import quantize_int8
 
-KERNELS = ("MKL", "oneDNN", "oneDNN packed")
-CHOSEN = {"module": "MKL", "onednn": "oneDNN", "packed": "oneDNN packed"}  # `_dense_kernel`'s names
+KERNELS = ("MKL", "oneDNN", "oneDNN packed", "few rows")
+CHOSEN = {"module": "MKL", "onednn": "oneDNN", "packed": "oneDNN packed", "few_rows": "few rows"}  # `_dense_kernel`'s
 
 
 def time_call(call, repeats: int) -> float:
@@ -77,6 +79,9 @@ def measure(dtype: torch.dtype, rows: int, in_features: int, out_features: int, 
     calls = {"MKL": lambda: torch.nn.functional.linear(x, weight, bias),
              "oneDNN": lambda: fused._KERNEL(x, weight, bias, "none", [], ""),
              "oneDNN packed": lambda: fused._KERNEL(x, packed, bias, "none", [], "")}
+    if dtype == torch.float32 and few_rows.available():
+        tiles = few_rows.pack(weight)
+        calls["few rows"] = lambda: few_rows.linear(x, tiles, bias)
     with torch.inference_mode():
         same_bits = torch.equal(calls["oneDNN"](), calls["oneDNN packed"]())
         return {name: 1e6 * time_call(call, repeats) for name, call in calls.items()}, same_bits
@@ -106,7 +111,9 @@ class DenseChain(torch.nn.Module):
 
 CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after one untimed: its weights as a server keeps them
 CHAIN_PATHS = ("roformer_hf", "nn.Linear (MKL)", "OpenVINO")
-RULES = (fused.INTEL_RULE, fused.AVX512_RULE, fused.AVX2_RULE)  # each CPU kind's `fused.DenseRule`
+# Each CPU kind's `fused.DenseRule`, and the AVX2 one as it is where `few_rows`' kernel cannot be built.
+RULES = (fused.INTEL_RULE, fused.AVX512_RULE, fused.AVX2_RULE,
+         dataclasses.replace(fused.AVX2_RULE, cpu="AVX2 only, without few rows", few_rows_max_rows=0))
 
 
 def under_rule(rule: fused.DenseRule, call):
@@ -231,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
                 times, same_bits = measure(dtype, rows, in_features, out_features, args.repeats)
                 ratio = times[chosen] / min(times.values())
                 worst = max(worst, ratio)
-                print(f"| {label} | {rows} | {layer} | " + " | ".join(f"{times[name]:.1f}" for name in KERNELS)
+                print(f"| {label} | {rows} | {layer} | "
+                      + " | ".join(f"{times[name]:.1f}" if name in times else "–" for name in KERNELS)
                       + f" | {'yes' if same_bits else 'no'} | {chosen} | {ratio:.2f}x |")
     print(f"\nThe rule's choice at most {worst:.2f}x the fastest kernel's time on a shape here.")
     if args.chain_rows:

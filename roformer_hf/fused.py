@@ -6,6 +6,9 @@ torch.compile's CPU backend emits for linear layers, applies either to the GEMM'
 CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (AMD EPYC with AVX-512, fp32;
 `benchmarks/RESULTS.md`, 2026-11-23, at d290e68).
 
+On CPUs with AVX2 only, fp32 inputs of up to 256 rows take `few_rows`' GEMM instead, which reads a short input's
+weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions.
+
 It has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it only in eager
 forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
 would: a plain `nn.Linear` (not an adapter such as LoRA's, not a quantized weight) without hooks, fp32 or bf16
@@ -41,6 +44,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 from transformers.activations import GELUActivation
 
+from . import few_rows
 from .blocked_dropout import dropout
 
 _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
@@ -78,6 +82,8 @@ class DenseRule:
         packed_max_rows: fp32 inputs of 2 up to this many rows take oneDNN's kernel on the packed weight.
         beyond: the fp32 kernel past them: ``"onednn"`` (on the layer's own weight) or ``"module"`` (MKL's).
         one_row: the fp32 kernel of one row (a decoding step).
+        few_rows_max_rows: fp32 inputs of 1 up to this many rows take `few_rows`' kernel where it is available
+            (`few_rows.available`), in place of the three above, and `beyond` past them; 0: never.
         fuses_gelu: oneDNN applies GELU to its product before storing it; else ``F.gelu`` runs on the stored product.
         compiled_max_tokens: the longest input a server started with ``--compile`` sends to the compiled encoder
             (`serving.compiled`), one input at a time; a longer one runs eagerly, where the compiled graph's GEMMs (the
@@ -90,6 +96,7 @@ class DenseRule:
     one_row: str
     fuses_gelu: bool
     compiled_max_tokens: float = math.inf
+    few_rows_max_rows: int = 0
 
 
 # Intel Xeon (AVX-512): the packed weight at every row count, 1.05-1.10x up to 2626 rows; MKL's matrix-vector product
@@ -102,8 +109,11 @@ AVX512_RULE = DenseRule("AMD, AVX-512", 256, "onednn", "onednn", fuses_gelu=True
 # reads them, took 0.57-0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626, 1.11x at 2626;
 # oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2. The compiled
 # encoder (GELU after the product there too) took 0.68-0.87x the eager time for one input of 8-32 tokens, 0.89-0.96x at
-# 48, 0.98-1.03x at 64, 1.01-1.18x at 96-512.
-AVX2_RULE = DenseRule("AVX2 only", 512, "module", "onednn", fuses_gelu=False, compiled_max_tokens=48)
+# 48, 0.98-1.03x at 64, 1.01-1.18x at 96-512. `few_rows`' kernel took 0.62x oneDNN's packed weight's time at 16 rows,
+# 0.68x at 8, 0.85-0.92x at 32-128, 0.93x at one row, 1.02x at 256 (where MKL took 1.08x) and 1.05x at 512: it takes
+# every input up to 256 rows, MKL the longer ones, and no layer keeps a second copy of its weight.
+AVX2_RULE = DenseRule("AVX2 only", 512, "module", "onednn", fuses_gelu=False, compiled_max_tokens=48,
+                      few_rows_max_rows=256)
 
 
 def onednn_has_avx512() -> bool:
@@ -127,12 +137,16 @@ def dense_rule() -> DenseRule:
 
 
 RULE = dense_rule()
-# Each layer's weight in oneDNN's blocked layout, with what it was packed from (`_source`): made at the layer's first
-# call that `_dense_kernel` packs for, made again once the weight changes, dropped with the layer.
-_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
-# Layers that read the same input (attention's query, key and value), packed side by side, by their first layer.
-_PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor, Tensor | None]] = \
+# Each layer's packed weight, with what it was packed from (`_source`) and the kernel it is laid out for
+# (`_PACKING_KERNELS`): made at the layer's first call that `_dense_kernel` packs for, made again once the weight
+# changes or another packing kernel calls for it, dropped with the layer.
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor | few_rows.Packed, str]] = \
     weakref.WeakKeyDictionary()
+# Layers that read the same input (attention's query, key and value), packed side by side, by their first layer.
+_PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[
+    nn.Linear, tuple[tuple, Tensor | few_rows.Packed, Tensor | None, str]] = weakref.WeakKeyDictionary()
+# The kernels (`_dense_kernel`) that run on a packed copy of the weight: oneDNN's blocked layout, `few_rows`' tiles.
+_PACKING_KERNELS = ("packed", "few_rows")
 
 
 @runtime_checkable
@@ -200,13 +214,14 @@ class _Checked:
     adds: bool  # a residual is added
     run: Callable[..., Tensor | tuple[Tensor, ...]]  # run(x), or run(x, residual) where it adds; side by side: a tuple
     out_features: int
-    packs: bool  # oneDNN's packed weight, computed for rows that pack (`_dense_kernel`); else a `FusesPostOps` layer
+    kernel: str | None  # the packing kernel it runs (`_PACKING_KERNELS`), for rows that take it; else a `FusesPostOps`
+    #                     layer's call
 
     def takes(self, x: Tensor, activation: nn.Module | None, residual: Tensor | None) -> bool:
         """Whether a call with these arguments is the call checked: the same activation, a residual where it added
         one (that the kernel can add), and an input its kernel was checked for."""
         return (activation is self.activation and (residual is not None) == self.adds
-                and (not self.packs or _dense_kernel(x) == "packed")
+                and (self.kernel is None or _dense_kernel(x) == self.kernel)
                 and (residual is None or _fits(residual, x, self.out_features)))
 
 
@@ -232,13 +247,14 @@ def one_forward(model: nn.Module, hidden_states: Tensor) -> AbstractContextManag
     the layer was replaced) decides for itself, as outside any forward, and is packed again where it applies. Nothing
     where no call packs: the kernel does not apply at all (`fusion_applies`, compiling and tracing included), or the
     rows take another GEMM (`_dense_kernel`: one fp32 row on Intel CPUs, a decoding step)."""
-    if not fusion_applies(hidden_states.device, hidden_states.dtype) or _dense_kernel(hidden_states) != "packed":
+    if not fusion_applies(hidden_states.device, hidden_states.dtype):
         return nullcontext()
-    return _one_forward(model, hidden_states.dtype)
+    kernel = _dense_kernel(hidden_states)
+    return _one_forward(model, hidden_states.dtype, kernel) if kernel in _PACKING_KERNELS else nullcontext()
 
 
 @contextmanager
-def _one_forward(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+def _one_forward(model: nn.Module, dtype: torch.dtype, kernel: str) -> Iterator[None]:
     calls = _CALLS.get(model)
     if calls is None:
         calls = _CALLS[model] = {}
@@ -249,7 +265,7 @@ def _one_forward(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
         if any(layer is None for layer in layers) or (activation_ref is not None and activation is None):
             calls.pop(key, None)
             continue
-        call = _check(layers, activation, adds, dtype)
+        call = _check(layers, activation, adds, dtype, kernel)
         if call is not None:
             checked[layers[0]] = call
     token = _FORWARD.set(_Forward(dtype, checked, calls))
@@ -259,10 +275,11 @@ def _one_forward(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
         _FORWARD.reset(token)
 
 
-def _check(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bool,
-           dtype: torch.dtype) -> _Checked | None:
-    """A recorded call, checked as the call itself would check it for an input of `dtype` that packs (`fused_linear`,
-    `fused_linears`); None where it no longer takes the kernel it was recorded with."""
+def _check(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bool, dtype: torch.dtype,
+           kernel: str) -> _Checked | None:
+    """A recorded call, checked as the call itself would check it for an input of `dtype` whose rows take the packing
+    `kernel` (`fused_linear`, `fused_linears`); None where it no longer takes the kernel it was recorded with, or its
+    weight is packed for another."""
     post_op = _fused_activation(activation)
     if post_op is None or (adds and post_op[0] != "none"):
         return None
@@ -274,33 +291,35 @@ def _check(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bo
         layer = layers[0]
         cached, parameters = _PACKED.get(layer), layer._parameters  # `_layer_applies`: a plain `nn.Linear`
         weight = parameters["weight"]
-        if cached is None or weight.is_inference() or not _same_source(cached[0], (weight,)):
+        if (cached is None or cached[2] != kernel or weight.is_inference()
+                or not _same_source(cached[0], (weight,))):
             return None
         weight, bias, out_features = cached[1], parameters["bias"], weight.shape[0]
     else:
         cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
-        if cached is None or not _same_source(cached[0], _side_by_side_tensors(layers)):
+        if cached is None or cached[3] != kernel or not _same_source(cached[0], _side_by_side_tensors(layers)):
             return None
-        weight, bias, out_features = cached[1], cached[2], cached[1].shape[0]
+        weight, bias = cached[1], cached[2]
+        out_features = sum(layer._parameters["weight"].shape[0] for layer in layers)
     sizes = [layer.out_features for layer in layers] if len(layers) > 1 else None
-    return _Checked(layers, activation, adds, _packed_call(weight, bias, post_op, adds, sizes), out_features,
-                    packs=True)
+    return _Checked(layers, activation, adds, _packed_call(kernel, weight, bias, post_op, adds, sizes), out_features,
+                    kernel)
 
 
-def _packed_call(weight: Tensor, bias: Tensor | None, post_op: tuple[str, str], adds: bool,
-                 sizes: list[int] | None) -> Callable[..., Tensor | tuple[Tensor, ...]]:
-    """oneDNN's kernel on a packed weight, every argument but the input bound: ``run(x)``, ``run(x, residual)``
+def _packed_call(kernel: str, weight: Tensor | few_rows.Packed, bias: Tensor | None, post_op: tuple[str, str],
+                 adds: bool, sizes: list[int] | None) -> Callable[..., Tensor | tuple[Tensor, ...]]:
+    """The packing `kernel` on its packed weight, every argument but the input bound: ``run(x)``, ``run(x, residual)``
     where it adds one; layers side by side (their `sizes`): their outputs, as views of the one product."""
     name, algorithm = post_op
     if adds:
         def run(x: Tensor, residual: Tensor) -> Tensor:
-            return _KERNEL.binary(x, residual, weight, bias, "add")
+            return _packed_product(kernel, x, weight, bias, "none", "", residual)
     elif sizes is None:
         def run(x: Tensor) -> Tensor:
-            return _product(x, weight, bias, name, algorithm)
+            return _packed_product(kernel, x, weight, bias, name, algorithm)
     else:
         def run(x: Tensor) -> tuple[Tensor, ...]:
-            return _KERNEL(x, weight, bias, "none", [], "").split(sizes, dim=-1)
+            return _packed_product(kernel, x, weight, bias, "none", "").split(sizes, dim=-1)
     return run
 
 
@@ -366,14 +385,15 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
                 _record((layer,), activation, residual is not None)
             return layer.fused(x, name, algorithm, residual)
         if fusion_applies(x.device, x.dtype) and _kernel_applies(layer, x, residual):
-            if _dense_kernel(x) == "module":
+            kernel = _dense_kernel(x)
+            if kernel == "module":
                 return _applied_in_place(layer(x), name, residual)
-            weight = _packed_weight(layer, x)
+            weight = _packed_weight(layer, x, kernel)
             if weight is not layer.weight:
                 _record((layer,), activation, residual is not None)
-            if residual is not None:
-                return _KERNEL.binary(x, residual, weight, layer.bias, "add")
-            return _product(x, weight, layer.bias, name, algorithm)
+            else:
+                kernel = "onednn"  # a weight that is never packed (`_packed_weight`)
+            return _packed_product(kernel, x, weight, layer.bias, name, algorithm, residual)
     if activation is None:
         output = layer(x)
     elif _gelu_written_out(activation, x):
@@ -404,12 +424,19 @@ def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...
     if packed is None:
         return tuple(fused_linear(layer, x) for layer in layers)
     _record(layers, None, False)
-    output = _KERNEL(x, *packed, "none", [], "")
-    return output.split([layer.out_features for layer in layers], dim=-1)
+    sizes = [layer.out_features for layer in layers]
+    return _packed_product(_dense_kernel(x), x, *packed, "none", "").split(sizes, dim=-1)
 
 
-def _product(x: Tensor, weight: Tensor, bias: Tensor | None, name: str, algorithm: str) -> Tensor:
-    """oneDNN's product with the activation `name` applied, by oneDNN or after it (`DenseRule.fuses_gelu`)."""
+def _packed_product(kernel: str, x: Tensor, weight: Tensor | few_rows.Packed, bias: Tensor | None, name: str,
+                    algorithm: str, residual: Tensor | None = None) -> Tensor:
+    """`kernel`'s product (``"few_rows"``; else oneDNN's, on a packed weight or the layer's own) with the activation
+    `name` or the `residual` applied: `few_rows` adds the residual itself and the activation after it; oneDNN applies
+    either itself, but GELU after its product where the rule says so (`DenseRule.fuses_gelu`)."""
+    if kernel == "few_rows":
+        return _applied_in_place(few_rows.linear(x, weight, bias, residual), name, None)
+    if residual is not None:
+        return _KERNEL.binary(x, residual, weight, bias, "add")
     if name == "gelu" and not RULE.fuses_gelu:
         return torch._C._nn.gelu_(_KERNEL(x, weight, bias, "none", [], ""))
     return _KERNEL(x, weight, bias, name, [], algorithm)
@@ -431,7 +458,8 @@ def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Ten
     """The layers' weights packed side by side and their biases concatenated, for `x`; ``None`` where that does not
     apply: an input that is not packed for (`_dense_kernel`), a layer the kernel cannot compute, biases on some layers
     only, or a weight made under `torch.inference_mode()` (see `_packed_weight`)."""
-    if _dense_kernel(x) != "packed":
+    kernel = _dense_kernel(x)
+    if kernel not in _PACKING_KERNELS:
         return None
     if not all(_kernel_applies(layer, x, None) for layer in layers):
         return None
@@ -439,10 +467,10 @@ def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Ten
     if len(tensors) not in (len(layers), 2 * len(layers)) or any(tensor.is_inference() for tensor in tensors):
         return None
     cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
-    if cached is None or not _same_source(cached[0], tensors):
+    if cached is None or cached[3] != kernel or not _same_source(cached[0], tensors):
         weight = torch.cat([layer.weight.detach() for layer in layers])
         bias = None if len(tensors) == len(layers) else torch.cat([layer.bias.detach() for layer in layers])
-        cached = _PACKED_SIDE_BY_SIDE[layers[0]] = (_source(tensors), _PACK(weight, PACKING_HINT), bias)
+        cached = _PACKED_SIDE_BY_SIDE[layers[0]] = (_source(tensors), _pack(weight, kernel), bias, kernel)
     return cached[1], cached[2]
 
 
@@ -465,8 +493,13 @@ def _dense_kernel(x: Tensor) -> str:
       names it for one fp32 row (Intel CPUs, where MKL's matrix-vector product takes 0.5-0.85x oneDNN's time; a
       packed weight would sum in another order) or past the packed rows (AVX2 only).
     - ``"onednn"``: oneDNN's kernel on the layer's own weight, where the rule names it, and for an input of no rows.
+    - ``"few_rows"``: `few_rows`' kernel on the weight packed in its tiles, for fp32 inputs of 1 up to
+      `DenseRule.few_rows_max_rows` rows where it is available (AVX2 only), in place of the three above; past them the
+      rule's `beyond`.
     """
     rows = x.numel() // x.shape[-1]
+    if RULE.few_rows_max_rows and x.dtype == torch.float32 and rows and few_rows.available():
+        return "few_rows" if rows <= RULE.few_rows_max_rows else RULE.beyond
     if _PACK is not None and (x.dtype == torch.bfloat16 or 1 < rows <= RULE.packed_max_rows):
         return "packed"
     if rows == 1:
@@ -474,18 +507,23 @@ def _dense_kernel(x: Tensor) -> str:
     return RULE.beyond if rows > RULE.packed_max_rows else "onednn"  # past the packed rows, or none at all
 
 
-def _packed_weight(layer: nn.Linear, x: Tensor) -> Tensor:
+def _packed_weight(layer: nn.Linear, x: Tensor, kernel: str) -> Tensor | few_rows.Packed:
     """The weight `fused_linear` hands oneDNN: packed (a copy kept beside the layer, as much memory again as its
     weight) where `_dense_kernel` says so, from the first such input on, and made anew when the weight changes (as
     `_source` tells); the layer's own weight otherwise. A weight made under `torch.inference_mode()` keeps no count of
     its changes, so it is never packed."""
     weight = layer.weight
-    if _dense_kernel(x) != "packed" or weight.is_inference():
+    if kernel not in _PACKING_KERNELS or weight.is_inference():
         return weight
     cached = _PACKED.get(layer)
-    if cached is None or not _same_source(cached[0], (weight,)):
-        cached = _PACKED[layer] = (_source((weight,)), _PACK(weight.detach(), PACKING_HINT))
+    if cached is None or cached[2] != kernel or not _same_source(cached[0], (weight,)):
+        cached = _PACKED[layer] = (_source((weight,)), _pack(weight.detach(), kernel), kernel)
     return cached[1]
+
+
+def _pack(weight: Tensor, kernel: str) -> Tensor | few_rows.Packed:
+    """`weight` laid out for the packing `kernel`: `few_rows`' tiles, or oneDNN's blocked layout."""
+    return few_rows.pack(weight) if kernel == "few_rows" else _PACK(weight, PACKING_HINT)
 
 
 # Entries of a weight compared at each call with those it was packed from (`_sample`): runs of adjacent entries, each

@@ -141,11 +141,12 @@ def test_attention_benchmark_reports_both_kernels_in_both_dtypes(script_result):
 
 
 def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_result):
-    """`bench_dense.py --quick`: MKL, oneDNN and oneDNN on the packed weight, on each dense layer of an encoder layer
+    """`bench_dense.py --quick`: MKL, oneDNN, oneDNN on the packed weight and, in fp32 where it is built, `few_rows`'
+    GEMM, on each dense layer of an encoder layer
     at each row count, the packed weight giving the bits of the unpacked one wherever the rule packs, and the rule's
     choice against the fastest of the three; then the dense calls in a row through each path (OpenVINO's where it is
     installed, with the kernels it chose)."""
-    from roformer_hf import fused
+    from roformer_hf import few_rows, fused
 
     result = script_result
     assert result.returncode == 0, result.stderr[-3000:]
@@ -155,14 +156,20 @@ def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_re
     layers = ["q/k/v", "attention output", "FFN up", "FFN down"]
     assert [(row[0], row[1], row[2]) for row in rows] == [
         (dtype, count, layer) for dtype in dtypes for count in ("1", "16", "300") for layer in layers]
-    for dtype, count, _, mkl, onednn, packed, same_bits, chosen, ratio in rows:
+    for dtype, count, _, mkl, onednn, packed, few, same_bits, chosen, ratio in rows:
         times = {"MKL": float(mkl), "oneDNN": float(onednn), "oneDNN packed": float(packed)}
+        if dtype == "fp32" and few_rows.available():
+            times["few rows"] = float(few)
+        else:
+            assert few == "–" and chosen != "few rows"
         assert all(time > 0 for time in times.values())
         assert float(ratio.removesuffix("x")) == pytest.approx(times[chosen] / min(times.values()), rel=0.05, abs=0.01)
         assert same_bits == "yes" or (dtype == "fp32" and count == "1")  # one fp32 row: sums in another order
         mkl = fused.RULE.one_row if count == "1" else fused.RULE.beyond
         assert chosen != "MKL" or (dtype == "fp32" and mkl == "module"
-                                   and (count == "1" or int(count) > fused.RULE.packed_max_rows))
+                                   and (count == "1" or int(count) > fused.RULE.packed_max_rows
+                                        or "few rows" in times and int(count) > fused.RULE.few_rows_max_rows))
+        assert (chosen == "few rows") == ("few rows" in times and int(count) <= fused.RULE.few_rows_max_rows)
     assert re.search(r"The rule's choice at most [0-9.]+x the fastest", result.stdout)
     # the dense calls in a row: each path at each precision and row count, and roformer_hf's time over OpenVINO's
     has_openvino = importlib.util.find_spec("openvino") is not None
@@ -176,7 +183,7 @@ def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_re
     assert [row[0] for row in rules] == ["16", "300"]  # fp32, each CPU kind's rule: its time and over the fastest
     for row in rules:
         times = [float(cell.split()[0]) for cell in row[1:]]
-        assert len(times) == 3 and all(time > 0 for time in times)
+        assert len(times) == 4 and all(time > 0 for time in times)  # the AVX2 rule with and without few rows
         ratios = [float(cell.split()[1].strip("()x")) for cell in row[1:]]
         assert ratios == pytest.approx([time / min(times) for time in times], abs=0.011) and min(ratios) == 1.0
     for precision, _, ours, plain, openvino, ratio, kernels in chain:

@@ -1,4 +1,9 @@
-"""`fused_linear`: oneDNN's fused kernel in CPU inference, the module's own call everywhere else, the same result."""
+"""`fused_linear`: oneDNN's fused kernel in CPU inference, the module's own call everywhere else, the same result.
+
+Each rule here is as it is where `few_rows`' kernel is not available (no compiler): the paths through oneDNN and MKL.
+The rule with that kernel is tested in test_few_rows.py."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -26,6 +31,15 @@ class CountingKernel:
         return self.kernel.binary(*args)
 
 
+def without_few_rows(rule):
+    return dataclasses.replace(rule, few_rows_max_rows=0)
+
+
+@pytest.fixture(autouse=True)
+def onednn_rule(monkeypatch):
+    monkeypatch.setattr(fused, "RULE", without_few_rows(fused.RULE))
+
+
 @pytest.fixture
 def kernel(monkeypatch):
     counting = CountingKernel(fused._KERNEL)
@@ -34,7 +48,8 @@ def kernel(monkeypatch):
 
 
 # Each CPU kind's rule (`fused.DenseRule`), tested on any CPU: what a rule picks computes the same thing everywhere.
-RULES = [pytest.param(rule, id=rule.cpu) for rule in (fused.INTEL_RULE, fused.AVX512_RULE, fused.AVX2_RULE)]
+RULES = [pytest.param(without_few_rows(rule), id=rule.cpu)
+         for rule in (fused.INTEL_RULE, fused.AVX512_RULE, fused.AVX2_RULE)]
 GELU_CALL = "gelu" if fused.RULE.fuses_gelu else "none"  # the name oneDNN's call gets for a GELU on this CPU
 
 
@@ -200,7 +215,7 @@ def test_a_packed_weight_gives_the_bits_of_the_layers_own(dtype, rows, case):
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
 def test_the_packed_weight_follows_the_weight_it_was_packed_from(monkeypatch):
-    monkeypatch.setattr(fused, "RULE", fused.AVX512_RULE)  # one fp32 row: oneDNN's kernel on the layer's own weight
+    monkeypatch.setattr(fused, "RULE", without_few_rows(fused.AVX512_RULE))  # one fp32 row: oneDNN's kernel on the layer's own weight
     torch.manual_seed(0)
     layer, x = nn.Linear(16, 8), torch.randn(4, 16)
     with torch.inference_mode():
@@ -304,7 +319,7 @@ def test_long_fp32_inputs_take_the_rules_kernel(monkeypatch, rule):
 def test_rows_the_rule_hands_to_the_module_get_its_bits_and_leave_the_inputs_alone(monkeypatch, after):
     """Past the AVX2 rule's packed rows the layer's own call runs and the activation or residual is applied to its
     output in place: the bits of the module path, and neither the input nor the residual changes."""
-    monkeypatch.setattr(fused, "RULE", fused.AVX2_RULE)
+    monkeypatch.setattr(fused, "RULE", without_few_rows(fused.AVX2_RULE))
     torch.manual_seed(0)
     layer, x = nn.Linear(32, 48), torch.randn(600, 32)
     residual = torch.randn(600, 48) if after == "residual" else None

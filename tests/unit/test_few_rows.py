@@ -1,0 +1,230 @@
+"""`few_rows`: the GEMM for fp32 inputs of few rows, against float64 products, and the AVX2 rule that hands it the
+dense layers of short inputs."""
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from roformer_hf import few_rows, fused
+from roformer_hf.fused import fused_linear, fused_linears
+
+needs_kernel = pytest.mark.skipif(not few_rows.available(), reason=f"no few-row kernel here: {few_rows.why_not()}")
+
+
+def reference(x, weight, bias=None, residual=None):
+    output = nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return output if residual is None else output + residual.double()
+
+
+@pytest.fixture
+def avx2_rule(monkeypatch):
+    monkeypatch.setattr(fused, "RULE", fused.AVX2_RULE)
+    return fused.AVX2_RULE
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """`few_rows` as in a new process, building into an empty cache under `tmp_path`."""
+    monkeypatch.setattr(few_rows, "_state", {})
+    monkeypatch.setenv("ROFORMER_HF_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [
+    (1, 1, 1), (1, 64, 13), (2, 5, 6), (7, 33, 7), (8, 64, 12), (9, 17, 5), (16, 64, 50), (17, 8, 13), (40, 3, 19),
+    (100, 64, 6), (256, 24, 31)])
+@pytest.mark.parametrize(("bias", "residual"), [(True, False), (False, False), (True, True), (False, True)])
+def test_the_product_is_the_float64_products_at_any_shape(rows, in_features, out_features, bias, residual):
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
+    leading = (rows,) if rows % 2 else (2, rows // 2)  # 2-d and 3-d inputs
+    x = torch.randn(*leading, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if bias else None
+    residual = torch.randn(*leading, out_features, generator=generator) if residual else None
+    given = x.clone()
+    output = few_rows.linear(x, few_rows.pack(weight), bias, residual)
+    assert output.shape == (*leading, out_features) and torch.equal(x, given)
+    torch.testing.assert_close(output.double(), reference(x, weight, bias, residual),
+                               atol=1e-5 * in_features ** 0.5, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads():
+    """Each output is summed in the same order for 8 and 16 lanes, and the threads share out whole output features:
+    the same bits for a row alone, in any batch of up to 40 rows, on one thread or two."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(40, 96, generator=generator), torch.randn(70, 96, generator=generator)
+    packed = few_rows.pack(weight)
+    whole = few_rows.linear(x, packed, None)
+    assert all(torch.equal(few_rows.linear(x[:rows], packed, None), whole[:rows]) for rows in range(1, 40))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(few_rows.linear(x, packed, None), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 16, 256, 257])
+@pytest.mark.parametrize("after", ["none", "gelu", "relu", "residual"])
+def test_the_avx2_rule_takes_it_up_to_its_rows_and_mkl_beyond(avx2_rule, rows, after):
+    torch.manual_seed(rows)
+    layer, x = nn.Linear(32, 48), torch.randn(rows, 32)
+    activation = {"gelu": ACT2FN["gelu"], "relu": nn.ReLU()}.get(after)
+    residual = torch.randn(rows, 48) if after == "residual" else None
+    with torch.inference_mode():
+        output = fused_linear(layer, x, activation, residual)
+        product = few_rows.linear(x, few_rows.pack(layer.weight), layer.bias, residual)
+        module = nn.functional.linear(x, layer.weight, layer.bias)
+        module = residual + module if residual is not None else module
+    takes_it = rows <= avx2_rule.few_rows_max_rows
+    if activation is not None:
+        product, module = activation(product), activation(module)
+    assert torch.equal(output, product if takes_it else module)
+    assert (fused._PACKED[layer][2] == "few_rows") if takes_it else (layer not in fused._PACKED)
+    expected = reference(x, layer.weight, layer.bias, residual)
+    torch.testing.assert_close(output.double(), activation(expected) if activation is not None else expected,
+                               atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [True, False])
+def test_layers_side_by_side_give_the_bits_of_each_alone_and_follow_their_weights(avx2_rule, bias):
+    torch.manual_seed(0)
+    layers, x = tuple(nn.Linear(32, out, bias=bias) for out in (32, 16, 20)), torch.randn(16, 32)
+    with torch.inference_mode():
+        alone = [fused_linear(layer, x) for layer in layers]
+        together = fused_linears(layers, x)
+        assert all(torch.equal(a, b) for a, b in zip(alone, together))
+        assert fused._PACKED_SIDE_BY_SIDE[layers[0]][3] == "few_rows"
+    layers[2].weight.data.mul_(-1)  # uncounted, as an adapter merged through .data
+    with torch.no_grad():
+        layers[0].weight.add_(1.0)
+    with torch.inference_mode():
+        for output, layer in zip(fused_linears(layers, x), layers):
+            torch.testing.assert_close(output.double(), reference(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_the_tiles_follow_the_weight_and_another_kernels_packing(avx2_rule, monkeypatch):
+    """The packed tiles are made again when the weight changes (in place, through ``.data``, replaced), and a layer
+    whose rows move to oneDNN's packed kernel (the rule without the kernel) is packed for that kernel instead."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(24, 18), torch.randn(16, 24)
+
+    def check():
+        with torch.inference_mode():
+            output = fused_linear(layer, x)
+        torch.testing.assert_close(output.double(), reference(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+    check()
+    tiles = fused._PACKED[layer][1]
+    check()
+    assert fused._PACKED[layer][1] is tiles  # packed once, reused
+    with torch.no_grad():
+        layer.weight.mul_(-2)
+    check()
+    layer.weight.data.copy_(torch.randn(18, 24))
+    check()
+    layer.weight = nn.Parameter(torch.randn(18, 24))
+    check()
+    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.AVX2_RULE, few_rows_max_rows=0))
+    check()
+    assert fused._PACKED[layer][2] == ("packed" if fused._PACK is not None else "few_rows")
+
+
+def tiny_model():
+    import roformer_hf
+
+    config = roformer_hf.RoFormerConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=40)
+    torch.manual_seed(0)
+    return roformer_hf.RoFormerModel(config).eval()
+
+
+@needs_kernel
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_a_models_forwards_agree_with_the_module_path_and_with_themselves(avx2_rule, padding_side):
+    """Short batches of a model under the AVX2 rule: every dense call takes the kernel (checked at each forward's
+    start from the second on), the output is the module path's within fp32 error, later forwards give the same bits,
+    and a padded batch's rows each sentence alone."""
+    model = tiny_model()
+    torch.manual_seed(1)
+    input_ids = torch.randint(1, 50, (3, 9))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    for row, length in enumerate((9, 5, 2)):
+        padding = slice(length, None) if padding_side == "right" else slice(None, 9 - length)
+        mask[row, padding] = 0
+    calls = []
+    linear = few_rows.linear
+    with torch.inference_mode():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(few_rows, "linear", lambda *args: calls.append(1) or linear(*args))
+            first = model(input_ids, attention_mask=mask).last_hidden_state
+            assert len(calls) == 2 * 4  # per layer: q/k/v side by side, attention output, FFN up, FFN down
+            second = model(input_ids, attention_mask=mask).last_hidden_state
+            assert len(calls) == 2 * 2 * 4
+        alone = [model(input_ids[row:row + 1][mask[row:row + 1].bool()].view(1, -1)).last_hidden_state[0]
+                 for row in range(3)]
+    with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):
+        module = model(input_ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(first, second)
+    real = mask.bool()
+    torch.testing.assert_close(first[real], module[real], atol=1e-5, rtol=1e-5)
+    for row in range(3):
+        torch.testing.assert_close(first[row][real[row]], alone[row], atol=1e-6, rtol=1e-6)
+
+
+def test_without_a_compiler_dense_layers_take_onednn_and_say_why(fresh_build, avx2_rule, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", str(fresh_build / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger=few_rows.__name__):
+        assert not few_rows.available()
+    assert "no-such-compiler" in few_rows.why_not() and "few-row GEMM is not available" in caplog.text
+    x = torch.randn(16, 8)
+    expected = "packed" if fused._PACK is not None else "onednn"
+    assert fused._dense_kernel(x) == expected
+    layer = nn.Linear(8, 4)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused_linear(layer, x).double(), reference(x, layer.weight, layer.bias),
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="not available here"):
+        few_rows.linear(x, few_rows.pack(layer.weight.detach()), None)
+
+
+def test_it_can_be_turned_off(fresh_build, avx2_rule, monkeypatch):
+    monkeypatch.setenv("ROFORMER_HF_FEW_ROWS", "0")
+    assert not few_rows.available() and "ROFORMER_HF_FEW_ROWS=0" in few_rows.why_not()
+    assert fused._dense_kernel(torch.randn(16, 8)) != "few_rows"
+    assert not (fresh_build / "kernels").exists()  # nothing built
+
+
+@needs_kernel
+def test_it_is_built_once_into_the_cache_and_shares_torchs_openmp_runtime(fresh_build):
+    assert few_rows.available()
+    built = list((fresh_build / "kernels").glob("few_rows-*.so"))
+    assert len(built) == 1 and not list((fresh_build / "kernels").glob("*.partial"))
+    modified = built[0].stat().st_mtime_ns
+    few_rows._state.clear()
+    assert few_rows.available() and built[0].stat().st_mtime_ns == modified  # loaded, not built again
+    assert len(few_rows._torch_openmp(every=True)) == 1
+
+
+@needs_kernel
+def test_wrong_inputs_are_named():
+    weight, x = torch.randn(7, 5), torch.randn(3, 5)
+    packed = few_rows.pack(weight)
+    with pytest.raises(ValueError, match="pack: weight must be a 2-d float32"):
+        few_rows.pack(weight.double())
+    for args, match in [((x.double(), packed, None), "x must be float32 on CPU with 5 features"),
+                        ((torch.randn(3, 4), packed, None), "with 5 features"),
+                        ((x, packed, torch.randn(6)), "bias must be float32 \\(7,\\)"),
+                        ((x, packed, None, torch.randn(3, 6)), "residual must be float32 \\(3, 7\\)")]:
+        with pytest.raises(ValueError, match=match):
+            few_rows.linear(*args)
+    assert few_rows.linear(x, packed, None).shape == (3, 7)
