@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -98,6 +99,8 @@ def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | No
         packed: `pack`'s layout of the weight ``(out_features, in_features)``.
         bias: ``(out_features,)`` or None.
         residual: ``(*, out_features)``, as `x`'s leading dimensions, or None.
+
+    It has no backward: with autograd recording, inputs that require grad are refused.
     """
     library = _state.get("library") if available() else None
     if library is None:
@@ -107,20 +110,24 @@ def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | No
     if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != in_features:
         raise ValueError(f"few_rows.linear: x must be float32 on CPU with {in_features} features (the packed "
                          f"weight's), got {tuple(x.shape)} {x.dtype} on {x.device}")
-    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32):
-        raise ValueError(f"few_rows.linear: bias must be float32 ({out_features},), got {tuple(bias.shape)} "
-                         f"{bias.dtype}")
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_cpu):
+        raise ValueError(f"few_rows.linear: bias must be float32 ({out_features},) on CPU, got {tuple(bias.shape)} "
+                         f"{bias.dtype} on {bias.device}")
     leading = x.shape[:-1]
-    if residual is not None and (residual.shape != (*leading, out_features) or residual.dtype != torch.float32):
-        raise ValueError(f"few_rows.linear: residual must be float32 {(*leading, out_features)}, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
+    if residual is not None and (residual.shape != (*leading, out_features) or residual.dtype != torch.float32
+                                 or not residual.is_cpu):
+        raise ValueError(f"few_rows.linear: residual must be float32 {(*leading, out_features)} on CPU, got "
+                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in (x, bias, residual)):
+        raise RuntimeError("few_rows.linear has no backward: call it under torch.no_grad() or "
+                           "torch.inference_mode(), or use nn.functional.linear where gradients are needed")
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
     residual = None if residual is None else residual.contiguous()
     output = x.new_empty(*leading, out_features)
     library.few_row_linear(x.data_ptr(), tiles.data_ptr(), None if bias is None else bias.data_ptr(),
                            None if residual is None else residual.data_ptr(), output.data_ptr(),
-                           x.numel() // max(in_features, 1), out_features, in_features, torch.get_num_threads())
+                           math.prod(leading), out_features, in_features, torch.get_num_threads())
     return output
 
 
@@ -132,9 +139,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"built on Linux only, not {sys.platform}"
     if not _cpu_has("avx2", "fma"):
         return None, "the CPU has no AVX2 and FMA"
-    openmp = _torch_openmp()
-    if openmp is None:
-        return None, "torch runs on no GNU OpenMP runtime (libgomp) to share threads with"
+    runtimes = _openmp_runtimes()
+    if len(runtimes) != 1:
+        return None, f"not one GNU OpenMP runtime (libgomp.so.1) loaded to share torch's threads: {runtimes or 'none'}"
+    openmp = runtimes[0]
+    if not SOURCE.is_file():
+        return None, f"its source {SOURCE} is missing (a saved folder's copy of roformer_hf's code carries none)"
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         return None, "no C++ compiler (set CXX)"
@@ -150,7 +160,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         library = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return None, str(error)
-    if _torch_openmp(every=True) != [openmp]:
+    if _openmp_runtimes() != runtimes:
         return None, f"the kernel brought a second OpenMP runtime beside torch's ({openmp})"
     function = library.few_row_linear
     function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -187,19 +197,16 @@ def _cpu_has(*flags: str) -> bool:
     return False
 
 
-def _torch_openmp(every: bool = False) -> Path | list[Path] | None:
-    """The GNU OpenMP runtime (``libgomp``) this process has loaded, which torch's CPU kernels run on; None where there
-    is none, or more than one. `every`: all of them, as a list."""
+def _openmp_runtimes() -> list[Path]:
+    """The GNU OpenMP runtimes loaded under the name the kernel links (``libgomp.so.1``): torch's, where torch runs on
+    one. Copies that other wheels bring under names of their own (scikit-learn's ``libgomp-<hash>.so.1``) are theirs."""
     found = set()
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
             for line in maps:
                 fields = line.split()
-                if len(fields) >= 6 and Path(fields[-1]).name.startswith("libgomp"):
+                if len(fields) >= 6 and Path(fields[-1]).name == "libgomp.so.1":
                     found.add(Path(fields[-1]))
     except OSError:
         pass
-    found = sorted(found)
-    if every:
-        return found
-    return found[0] if len(found) == 1 else None
+    return sorted(found)

@@ -46,6 +46,7 @@ from transformers.activations import GELUActivation
 
 from . import few_rows
 from .blocked_dropout import dropout
+from .few_rows import Packed  # also what lets a saved folder's copy of the code carry few_rows.py
 
 _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 # oneDNN has bf16 GEMMs only on CPUs with AVX-512 (or AMX); elsewhere it cannot build the primitive at all.
@@ -140,11 +141,11 @@ RULE = dense_rule()
 # Each layer's packed weight, with what it was packed from (`_source`) and the kernel it is laid out for
 # (`_PACKING_KERNELS`): made at the layer's first call that `_dense_kernel` packs for, made again once the weight
 # changes or another packing kernel calls for it, dropped with the layer.
-_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor | few_rows.Packed, str]] = \
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor | Packed, str]] = \
     weakref.WeakKeyDictionary()
 # Layers that read the same input (attention's query, key and value), packed side by side, by their first layer.
 _PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[
-    nn.Linear, tuple[tuple, Tensor | few_rows.Packed, Tensor | None, str]] = weakref.WeakKeyDictionary()
+    nn.Linear, tuple[tuple, Tensor | Packed, Tensor | None, str]] = weakref.WeakKeyDictionary()
 # The kernels (`_dense_kernel`) that run on a packed copy of the weight: oneDNN's blocked layout, `few_rows`' tiles.
 _PACKING_KERNELS = ("packed", "few_rows")
 
@@ -306,7 +307,7 @@ def _check(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bo
                     kernel)
 
 
-def _packed_call(kernel: str, weight: Tensor | few_rows.Packed, bias: Tensor | None, post_op: tuple[str, str],
+def _packed_call(kernel: str, weight: Tensor | Packed, bias: Tensor | None, post_op: tuple[str, str],
                  adds: bool, sizes: list[int] | None) -> Callable[..., Tensor | tuple[Tensor, ...]]:
     """The packing `kernel` on its packed weight, every argument but the input bound: ``run(x)``, ``run(x, residual)``
     where it adds one; layers side by side (their `sizes`): their outputs, as views of the one product."""
@@ -335,7 +336,7 @@ def _check_fuses_post_ops(layers: tuple[nn.Module, ...], activation: nn.Module |
     else:
         side_by_side = getattr(kind, "checked_side_by_side", None)
         run = side_by_side(layers) if side_by_side is not None else None
-    return None if run is None else _Checked(layers, activation, adds, run, layers[0].out_features, packs=False)
+    return None if run is None else _Checked(layers, activation, adds, run, layers[0].out_features, kernel=None)
 
 
 def _checks_up_front(layer: nn.Module) -> bool:
@@ -428,7 +429,7 @@ def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...
     return _packed_product(_dense_kernel(x), x, *packed, "none", "").split(sizes, dim=-1)
 
 
-def _packed_product(kernel: str, x: Tensor, weight: Tensor | few_rows.Packed, bias: Tensor | None, name: str,
+def _packed_product(kernel: str, x: Tensor, weight: Tensor | Packed, bias: Tensor | None, name: str,
                     algorithm: str, residual: Tensor | None = None) -> Tensor:
     """`kernel`'s product (``"few_rows"``; else oneDNN's, on a packed weight or the layer's own) with the activation
     `name` or the `residual` applied: `few_rows` adds the residual itself and the activation after it; oneDNN applies
@@ -507,7 +508,7 @@ def _dense_kernel(x: Tensor) -> str:
     return RULE.beyond if rows > RULE.packed_max_rows else "onednn"  # past the packed rows, or none at all
 
 
-def _packed_weight(layer: nn.Linear, x: Tensor, kernel: str) -> Tensor | few_rows.Packed:
+def _packed_weight(layer: nn.Linear, x: Tensor, kernel: str) -> Tensor | Packed:
     """The weight `fused_linear` hands oneDNN: packed (a copy kept beside the layer, as much memory again as its
     weight) where `_dense_kernel` says so, from the first such input on, and made anew when the weight changes (as
     `_source` tells); the layer's own weight otherwise. A weight made under `torch.inference_mode()` keeps no count of
@@ -521,7 +522,7 @@ def _packed_weight(layer: nn.Linear, x: Tensor, kernel: str) -> Tensor | few_row
     return cached[1]
 
 
-def _pack(weight: Tensor, kernel: str) -> Tensor | few_rows.Packed:
+def _pack(weight: Tensor, kernel: str) -> Tensor | Packed:
     """`weight` laid out for the packing `kernel`: `few_rows`' tiles, or oneDNN's blocked layout."""
     return few_rows.pack(weight) if kernel == "few_rows" else _PACK(weight, PACKING_HINT)
 

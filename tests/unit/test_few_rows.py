@@ -212,7 +212,7 @@ def test_it_is_built_once_into_the_cache_and_shares_torchs_openmp_runtime(fresh_
     modified = built[0].stat().st_mtime_ns
     few_rows._state.clear()
     assert few_rows.available() and built[0].stat().st_mtime_ns == modified  # loaded, not built again
-    assert len(few_rows._torch_openmp(every=True)) == 1
+    assert len(few_rows._openmp_runtimes()) == 1
 
 
 @needs_kernel
@@ -224,7 +224,13 @@ def test_wrong_inputs_are_named():
     for args, match in [((x.double(), packed, None), "x must be float32 on CPU with 5 features"),
                         ((torch.randn(3, 4), packed, None), "with 5 features"),
                         ((x, packed, torch.randn(6)), "bias must be float32 \\(7,\\)"),
+                        ((x, packed, torch.randn(7, device="meta")), "on CPU, got"),
                         ((x, packed, None, torch.randn(3, 6)), "residual must be float32 \\(3, 7\\)")]:
         with pytest.raises(ValueError, match=match):
             few_rows.linear(*args)
     assert few_rows.linear(x, packed, None).shape == (3, 7)
+    with pytest.raises(RuntimeError, match="no backward"):
+        few_rows.linear(x.requires_grad_(), packed, None)
+    empty = few_rows.pack(torch.randn(7, 0))  # no input features: the bias alone
+    bias = torch.randn(7)
+    assert torch.equal(few_rows.linear(torch.randn(3, 0), empty, bias), bias.expand(3, 7))
