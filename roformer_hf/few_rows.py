@@ -11,7 +11,8 @@ It is built at first use with the system's C++ compiler (``$CXX``, else ``c++``;
 ``$ROFORMER_HF_CACHE/kernels``, else ``$XDG_CACHE_HOME/roformer_hf/kernels``, else ``~/.cache/roformer_hf/kernels``,
 and linked against the OpenMP runtime torch itself runs on, so its threads are torch's (``torch.set_num_threads``).
 Where it cannot be (no compiler, no AVX2 or FMA, not Linux, torch without GNU OpenMP), `available` is False, `why_not`
-says why (logged once), and dense layers take the CPU kind's other kernels. ``ROFORMER_HF_FEW_ROWS=0`` turns it off.
+says why (logged once), and dense layers take the CPU kind's other kernels. ``ROFORMER_HF_FEW_ROWS=0`` turns it off
+(without the warning).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def available() -> bool:
         with _lock:
             if "library" not in _state:
                 library, why_not = _load()
-                if library is None:
+                if library is None and not _turned_off():
                     logger.warning("roformer_hf's few-row GEMM is not available (%s): dense layers of few rows take "
                                    "oneDNN's kernel instead", why_not)
                 _state.update(library=library, why_not=why_not)
@@ -133,7 +134,7 @@ def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | No
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """The built kernel, or None and why not."""
-    if os.environ.get("ROFORMER_HF_FEW_ROWS", "1").strip() == "0":
+    if _turned_off():
         return None, "turned off by ROFORMER_HF_FEW_ROWS=0"
     if not sys.platform.startswith("linux"):
         return None, f"built on Linux only, not {sys.platform}"
@@ -166,6 +167,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     function.restype = None
     return library, ""
+
+
+def _turned_off() -> bool:
+    return os.environ.get("ROFORMER_HF_FEW_ROWS", "1").strip() == "0"
 
 
 def _build(compiler: str, openmp: Path, folder: Path, path: Path) -> None:
