@@ -83,8 +83,8 @@ class DenseRule:
         packed_max_rows: fp32 inputs of 2 up to this many rows take oneDNN's kernel on the packed weight.
         beyond: the fp32 kernel past them: ``"onednn"`` (on the layer's own weight) or ``"module"`` (MKL's).
         one_row: the fp32 kernel of one row (a decoding step).
-        few_rows_max_rows: fp32 inputs of 2 up to this many rows take `few_rows`' kernel where it is available
-            (`few_rows.available`), in place of `packed_max_rows`, and `beyond` past them; 0: never.
+        few_rows_max_rows: fp32 inputs of 1 up to this many rows take `few_rows`' kernel where it is available
+            (`few_rows.available`), in place of `one_row` and `packed_max_rows`, and `beyond` past them; 0: never.
         fuses_gelu: oneDNN applies GELU to its product before storing it; else ``F.gelu`` runs on the stored product.
         compiled_max_tokens: the longest input a server started with ``--compile`` sends to the compiled encoder
             (`serving.compiled`), one input at a time; a longer one runs eagerly, where the compiled graph's GEMMs (the
@@ -111,11 +111,11 @@ AVX512_RULE = DenseRule("AMD, AVX-512", 256, "onednn", "onednn", fuses_gelu=True
 # oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2. The compiled
 # encoder (GELU after the product there too) took 0.68-0.87x the eager time for one input of 8-32 tokens, 0.89-0.96x at
 # 48, 0.98-1.03x at 64, 1.01-1.18x at 96-512. `few_rows`' kernel took 0.62x oneDNN's packed weight's time at 16 rows,
-# 0.68x at 8, 0.85-0.92x at 32-128, 1.02x at 256 (where MKL took 1.08x) and 1.05x at 512: it takes inputs of 2 to 256
-# rows, MKL the longer ones, and no layer keeps a second copy of its weight. One row stays oneDNN's on the layer's own
-# weight: in a row of calls the kernel took 0.93-0.99x its time, but 1.8-2.5x on a weight in the caches (a small
-# model's decoding step), where its 8 lanes hold one row. With it the compiled
-# encoder took 0.75-0.86x the eager time at 8 tokens, 0.94-1.06x at 16, 0.80-0.83x at 24, 1.02-1.20x at 32-512.
+# 0.68x at 8, 0.85-0.92x at 32-128, 1.02x at 256 (where MKL took 1.08x) and 1.05x at 512: it takes inputs of 1 to 256
+# rows, MKL the longer ones, and no layer keeps a second copy of its weight. At one row (a decoding step) it took
+# 0.86-0.87x oneDNN's time on the layer's own weight, in a row of calls and on a weight in the caches alike, and 0.68x
+# on a small model's. With it the compiled encoder took 0.75-0.86x the eager time at 8 tokens, 0.94-1.06x at 16,
+# 0.80-0.83x at 24, 1.02-1.20x at 32-512.
 AVX2_RULE = DenseRule("AVX2 only", 512, "module", "onednn", fuses_gelu=False, compiled_max_tokens=24,
                       few_rows_max_rows=256)
 
@@ -497,12 +497,12 @@ def _dense_kernel(x: Tensor) -> str:
       names it for one fp32 row (Intel CPUs, where MKL's matrix-vector product takes 0.5-0.85x oneDNN's time; a
       packed weight would sum in another order) or past the packed rows (AVX2 only).
     - ``"onednn"``: oneDNN's kernel on the layer's own weight, where the rule names it, and for an input of no rows.
-    - ``"few_rows"``: `few_rows`' kernel on the weight packed in its tiles, for fp32 inputs of 2 up to
-      `DenseRule.few_rows_max_rows` rows where it is available (AVX2 only), in place of the packed weight; past them
-      the rule's `beyond`.
+    - ``"few_rows"``: `few_rows`' kernel on the weight packed in its tiles, for fp32 inputs of 1 up to
+      `DenseRule.few_rows_max_rows` rows where it is available (AVX2 only), in place of the packed weight and the
+      rule's `one_row`; past them the rule's `beyond`.
     """
     rows = x.numel() // x.shape[-1]
-    if RULE.few_rows_max_rows and x.dtype == torch.float32 and rows > 1 and few_rows.available():
+    if RULE.few_rows_max_rows and x.dtype == torch.float32 and rows > 0 and few_rows.available():
         return "few_rows" if rows <= RULE.few_rows_max_rows else RULE.beyond
     if _PACK is not None and (x.dtype == torch.bfloat16 or 1 < rows <= RULE.packed_max_rows):
         return "packed"

@@ -1,7 +1,7 @@
 // y = x w^T + bias (+ residual) in fp32 for inputs of few rows, with AVX2 and FMA: `roformer_hf/few_rows.py` builds
 // and calls it.
 //
-// The rows of x lie in a vector's lanes (x transposed, 8 or 16 lanes at a time) and each weight entry is broadcast
+// The rows of x lie in a vector's lanes (x transposed, 16 lanes at a time and the last 8 or fewer in 8) and each weight entry is broadcast
 // once against them, so the weight, which a short input's product waits on, streams through once in the order it is
 // laid out: tiles of `kTile` output columns, each tile's entries column by column (`few_rows.pack`). Each output is
 // summed over k in order, whatever the number of rows, so a row's result does not depend on the rows beside it.
@@ -41,37 +41,84 @@ inline void tile_product(const float* xt, const float* w, int64_t K, float* out)
     for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + c * Lanes + 8 * v, sums[c][v]);
 }
 
-// Tiles [first, last) of the output, every block of rows: 16 lanes one tile at a time, 8 lanes two tiles at a time
-// (each way 12 vectors of sums).
+// 8 rows against two tiles, the same sums spelled out and kept out of line: written as above and inlined, GCC stored
+// the twelve sums to the stack at every step of k (or kept one there), and the product ran at half the rate.
+template <>
+__attribute__((noinline)) void tile_product<8, 2>(const float* xt, const float* w, int64_t K, float* out) {
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
+  __m256 c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+  const float* u = w;               // the first tile's entries at step k
+  const float* v = w + kTile * K;   // the second's
+  for (int64_t k = 0; k < K; ++k, u += kTile, v += kTile) {
+    if (((k * kTile) & 15) < kTile) {
+      _mm_prefetch(reinterpret_cast<const char*>(u + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetch), _MM_HINT_T0);
+    }
+    const __m256 a = _mm256_loadu_ps(xt + k * 8);
+    c0 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u), c0);
+    c1 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u + 1), c1);
+    c2 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u + 2), c2);
+    c3 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u + 3), c3);
+    c4 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u + 4), c4);
+    c5 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u + 5), c5);
+    c6 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v), c6);
+    c7 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v + 1), c7);
+    c8 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v + 2), c8);
+    c9 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v + 3), c9);
+    c10 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v + 4), c10);
+    c11 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v + 5), c11);
+  }
+  const __m256 sums[2 * kTile] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+  for (int c = 0; c < 2 * kTile; ++c) _mm256_storeu_ps(out + c * 8, sums[c]);
+}
+
+// y's rows [m0, m0 + rows) and columns [n0, n0 + columns) from `out` (column j's `Lanes` rows at out[j * Lanes]), plus
+// the bias and the residual.
 template <int Lanes>
-void tiles(const float* xt, const float* w, const float* bias, const float* residual, float* y, int64_t M, int64_t N,
-           int64_t K, int64_t first, int64_t last) {
-  constexpr int Tiles = Lanes == 8 ? 2 : 1;
-  alignas(32) float out[Tiles * kTile * Lanes];
-  const int64_t blocks = (M + Lanes - 1) / Lanes;
-  for (int64_t t = first; t < last; t += Tiles) {
-    const bool whole = t + Tiles <= last;
-    const int64_t n0 = t * kTile, columns = std::min<int64_t>((whole ? Tiles : 1) * kTile, N - n0);
-    for (int64_t block = 0; block < blocks; ++block) {
-      const float* x_block = xt + block * K * Lanes;
-      if (whole) {
-        tile_product<Lanes, Tiles>(x_block, w + n0 * K, K, out);
-      } else {
-        tile_product<Lanes, 1>(x_block, w + n0 * K, K, out);
-      }
-      const int64_t rows = std::min<int64_t>(Lanes, M - block * Lanes);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t m = block * Lanes + r;
-        for (int64_t j = 0; j < columns; ++j) {
-          float value = out[j * Lanes + r];
-          if (bias != nullptr) value += bias[n0 + j];
-          if (residual != nullptr) value += residual[m * N + n0 + j];
-          y[m * N + n0 + j] = value;
-        }
+inline void store(const float* out, const float* bias, const float* residual, float* y, int64_t N, int64_t m0,
+                  int64_t rows, int64_t n0, int64_t columns) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    for (int64_t j = 0; j < columns; ++j) {
+      float value = out[j * Lanes + r];
+      if (bias != nullptr) value += bias[n0 + j];
+      if (residual != nullptr) value += residual[m * N + n0 + j];
+      y[m * N + n0 + j] = value;
+    }
+  }
+}
+
+// Tiles [first, last) of the output, two at a time: each against every block of 16 rows in `xt16` (one tile at a time,
+// 12 vectors of sums), then against the last rows, `tail` of them (up to 8), in `xt8` (both tiles at once, 12 vectors
+// of sums too), so that 17-24 rows cost a block and a half, not two.
+void tiles(const float* xt16, int64_t blocks, const float* xt8, int64_t tail, const float* w, const float* bias,
+           const float* residual, float* y, int64_t M, int64_t N, int64_t K, int64_t first, int64_t last) {
+  alignas(32) float out[2 * kTile * 8];
+  for (int64_t t = first; t < last; t += 2) {
+    const int64_t pair = std::min<int64_t>(2, last - t);
+    for (int64_t i = t; i < t + pair; ++i) {
+      const int64_t n0 = i * kTile, columns = std::min(kTile, N - n0);
+      for (int64_t block = 0; block < blocks; ++block) {
+        tile_product<16, 1>(xt16 + block * K * 16, w + n0 * K, K, out);
+        store<16>(out, bias, residual, y, N, block * 16, std::min<int64_t>(16, M - block * 16), n0, columns);
       }
     }
-    if (!whole) t += 1 - Tiles;  // one tile done, not `Tiles`
+    if (tail > 0) {
+      const int64_t n0 = t * kTile, columns = std::min(pair * kTile, N - n0);
+      if (pair == 2) {
+        tile_product<8, 2>(xt8, w + n0 * K, K, out);
+      } else {
+        tile_product<8, 1>(xt8, w + n0 * K, K, out);
+      }
+      store<8>(out, bias, residual, y, N, blocks * 16, tail, n0, columns);
+    }
   }
+}
+
+// The rows [m0, m0 + Lanes) of x, transposed into `xt` (rows past M zero).
+void transpose(const float* x, int64_t M, int64_t K, int64_t m0, int64_t lanes, float* xt) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t r = 0; r < lanes; ++r) xt[k * lanes + r] = m0 + r < M ? x[(m0 + r) * K + k] : 0.f;
 }
 
 }  // namespace
@@ -80,23 +127,19 @@ void tiles(const float* xt, const float* w, const float* bias, const float* resi
 // y (M, N), contiguous. The tiles are shared out among `threads` threads of the OpenMP runtime torch runs on.
 extern "C" void few_row_linear(const float* x, const float* w, const float* bias, const float* residual, float* y,
                                int64_t M, int64_t N, int64_t K, int threads) {
-  const int64_t lanes = M <= 8 ? 8 : 16, blocks = (M + lanes - 1) / lanes;
-  std::unique_ptr<float[]> xt(new float[blocks * K * lanes]);
-  for (int64_t block = 0; block < blocks; ++block)
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t r = 0; r < lanes; ++r) {
-        const int64_t m = block * lanes + r;
-        xt[(block * K + k) * lanes + r] = m < M ? x[m * K + k] : 0.f;
-      }
-  const int64_t count = (N + kTile - 1) / kTile;
+  // Blocks of 16 rows, and the rows after them in 8 lanes where there are 8 or fewer (all of them up to 8 rows).
+  const int64_t rest = M % 16, tail = M <= 8 ? M : (rest > 0 && rest <= 8 ? rest : 0);
+  const int64_t blocks = (M - tail + 15) / 16;
+  std::unique_ptr<float[]> xt(new float[(blocks * 16 + (tail > 0 ? 8 : 0)) * K]);
+  for (int64_t block = 0; block < blocks; ++block) transpose(x, M, K, block * 16, 16, xt.get() + block * K * 16);
+  if (tail > 0) transpose(x, M, K, blocks * 16, 8, xt.get() + blocks * K * 16);
+  const int64_t count = (N + kTile - 1) / kTile, pairs = (count + 1) / 2;
 #pragma omp parallel num_threads(threads)
   {
+    // Each thread takes whole pairs of tiles, which the rows in 8 lanes take two at a time.
     const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-    const int64_t first = count * part / parts, last = count * (part + 1) / parts;
-    if (lanes == 8) {
-      tiles<8>(xt.get(), w, bias, residual, y, M, N, K, first, last);
-    } else {
-      tiles<16>(xt.get(), w, bias, residual, y, M, N, K, first, last);
-    }
+    const int64_t first = std::min(count, 2 * (pairs * part / parts));
+    const int64_t last = std::min(count, 2 * (pairs * (part + 1) / parts));
+    tiles(xt.get(), blocks, xt.get() + blocks * K * 16, tail, w, bias, residual, y, M, N, K, first, last);
   }
 }

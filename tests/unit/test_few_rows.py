@@ -36,7 +36,7 @@ def fresh_build(monkeypatch, tmp_path):
 
 @needs_kernel
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [
-    (1, 1, 1), (1, 64, 13), (2, 5, 6), (7, 33, 7), (8, 64, 12), (9, 17, 5), (16, 64, 50), (17, 8, 13), (40, 3, 19),
+    (1, 1, 1), (1, 64, 13), (2, 5, 6), (7, 33, 7), (8, 64, 12), (9, 17, 5), (16, 64, 50), (17, 8, 13), (24, 40, 31), (40, 3, 19),
     (100, 64, 6), (256, 24, 31)])
 @pytest.mark.parametrize(("bias", "residual"), [(True, False), (False, False), (True, True), (False, True)])
 def test_the_product_is_the_float64_products_at_any_shape(rows, in_features, out_features, bias, residual):
@@ -83,11 +83,10 @@ def test_the_avx2_rule_takes_it_up_to_its_rows_and_mkl_beyond(avx2_rule, rows, a
         product = few_rows.linear(x, few_rows.pack(layer.weight), layer.bias, residual)
         module = nn.functional.linear(x, layer.weight, layer.bias)
         module = residual + module if residual is not None else module
-    takes_it = 1 < rows <= avx2_rule.few_rows_max_rows  # one row: oneDNN's kernel on the layer's own weight
+    takes_it = rows <= avx2_rule.few_rows_max_rows
     if activation is not None:
         product, module = activation(product), activation(module)
-    if rows > 1:
-        assert torch.equal(output, product if takes_it else module)
+    assert torch.equal(output, product if takes_it else module)
     assert (fused._PACKED[layer][2] == "few_rows") if takes_it else (layer not in fused._PACKED)
     expected = reference(x, layer.weight, layer.bias, residual)
     torch.testing.assert_close(output.double(), activation(expected) if activation is not None else expected,
