@@ -5,7 +5,9 @@ ran the 16 dense calls of a 16-token forward (4 layers of base width) at 70-82 G
 165 (`benchmarks/RESULTS.md`). This kernel (`csrc/few_rows.cpp`) puts the input's rows in a vector's lanes and
 broadcasts each weight entry once against them, so the weight streams through once, in the order `pack` lays it out:
 tiles of `TILE` output features, each tile's entries feature by feature along the input. Each output is summed over
-the input features in order, whatever the number of rows, so a row's result does not depend on the rows beside it.
+the input features in order, whatever the number of rows from 2 up, so a row's result does not depend on the rows
+beside it; one row alone (a decoding step) reads each tile as whole vectors against the input repeated to its layout,
+in four interleaved sums.
 
 It is built at first use with the system's C++ compiler (``$CXX``, else ``c++``; about a second) into
 ``$ROFORMER_HF_CACHE/kernels``, else ``$XDG_CACHE_HOME/roformer_hf/kernels``, else ``~/.cache/roformer_hf/kernels``,

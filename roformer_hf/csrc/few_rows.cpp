@@ -1,14 +1,16 @@
 // y = x w^T + bias (+ residual) in fp32 for inputs of few rows, with AVX2 and FMA: `roformer_hf/few_rows.py` builds
 // and calls it.
 //
-// The rows of x lie in a vector's lanes (x transposed, 16 lanes at a time and the last 8 or fewer in 8) and each weight entry is broadcast
-// once against them, so the weight, which a short input's product waits on, streams through once in the order it is
-// laid out: tiles of `kTile` output columns, each tile's entries column by column (`few_rows.pack`). Each output is
-// summed over k in order, whatever the number of rows, so a row's result does not depend on the rows beside it.
+// The rows of x lie in a vector's lanes (x transposed, 16 lanes at a time and the last 8 or fewer in 8) and each
+// weight entry is broadcast once against them, so the weight, which a short input's product waits on, streams through
+// once in the order it is laid out: tiles of `kTile` output columns, each tile's entries column by column (`few_rows.pack`). Each output is
+// summed over k in order, whatever the number of rows from 2 up, so a row's result does not depend on the rows beside
+// it; one row alone takes `row_tiles`.
 #include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 
@@ -115,6 +117,41 @@ void tiles(const float* xt16, int64_t blocks, const float* xt8, int64_t tail, co
   }
 }
 
+// One row against tiles [first, last): each tile's entries read as whole vectors, 24 floats (4 steps of k) at a time,
+// against the input repeated to the tile's layout (`xr`: x[k] six times in a row), into 3 vectors of sums. Output j
+// then adds its four sums (the steps of k that are 0, 1, 2 and 3 modulo 4) in that order, and the steps past the last
+// multiple of 4 one by one: an order of its own, the same on any number of threads. With one row in 8 lanes
+// (`tile_product`) 7 of them were idle, and on a weight in the caches oneDNN's matrix-vector product was faster.
+void row_tiles(const float* xr, const float* x, const float* w, const float* bias, const float* residual, float* y,
+               int64_t N, int64_t K, int64_t first, int64_t last) {
+  const int64_t whole = K / 4 * 4;
+  alignas(32) float sums[4 * kTile];
+  for (int64_t t = first; t < last; ++t) {
+    const float* tile = w + t * kTile * K;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0;
+    for (int64_t k = 0; k < whole; k += 4) {
+      const float* u = tile + k * kTile;
+      const float* r = xr + k * kTile;
+      _mm_prefetch(reinterpret_cast<const char*>(u + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(u + kPrefetch + 16), _MM_HINT_T0);
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(u), _mm256_loadu_ps(r), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(u + 8), _mm256_loadu_ps(r + 8), s1);
+      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(u + 16), _mm256_loadu_ps(r + 16), s2);
+    }
+    _mm256_store_ps(sums, s0);
+    _mm256_store_ps(sums + 8, s1);
+    _mm256_store_ps(sums + 16, s2);
+    const int64_t n0 = t * kTile, columns = std::min(kTile, N - n0);
+    for (int64_t j = 0; j < columns; ++j) {
+      float value = sums[j] + sums[kTile + j] + sums[2 * kTile + j] + sums[3 * kTile + j];
+      for (int64_t k = whole; k < K; ++k) value = std::fma(x[k], tile[k * kTile + j], value);
+      if (bias != nullptr) value += bias[n0 + j];
+      if (residual != nullptr) value += residual[n0 + j];
+      y[n0 + j] = value;
+    }
+  }
+}
+
 // The rows [m0, m0 + Lanes) of x, transposed into `xt` (rows past M zero).
 void transpose(const float* x, int64_t M, int64_t K, int64_t m0, int64_t lanes, float* xt) {
   for (int64_t k = 0; k < K; ++k)
@@ -127,13 +164,25 @@ void transpose(const float* x, int64_t M, int64_t K, int64_t m0, int64_t lanes, 
 // y (M, N), contiguous. The tiles are shared out among `threads` threads of the OpenMP runtime torch runs on.
 extern "C" void few_row_linear(const float* x, const float* w, const float* bias, const float* residual, float* y,
                                int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t count = (N + kTile - 1) / kTile;
+  if (M == 1) {
+    std::unique_ptr<float[]> xr(new float[K * kTile]);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < kTile; ++j) xr[k * kTile + j] = x[k];
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+      row_tiles(xr.get(), x, w, bias, residual, y, N, K, count * part / parts, count * (part + 1) / parts);
+    }
+    return;
+  }
   // Blocks of 16 rows, and the rows after them in 8 lanes where there are 8 or fewer (all of them up to 8 rows).
   const int64_t rest = M % 16, tail = M <= 8 ? M : (rest > 0 && rest <= 8 ? rest : 0);
   const int64_t blocks = (M - tail + 15) / 16;
   std::unique_ptr<float[]> xt(new float[(blocks * 16 + (tail > 0 ? 8 : 0)) * K]);
   for (int64_t block = 0; block < blocks; ++block) transpose(x, M, K, block * 16, 16, xt.get() + block * K * 16);
   if (tail > 0) transpose(x, M, K, blocks * 16, 8, xt.get() + blocks * K * 16);
-  const int64_t count = (N + kTile - 1) / kTile, pairs = (count + 1) / 2;
+  const int64_t pairs = (count + 1) / 2;
 #pragma omp parallel num_threads(threads)
   {
     // Each thread takes whole pairs of tiles, which the rows in 8 lanes take two at a time.

@@ -36,7 +36,7 @@ def fresh_build(monkeypatch, tmp_path):
 
 @needs_kernel
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [
-    (1, 1, 1), (1, 64, 13), (2, 5, 6), (7, 33, 7), (8, 64, 12), (9, 17, 5), (16, 64, 50), (17, 8, 13), (24, 40, 31), (40, 3, 19),
+    (1, 1, 1), (1, 64, 13), (1, 67, 19), (2, 5, 6), (7, 33, 7), (8, 64, 12), (9, 17, 5), (16, 64, 50), (17, 8, 13), (24, 40, 31), (40, 3, 19),
     (100, 64, 6), (256, 24, 31)])
 @pytest.mark.parametrize(("bias", "residual"), [(True, False), (False, False), (True, True), (False, True)])
 def test_the_product_is_the_float64_products_at_any_shape(rows, in_features, out_features, bias, residual):
@@ -56,16 +56,21 @@ def test_the_product_is_the_float64_products_at_any_shape(rows, in_features, out
 @needs_kernel
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads():
     """Each output is summed in the same order for 8 and 16 lanes, and the threads share out whole output features:
-    the same bits for a row alone, in any batch of up to 40 rows, on one thread or two."""
+    the same bits for a row in any batch of 2 to 40 rows, on one thread, two or three. One row alone is summed in an
+    order of its own (four interleaved sums), the same on any number of threads."""
     generator = torch.Generator().manual_seed(0)
-    x, weight = torch.randn(40, 96, generator=generator), torch.randn(70, 96, generator=generator)
+    x, weight = torch.randn(40, 99, generator=generator), torch.randn(70, 99, generator=generator)
     packed = few_rows.pack(weight)
-    whole = few_rows.linear(x, packed, None)
-    assert all(torch.equal(few_rows.linear(x[:rows], packed, None), whole[:rows]) for rows in range(1, 40))
+    whole, alone = few_rows.linear(x, packed, None), few_rows.linear(x[:1], packed, None)
+    assert all(torch.equal(few_rows.linear(x[:rows], packed, None), whole[:rows]) for rows in range(2, 40))
+    torch.testing.assert_close(alone.double(), reference(x[:1], weight), atol=1e-5, rtol=1e-5)
+    assert not torch.equal(alone, whole[:1])  # the other order: this test would not see a change of path otherwise
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(few_rows.linear(x, packed, None), whole)
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(few_rows.linear(x, packed, None), whole)
+            assert torch.equal(few_rows.linear(x[:1], packed, None), alone)
     finally:
         torch.set_num_threads(threads)
 
