@@ -3,9 +3,9 @@
 //
 // The rows of x lie in a vector's lanes (x transposed, 16 lanes at a time and the last 8 or fewer in 8) and each
 // weight entry is broadcast once against them, so the weight, which a short input's product waits on, streams through
-// once in the order it is laid out: tiles of `kTile` output columns, each tile's entries column by column (`few_rows.pack`). Each output is
-// summed over k in order, whatever the number of rows from 2 up, so a row's result does not depend on the rows beside
-// it; one row alone takes `row_tiles`.
+// once in the order it is laid out: tiles of `kTile` output columns, each tile's entries column by column
+// (`few_rows.pack`). Each output is summed over k in order, whatever the number of rows from 2 up, so a row's result
+// does not depend on the rows beside it; one row alone takes `row_tiles`.
 #include <immintrin.h>
 #include <omp.h>
 
