@@ -36,6 +36,8 @@ from filelock import FileLock
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling, SequenceClassifierOutput
 
+from ..few_rows import cache_root  # roformer_hf's cache folder, which the few-row kernel is built into too
+
 logger = logging.getLogger(__name__)
 
 FORMAT = 2  # of the cache's packages and keys; a change of what a key covers raises it
@@ -128,11 +130,8 @@ def default_compile_cache() -> Path | None:
     """Where compiled packages are kept unless told: ``$ROFORMER_HF_CACHE/compiled``, else
     ``$XDG_CACHE_HOME/roformer_hf/compiled``, else ``~/.cache/roformer_hf/compiled``; None where none of them is known
     (no home folder), with a warning: each start compiles."""
-    root = os.environ.get("ROFORMER_HF_CACHE")
     try:
-        if not root:
-            root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "roformer_hf"
-        return Path(root).expanduser() / "compiled"
+        return cache_root() / "compiled"
     except RuntimeError as error:  # Path.home() with no HOME and no user entry
         logger.warning("no compile cache (%s): set ROFORMER_HF_CACHE or pass compile_cache", error)
         return None
