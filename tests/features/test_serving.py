@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -321,6 +322,13 @@ def test_cli_refuses_a_port_in_use_before_ray_starts(folders, capsys):
     assert not ray.is_initialized()
 
 
+@pytest.fixture
+def every_length(monkeypatch):
+    """The compiled encoder or classifier takes one input of any length (the test sentences have 3 to 12 tokens),
+    whatever this CPU kind's rule sends it (`fused.DenseRule.compiled_max_tokens`: 8 on CPUs with AVX2 only)."""
+    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, compiled_max_tokens=math.inf))
+
+
 def _compiled_inputs(served) -> str:
     """What `LoadedModel.describe` says of the inputs the compiled encoder or classifier takes: one at a time, up to
     the model's longest or the CPU kind's rule's, the shorter."""
@@ -349,7 +357,7 @@ def _ran(served, body):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sim", "mlm"])
 def test_compiled_encoder_embeds_one_input_as_encode_does_and_loads_from_its_cache_next_time(folders, name, tmp_path,
-                                                                                             monkeypatch):
+                                                                                             monkeypatch, every_length):
     eager = ServedModel(folders[name])
     before = encode(eager.model, eager.tokenizer, SENTENCES)
     served = ServedModel(folders[name], compile=True, compile_cache=tmp_path)  # compiles here, before any request
@@ -659,7 +667,7 @@ def test_calibration_batches_hold_every_row_once_by_length_within_the_budget(see
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sim", "mlm"])
 def test_compiled_int8_encoder_is_quantized_statically_and_embeds_one_input_near_fp32(folders, calibration, static_sim,
-                                                                                     name, tmp_path):
+                                                                                     name, tmp_path, every_length):
     from roformer_hf.serving.compiled import CompiledEncoder, OneInput
     from roformer_hf.serving.loaded import (
         CALIBRATION_TOKENS,
@@ -756,7 +764,7 @@ def reranker(tokenizer, tmp_path_factory):
 
 @pytest.mark.slow
 def test_compiled_classifier_scores_one_input_or_pair_as_the_eager_model(reranker, calibration, tmp_path,
-                                                                         monkeypatch):
+                                                                         monkeypatch, every_length):
     from roformer_hf.serving.compiled import CompiledClassifier, OneClassifierInput
     from roformer_hf.serving.loaded import (
         CALIBRATION_TOKENS,
@@ -802,12 +810,12 @@ def test_compiled_classifier_scores_one_input_or_pair_as_the_eager_model(reranke
         assert re.search(r"(input_ids|token_type_ids) contains \d+; expected values in \[0, \d+\)", str(error)), error
 
     # The next start loads the package; nothing compiles.
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiler)
-    again = ServedModel(reranker, compile=True, compile_cache=tmp_path)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch._inductor, "aoti_compile_and_package", _no_compiler)
+        again = ServedModel(reranker, compile=True, compile_cache=tmp_path)
     assert again.loaded.compiled.loaded and again.loaded.compiled.path == package
     body = {"inputs": inputs[-1], "raw_scores": True}
     assert _scored(again, "/predict", body) == _scored(served, "/predict", body)
-    monkeypatch.undo()
 
     # int8: the classifier quantized statically on the calibration file's lines, alone and in pairs, near fp32 and not
     # equal to it.
