@@ -111,8 +111,8 @@ AVX512_RULE = DenseRule("AMD, AVX-512", 256, "onednn", "onednn", fuses_gelu=True
 # oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2. The compiled
 # encoder (GELU after the product there too) took 0.68-0.87x the eager time for one input of 8-32 tokens, 0.89-0.96x at
 # 48, 0.98-1.03x at 64, 1.01-1.18x at 96-512. `few_rows`' kernel took 0.88x the time of oneDNN's kernel at 1 and 2
-# rows (one row: on the layer's own weight), 0.68x at 8, 0.60x at 16, 0.70-0.72x at 24-32, 0.81-0.89x at 64-256 (the
-# packed weight's), 1.05x at 512: it takes inputs of 1 to 256 rows, MKL the longer ones, and no layer keeps a second
+# rows in a row of calls (one row: on the layer's own weight; 0.64-0.76x on a weight in the caches), 0.68x at 8, 0.60x
+# at 16, 0.70-0.72x at 24-32, 0.81-0.89x at 64-256 (the packed weight's), 1.05x at 512: it takes inputs of 1 to 256 rows, MKL the longer ones, and no layer keeps a second
 # copy of its weight. With it the eager model is the faster one from 16 tokens up: the compiled encoder took 0.91-0.99x
 # the eager time at 8 tokens, 1.14-1.20x at 16-24, 1.15-1.28x at 32-512.
 AVX2_RULE = DenseRule("AVX2 only", 512, "module", "onednn", fuses_gelu=False, compiled_max_tokens=8,
