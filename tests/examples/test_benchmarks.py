@@ -38,6 +38,9 @@ SCRIPTS = {
     "test_embedding_benchmark_times_every_model_on_every_set": (
         "bench_embeddings.py", ["--quick", "--count", "8", "--single", "2", "--repeats", "1", "--warmup", "0"], 600,
         {}),
+    "test_embedding_benchmark_in_bf16_checks_every_model_against_fp32": (
+        "bench_embeddings.py", ["--quick", "--dtype", "bf16", "--count", "8", "--single", "2", "--repeats", "1",
+                                "--warmup", "0"], 600, {}),
     "test_latency_benchmark_times_every_model_and_the_decoding_step": (
         "bench_latency.py", ["--quick", "--repeats", "2", "--warmup", "0", "--prefixes", "8", "24", "--compile",
                              "--compile-backend", "aot_eager"], 600,
@@ -354,6 +357,23 @@ def test_embedding_benchmark_times_every_model_on_every_set(script_result):
                                            result.stdout).groups())
     assert bound > 0 and measured > 0  # one repeat on a busy CPU: the forward may not outlast the dense calls alone
     assert "scaled_dot_product" in result.stdout or "linear" in result.stdout  # the operator table
+
+
+def test_embedding_benchmark_in_bf16_checks_every_model_against_fp32(script_result):
+    """`bench_embeddings.py --dtype bf16`: every model cast to bf16 and timed on every set, no int8 column; the bf16
+    embeddings of roformer_hf and of transformers' RoFormer each checked against transformers' fp32 ones; the short
+    batches judged against the bf16 goal (1.5x, on CPUs with AMX)."""
+    result = script_result
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "## Sentence embeddings on CPU, bf16" in result.stdout
+    header = next(line for line in result.stdout.splitlines() if line.startswith("| set | batch |"))
+    assert "int8" not in header and "transformers RoFormer | roformer_hf | ModernBERT (sdpa)" in header
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if re.match(r"\| (short|~128|mixed) \|", line)]
+    assert len(rows) == 6 and all(float(cell) > 0 for row in rows for cell in row[3:6])
+    cosines = re.findall(r"roformer_hf bf16 ([0-9.]+), transformers' RoFormer bf16 ([0-9.]+)", result.stdout)
+    assert len(cosines) == 3 and all(0.999 <= float(value) <= 1.0 for pair in cosines for value in pair)
+    assert re.search(r"is at most [0-9.]+x \(the goal, 1\.5x on CPUs with AMX", result.stdout)
+    assert "(bf16, 3 forwards)" in result.stdout
 
 
 def test_latency_benchmark_times_every_model_and_the_decoding_step(script_result):
