@@ -283,6 +283,27 @@ class ServedRuns:
     ready_again_s: float | None  # the same, deployed again (`--compile`: the replicas load the compiled encoder)
 
 
+def ray_environment(args: argparse.Namespace, ingress: str, first: int) -> dict[str, str]:
+    """What Ray's processes get for `ingress` (one of `INGRESS`): this checkout and `serving_apps` on their path,
+    `--ray-env`'s settings, and the ingress's own (with direct ingress the replicas' ports from `first`). They inherit
+    it when `ray.init` starts them (a `runtime_env` would start each worker through a setup process of its own)."""
+    from roformer_hf.cli import choose_ingress
+    from roformer_hf.serving import direct_ingress_env, haproxy_env
+    from roformer_hf.serving.ingress import command_env, haproxy_ports_env
+
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS)]),
+           **dict(setting.split("=", 1) for setting in args.ray_env)}
+    if ingress == "default":  # what the command sets: HAProxy where it runs, errors in OpenAI's shape
+        env.update(command_env(choose_ingress("auto", None)[0]))
+    elif ingress == "haproxy":  # HAProxy on the server's port, in place of Ray's Python proxy
+        env.update({**haproxy_env(), **haproxy_ports_env()})
+    elif ingress == "direct":  # the replicas take `first` on
+        env.update(direct_ingress_env(first, args.replicas))
+    if ingress != "proxy":
+        env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"
+    return env
+
+
 def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, short: list[str],
                 passages: list[str], prompts: list[str], calibration: Path | None) -> ServedRuns:
     """Ray Serve on a fresh local Ray: the no-op floor, then the folder; `ingress` "proxy" goes through Ray's Python
@@ -291,25 +312,12 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
     import ray
     from ray import serve
 
-    from roformer_hf.serving import build_app, direct_ingress_env, free_ports, haproxy_env
-    from roformer_hf.serving.ingress import haproxy_ports_env
+    from roformer_hf.serving import build_app, free_ports
 
     # Ports below the ephemeral ones (`direct_ingress_env`): the proxy's, then the replicas' with direct ingress.
     first = free_ports(1 + 2 * args.replicas)
     port = first + 2 * args.replicas
-    # Ray's processes inherit this environment when `ray.init` starts them (a `runtime_env` would start each worker
-    # through a setup process of its own): the replicas import this checkout and `serving_apps`.
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS)]),
-           **dict(setting.split("=", 1) for setting in args.ray_env)}
-    if ingress == "default":  # what the command sets: HAProxy where it runs, errors in OpenAI's shape
-        from roformer_hf.cli import choose_ingress
-        from roformer_hf.serving.ingress import command_env
-
-        env.update(command_env(choose_ingress("auto", None)[0]), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
-    if ingress == "haproxy":  # HAProxy on `port`, in place of Ray's Python proxy
-        env.update(haproxy_env(), haproxy_ports_env(), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
-    if ingress == "direct":  # Ray's processes read it when `ray.init` starts them; the replica takes `first`
-        env.update(direct_ingress_env(first, args.replicas), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
+    env = ray_environment(args, ingress, first)
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     ray.init(address="local", num_cpus=max(available_cores(), args.replicas * threads), include_dashboard=False,

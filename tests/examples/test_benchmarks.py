@@ -422,6 +422,47 @@ def test_latency_benchmark_times_every_model_and_the_decoding_step(script_result
     assert [line.split("|")[1].strip() for line in lines if re.match(r"\| (8|24) \| \d", line)] == ["8", "24"]
 
 
+def test_serving_benchmark_gives_ray_each_ingress_environment():
+    """`bench_serving.ray_environment`, what Ray's processes get for each `--ingress` (the one run per ingress, only
+    direct ingress's, is in the slow test below): this checkout on their path and `--ray-env`'s settings; HAProxy with
+    free ports for its pages, the replicas' own HTTP ports, or the command's own environment."""
+    pytest.importorskip("ray.serve", reason="the serving benchmark needs Ray Serve: pip install roformer_hf[serve]")
+    import bench_serving
+
+    from roformer_hf.cli import choose_ingress
+    from roformer_hf.serving import direct_ingress_env, haproxy_binary
+    from roformer_hf.serving.ingress import HAPROXY_PORTS, command_env
+
+    args = argparse.Namespace(ray_env=["RAY_SERVE_SOME_SETTING=a=b"], replicas=2)
+    draining = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+    for ingress in bench_serving.INGRESS:
+        if ingress == "haproxy" and haproxy_binary() is None:
+            with pytest.raises(ValueError, match="HAProxy does not run here"):
+                bench_serving.ray_environment(args, ingress, 20000)
+            continue
+        env = bench_serving.ray_environment(args, ingress, 20000)
+        assert all(isinstance(name, str) and isinstance(value, str) for name, value in env.items()), env
+        assert env["RAY_SERVE_SOME_SETTING"] == "a=b"
+        assert env["PYTHONPATH"].split(os.pathsep) == [str(BENCHMARKS.parent), str(BENCHMARKS)]
+        assert (env.get(draining) == "0") == (ingress != "proxy"), (ingress, env)
+        own = {name: value for name, value in env.items()
+               if name not in ("RAY_SERVE_SOME_SETTING", "PYTHONPATH", draining)}
+        if ingress == "haproxy":
+            assert own.pop("RAY_SERVE_ENABLE_HA_PROXY") == "1"
+            assert set(own) == {name for name in HAPROXY_PORTS if name not in os.environ}, own
+            assert all(1024 <= int(port) < 65536 for port in own.values()) and len(set(own.values())) == len(own)
+        elif ingress == "direct":
+            assert own == direct_ingress_env(20000, 2)
+        elif ingress == "default":
+            expected = command_env(choose_ingress("auto", None)[0])
+            ports = [name for name in HAPROXY_PORTS if name in expected]  # free ports: found anew at each call
+            assert {n: v for n, v in own.items() if n not in ports} == {
+                n: v for n, v in expected.items() if n not in ports}
+            assert set(ports) == {name for name in HAPROXY_PORTS if name in own}
+        else:
+            assert own == {}, own
+
+
 @pytest.mark.slow
 def test_serving_benchmark_checks_answers_and_reports_every_measure():
     """`bench_serving.py --quick`: Ray Serve's answers under concurrency equal `encode` and `generate` alone, and the
