@@ -150,6 +150,12 @@ def onnx_contenders(models: dict, batch, folder: str, parity: dict) -> tuple[dic
 GEMM_KERNELS = ("torch.mm", "oneDNN")  # MKL's GEMM, as nn.Linear runs it; oneDNN's, as roformer_hf's `fused_linear`
 
 
+def gemm_kernels(dtype: torch.dtype) -> tuple[str, ...]:
+    """The `GEMM_KERNELS` that compute `dtype` here: MKL's always; oneDNN's where PyTorch has it and it computes
+    `dtype` on this CPU (bf16: AVX-512 bf16 or AMX), as `fused.fused_linear` takes it."""
+    return GEMM_KERNELS if fused._KERNEL is not None and dtype in fused._KERNEL_DTYPES else GEMM_KERNELS[:1]
+
+
 class Gemm:
     """(M x K) @ (K x N) in `dtype` with one of `GEMM_KERNELS`, repeated enough times per sample (~0.05 s) to time
     reliably."""
@@ -506,7 +512,7 @@ def main() -> None:
                   f"({tokens} x {i}) @ ({i} x {h}), FFN down": (tokens, i, h),
                   f"({tokens} x {h}) @ ({h} x {h}), q/k/v/output": (tokens, h, h),
                   f"({tokens} x {h}) @ ({h} x {v}), decoder": (tokens, h, v)}
-        kernels = GEMM_KERNELS if fused._KERNEL is not None else GEMM_KERNELS[:1]
+        kernels = gemm_kernels(dtype)
         gemms = {(name, kernel): Gemm(*shape, dtype=dtype, kernel=kernel)
                  for name, shape in shapes.items() for kernel in kernels}
         rates = {key: gemm.gflops([gemm.sample() for _ in range(max(10, args.repeats))]) for key, gemm in gemms.items()}

@@ -197,6 +197,24 @@ def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_re
         else:
             assert openvino == ratio == "–" and "not installed" in kernels
 
+def test_cpu_benchmark_times_each_dtype_only_with_kernels_that_compute_it():
+    """`bench_cpu.gemm_kernels`: MKL's GEMM for every dtype, oneDNN's where it computes the dtype on this CPU (bf16
+    only with AVX-512 bf16 or AMX: elsewhere oneDNN cannot create the product, and `--dtype bf16` stopped there); each
+    kernel named runs a product of its dtype."""
+    import torch
+    from bench_cpu import GEMM_KERNELS, Gemm, gemm_kernels
+
+    from roformer_hf import fused
+
+    for dtype in (torch.float32, torch.bfloat16):
+        kernels = gemm_kernels(dtype)
+        assert kernels[0] == "torch.mm" and set(kernels) <= set(GEMM_KERNELS)
+        assert ("oneDNN" in kernels) == (fused._KERNEL is not None and dtype in fused._KERNEL_DTYPES)
+        for kernel in kernels:
+            gemm = Gemm(8, 16, 32, dtype=dtype, kernel=kernel)
+            assert gemm.sample() > 0 and gemm.a.dtype == dtype
+
+
 def test_quick_benchmark_times_the_compiled_model_and_skips_a_missing_onnxruntime():
     """The quick benchmark with `--compile` where onnxruntime cannot be imported: it times the compiled model and
     reports its compilation, and its report says why the ONNX Runtime section is missing. The backend is AOTAutograd
