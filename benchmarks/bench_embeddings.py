@@ -17,8 +17,8 @@ What it does:
 4. roformer_hf int8 (`roformer_hf.quantization.quantize_int8` on the loaded model): speed over transformers' fp32 and
    the cosine of its embeddings with fp32's (lowest over the sentences). With `--dtype bf16` every model is cast
    with `.to(torch.bfloat16)` instead (int8 left out), each bf16 model's embeddings are checked against transformers'
-   fp32 ones (cosine at least 0.999), and the goal is 1.5x transformers' bf16: a goal for CPUs with AMX, whose matrix
-   units bf16 is for (elsewhere bf16 computes at fp32's rate or below, `common.machine_lines` names the units).
+   fp32 ones (cosine at least 0.999), and the goal is 1.5x transformers' bf16, on CPUs with AMX: elsewhere bf16
+   computes at fp32's rate or slower (`common.machine_lines` names the CPU's bf16 units).
 5. The bound of the short set in batches of 32: the encoder's dense calls alone on each batch's real tokens
    (`bench_dense.DenseChain`, through the kernels roformer_hf's layers take for those rows), timed as many times as
    the models; transformers' time over theirs is the most roformer_hf's speed-up over transformers can be with these

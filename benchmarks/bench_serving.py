@@ -297,7 +297,7 @@ def ray_environment(args: argparse.Namespace, ingress: str, first: int) -> dict[
         env.update(command_env(choose_ingress("auto", None)[0]))
     elif ingress == "haproxy":  # HAProxy on the server's port, in place of Ray's Python proxy
         env.update({**haproxy_env(), **haproxy_ports_env()})
-    elif ingress == "direct":  # the replicas take `first` on
+    elif ingress == "direct":  # the replicas' ports from `first` up
         env.update(direct_ingress_env(first, args.replicas))
     if ingress != "proxy":
         env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"
