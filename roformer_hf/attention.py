@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .blocked_dropout import DROPOUT_BLOCK_ROWS, BlockedDropoutAttention
+from .blocked_dropout import DROPOUT_BLOCK_ROWS, BlockedDropoutAttention, DropoutAttention
 from .kernels import SDPA_DROPOUT, SDPA_VARLEN
 from .masks import AttentionMask, causal_mask
 
@@ -87,9 +87,9 @@ def sdpa_varlen_attention_forward(
 
     Meant for the CPU, where a loop over sequences costs little next to the attention itself. Adjacent sequences of
     the same lengths are one call on their tokens viewed as a batch, which on the CPU gives the same bits as a call
-    each (not with attention dropout, whose masks each sequence draws for itself): a batch of 32 short sentences
-    sorted by length, as sentence-transformers embeds them, holds a few such runs, and took 0.96x the time (4 layers
-    of base width, an AVX2 EPYC). `split` (not indexing) lets the backward pass join the gradients with one `cat`.
+    each: a batch of 32 short sentences sorted by length, as sentence-transformers embeds them, holds a few such runs,
+    and took 0.96x the time (4 layers of base width, an AVX2 EPYC). With attention dropout a run's call draws the
+    mask of all its sequences at once, each weight dropped independently as before. `split` (not indexing) lets the backward pass join the gradients with one `cat`.
     The model passes `seq_lengths`, read once per forward (without them the offsets are read here), and with attention
     dropout, a causal module's mask of the longest sequence, which each sequence slices (else the dropout kernel
     renders its own, per sequence).
@@ -108,10 +108,7 @@ def sdpa_varlen_attention_forward(
         raise ValueError("causal attention on packed sequences needs as many keys as queries in each sequence "
                          f"(cu_seq_lens_q {cu_seq_lens_q.tolist()}, cu_seq_lens_k {cu_seq_lens_k.tolist()})")
     dropping = dropout and module.training
-    if dropping:  # each sequence draws its own dropout mask
-        runs = [(1, q, k) for q, k in zip(query_lengths, key_lengths)]
-    else:
-        runs = _equal_length_runs(query_lengths, key_lengths)
+    runs = _equal_length_runs(query_lengths, key_lengths)
     sdpa = ALL_ATTENTION_FUNCTIONS[SDPA_DROPOUT if dropping else "sdpa"]
     masks = causal_mask if dropping and causal else None
     queries = query.split([count * q for count, q, _ in runs], dim=2)  # (1, nh, count * n, d) each
@@ -150,16 +147,22 @@ def blocked_dropout_attention_forward(module: nn.Module, query: Tensor, key: Ten
     PyTorch's fused CPU kernel has no dropout, so SDPA with dropout falls back to its math kernel, which keeps the
     ``(B, nh, L, L)`` weights, their dropout mask and the dropped weights for the backward pass: at 4096 tokens,
     several times the memory and time of the fused kernel. `BlockedDropoutAttention` attends one block of queries
-    of one head at a time and keeps only the dropout mask, as bits. Sequences of up to two blocks (whose weights
-    are small) take SDPA's math kernel as they are.
+    of one head at a time and keeps only the dropout mask, as bits. Sequences of up to two blocks, whose weights are
+    small, take `DropoutAttention`: every head's weights at once in batched products, the mask drawn four weights to a
+    random number (at 256 tokens a training step's attention took half the math kernel's time; benchmarks/RESULTS.md).
+    Under `torch.compile` they take SDPA's math kernel, whose dropout inductor draws itself.
     """
     dropout = dropout if module.training else 0.0
     attention_mask = causal_unless_masked(module, query, key, attention_mask, kwargs.get("is_causal"))
-    if not dropout or query.shape[2] <= 2 * DROPOUT_BLOCK_ROWS:
+    compiling = torch.compiler.is_compiling()
+    if not dropout or (compiling and query.shape[2] <= 2 * DROPOUT_BLOCK_ROWS):
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling, is_causal=False)  # any causality is in the mask
     key, value = key_value_heads_for_every_query_head(module, key, value)
-    if torch.compiler.is_compiling():  # plain ops the compiler can trace: each block recomputed in the backward pass
+    if query.shape[2] <= 2 * DROPOUT_BLOCK_ROWS:
+        output = DropoutAttention.apply(query, key, value, attention_mask, scaling, dropout)
+        return output.transpose(1, 2), None
+    if compiling:  # plain ops the compiler can trace: each block recomputed in the backward pass
         blocks = [checkpoint(_attend_block, q, key, value, attention_mask, scaling, dropout, use_reentrant=False)
                   for q in query.split(DROPOUT_BLOCK_ROWS, dim=2)]
         return torch.cat(blocks, dim=2).transpose(1, 2), None

@@ -88,6 +88,60 @@ class BlockedDropoutAttention(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
+class DropoutAttention(torch.autograd.Function):
+    """``dropout(softmax(q k^T * scaling, masked)) v`` with the weights of every head in memory, in batched products:
+    for sequences short enough that their weights are small (up to two blocks of `BlockedDropoutAttention`). The
+    arguments and the result are those of `BlockedDropoutAttention`, and so is the dropout: each weight dropped with
+    probability `dropout` (`draw_dropout_mask`'s draw, four weights to a random number), each kept one scaled by
+    ``1 / (1 - dropout)``.
+
+    SDPA's math kernel, what PyTorch runs for attention dropout on CPU, draws one random number per weight and keeps
+    the weights, their mask and the dropped weights for the backward pass. This keeps the weights and the mask, one
+    byte per weight, and draws the whole mask at once from the default generator (so its draw does not depend on the
+    thread count). Half and bfloat16 inputs are computed in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float,
+                dropout: float) -> Tensor:
+        ctx.input_dtype = query.dtype
+        dtype = torch.promote_types(query.dtype, torch.float32)
+        shape = query.shape[:-1] + value.shape[-1:]  # (B, nh, Lq, dv)
+        query, key, value = (t.to(dtype).flatten(0, 1) for t in (query, key, value))  # (B nh, L, d)
+        weights = torch.baddbmm(query.new_empty(()), query, key.transpose(1, 2), beta=0, alpha=scaling)
+        if attention_mask is not None:
+            scores = weights.view(*shape[:2], *weights.shape[1:])  # (B, nh, Lq, Lk)
+            if attention_mask.dtype == torch.bool:
+                scores.masked_fill_(~attention_mask, torch.finfo(dtype).min)
+            else:
+                scores.add_(attention_mask)
+        torch.softmax(weights, dim=-1, out=weights)
+        words = torch.empty(*weights.shape[:-1], 2 * _packed_length(weights.shape[-1]), dtype=torch.int64,
+                            device=weights.device)
+        kept = _random_int16(words)[..., :weights.shape[-1]] >= _drop_threshold(dropout)  # (B nh, Lq, Lk) bool
+        dropped = weights * kept
+        output = torch.baddbmm(dropped.new_empty(()), dropped, value, beta=0, alpha=1 / (1 - dropout))
+        ctx.save_for_backward(query, key, value, output, weights, kept)
+        ctx.dropout, ctx.scaling, ctx.heads = dropout, scaling, shape[:2]
+        return output.view(shape).to(ctx.input_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        query, key, value, output, weights, kept = ctx.saved_tensors
+        grad_output = grad_output.to(query.dtype).flatten(0, 1)  # (B nh, Lq, dv)
+        row_dot = (grad_output * output).sum(-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
+        grad_output = grad_output / (1 - ctx.dropout)
+        dropped = weights * kept
+        grad_value = torch.bmm(dropped.transpose(1, 2), grad_output)
+        grad_scores = torch.bmm(grad_output, value.transpose(1, 2))  # dP
+        grad_scores.mul_(dropped).addcmul_(weights, row_dot, value=-1)  # dS = P (dP - rowsum(P dP))
+        grad_query = torch.baddbmm(grad_scores.new_empty(()), grad_scores, key, beta=0, alpha=ctx.scaling)
+        grad_key = torch.baddbmm(grad_scores.new_empty(()), grad_scores.transpose(1, 2), query, beta=0,
+                                 alpha=ctx.scaling)
+        grads = (g.unflatten(0, ctx.heads).to(ctx.input_dtype) for g in (grad_query, grad_key, grad_value))
+        return *grads, None, None, None
+
+
 def _for_each_head(work, batch: int, heads: int, new_block) -> None:
     """Calls ``work(b, h, block)`` for every head of every sequence, the heads shared out among
     `torch.get_num_threads()` Python threads, each with its own block from ``new_block()`` and running torch ops on

@@ -9,6 +9,7 @@ from helpers import random_qkv as qkv
 
 from roformer_hf import attention
 from roformer_hf.attention import blocked_dropout_attention_forward, eager_attention_forward
+from roformer_hf.blocked_dropout import DropoutAttention
 
 
 @pytest.mark.parametrize("training, p", [(True, 0.0), (False, 0.3)])
@@ -36,10 +37,13 @@ def test_models_in_training_use_blocked_dropout_on_cpu(unpad, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setitem(attention.ALL_ATTENTION_FUNCTIONS._global_mapping, attention.SDPA_DROPOUT, spy)
+    whole = []
+    monkeypatch.setattr(DropoutAttention, "apply", lambda *args, _apply=DropoutAttention.apply:
+                        whole.append(args[0].shape) or _apply(*args))
     model = roformer_hf.RoFormerForMaskedLM(tiny_config(attention_probs_dropout_prob=0.1, unpad_inputs=unpad))
     ids, mask = padded_batch([9, 4])
     model.train()(ids, attention_mask=mask).logits.sum().backward()
-    assert calls  # the blocked kernel, with its fallback to SDPA for short sequences
+    assert calls and whole == calls  # short sequences: every weight at once
     calls.clear()
     model.eval()(ids, attention_mask=mask)
     assert not calls
@@ -85,10 +89,11 @@ def test_every_kernel_is_causal_for_a_causal_module_given_no_mask(kernel, querie
         assert (not_causal.double() - expected).abs().max() > 1e-2  # the test would see a kernel that ignores it
 
 
-def test_blocked_dropout_kernel_is_causal_in_training(monkeypatch):
-    """With dropout, the blocked kernel's weights past the diagonal are never kept (values = identity: the output is
-    the dropped weight matrix)."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 64)
+@pytest.mark.parametrize("block_rows", [64, attention.DROPOUT_BLOCK_ROWS])  # in blocks; every weight at once
+def test_dropout_kernels_are_causal_in_training(block_rows, monkeypatch):
+    """With dropout, the weights past the diagonal are never kept (values = identity: the output is the dropped
+    weight matrix)."""
+    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", block_rows)
     length = 300
     generator = torch.Generator().manual_seed(0)
     query, key = (torch.randn(1, 1, length, 16, generator=generator) for _ in range(2))
@@ -137,12 +142,13 @@ def test_varlen_kernel_attends_runs_of_equal_lengths_in_one_call_each(module, mo
         torch.testing.assert_close(output[:, start:end].double(), expected, atol=1e-6, rtol=1e-6)
 
 
-def test_varlen_kernel_with_attention_dropout_attends_one_sequence_per_call(monkeypatch):
-    """In training with attention dropout each sequence keeps its own call (and its own draw of the mask)."""
+def test_varlen_kernel_with_attention_dropout_attends_a_run_of_one_length_per_call(monkeypatch):
+    """In training with attention dropout too, adjacent sequences of one length are one call of the dropout kernel
+    (which draws every weight's mask independently)."""
     calls = []
     monkeypatch.setitem(attention.ALL_ATTENTION_FUNCTIONS._global_mapping, attention.SDPA_DROPOUT,
                         lambda module, q, *args, **kwargs: calls.append(q.shape) or (q.transpose(1, 2), None))
-    query = torch.randn(1, 2, 12, 4)
+    query = torch.randn(1, 2, 14, 4)
     attention.sdpa_varlen_attention_forward(Bidirectional().train(), query, query, query, None, 0.5, dropout=0.1,
-                                            cu_seq_lens_q=torch.tensor([0, 4, 8, 12]))
-    assert [shape[0] for shape in calls] == [1, 1, 1]
+                                            cu_seq_lens_q=torch.tensor([0, 4, 8, 12, 14]))
+    assert [tuple(shape) for shape in calls] == [(3, 2, 4, 4), (1, 2, 2, 4)]

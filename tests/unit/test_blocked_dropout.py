@@ -1,5 +1,7 @@
-"""Attention dropout in blocks (roformer_hf/blocked_dropout.py, through the kernel
-`attention.blocked_dropout_attention_forward`): the same dropped weights as explicit attention, at the rate asked."""
+"""Attention dropout on CPU (roformer_hf/blocked_dropout.py, through the kernel
+`attention.blocked_dropout_attention_forward`), in blocks of queries (`BlockedDropoutAttention`) and with every weight
+at once (`DropoutAttention`, sequences of up to two blocks): the same dropped weights as explicit attention, at the
+rate asked."""
 
 from __future__ import annotations
 
@@ -10,12 +12,28 @@ from helpers import random_qkv as qkv
 
 from roformer_hf import attention, blocked_dropout
 from roformer_hf.attention import blocked_dropout_attention_forward, eager_attention_forward
+from roformer_hf.blocked_dropout import BlockedDropoutAttention, DropoutAttention
+
+KERNELS = {"blocks": BlockedDropoutAttention, "whole": DropoutAttention}
 
 
-def test_dropout_drops_single_weights_and_rescales_the_kept_ones(monkeypatch):
+def take(kernel: str, monkeypatch, block_rows: int) -> list[type]:
+    """Makes the attention function take `kernel` for this test's lengths: blocks of `block_rows` queries, or every
+    weight at once (the default block size, past the lengths here). Returns the kernels that then run, in order."""
+    if kernel == "blocks":
+        monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", block_rows)
+    ran = []
+    for function in KERNELS.values():
+        monkeypatch.setattr(function, "apply", lambda *args, _function=function, _apply=function.apply:
+                            ran.append(_function) or _apply(*args))
+    return ran
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dropout_drops_single_weights_and_rescales_the_kept_ones(kernel, monkeypatch):
     """With values = the identity, the output *is* the dropped weight matrix: every weight is either 0 or its
     softmax value / (1 - p), and about a fraction p are zero."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 64)
+    ran = take(kernel, monkeypatch, 64)
     length, p = 300, 0.25
     generator = torch.Generator().manual_seed(0)
     query, key = (torch.randn(1, 1, length, 16, generator=generator) for _ in range(2))
@@ -27,6 +45,7 @@ def test_dropout_drops_single_weights_and_rescales_the_kept_ones(monkeypatch):
     kept = dropped != 0
     torch.testing.assert_close(dropped[kept], weights[kept] / (1 - p), atol=1e-6, rtol=1e-5)
     assert abs((~kept).float().mean().item() - p) < 0.01
+    assert ran == [KERNELS[kernel]]
 
 
 class GroupedQueryModule(Training):
@@ -54,16 +73,18 @@ def explicit_dropout_attention(query, key, value, mask, scaling, dropped, p):
     return (scores.softmax(-1).masked_fill(dropped, 0) / (1 - p) @ value).transpose(1, 2)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "packed"])
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("queries", ["all", "every other"])
-def test_blocked_dropout_equals_explicit_attention_with_the_same_mask(mask_kind, groups, queries, monkeypatch):
+def test_dropout_attention_equals_explicit_attention_with_the_same_mask(kernel, mask_kind, groups, queries,
+                                                                        monkeypatch):
     """Output and gradients of q, k, v equal autograd through the explicit formula with the dropout mask the kernel
     drew. Values carry an identity matrix beside the real values, so the output also holds every dropped weight
     matrix: the mask is read off the output, whatever order the kernel draws it in. The backward pass draws no
     random numbers (it reads the forward's mask back). Every other token as the only queries: fewer queries than
     keys, as a last layer that computes the labelled tokens only."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 16)
+    ran = take(kernel, monkeypatch, 16)
     batch, heads, length, dim, scaling, p = 2, 6, 77, 8, 0.3, 0.2  # 77: blocks and bytes of bits left over
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(batch, heads, length, dim, dtype=torch.float64, generator=generator)
@@ -96,24 +117,33 @@ def test_blocked_dropout_equals_explicit_attention_with_the_same_mask(mask_kind,
     torch.testing.assert_close(output, expected, atol=1e-12, rtol=1e-10)
     for got, want in zip(grads, torch.autograd.grad(expected, (query, key, value), grad)):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    assert ran == [KERNELS[kernel]]
 
 
-def test_float32_blocked_dropout_equals_explicit_attention(monkeypatch):
-    """The same in float32, the training dtype, at a tolerance of float32 rounding."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 32)
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_attention_in_float32_and_bfloat16_equals_explicit_attention(kernel, dtype, monkeypatch):
+    """The same in float32, the training dtype, at a tolerance of float32 rounding; bfloat16 inputs are computed in
+    float32 and rounded once, output and gradients in the inputs' dtype."""
+    ran = take(kernel, monkeypatch, 32)
     length, dim, scaling, p = 100, 16, 0.25, 0.1
     generator = torch.Generator().manual_seed(0)
-    query, key = (torch.randn(1, 2, length, dim, generator=generator, requires_grad=True) for _ in range(2))
+    query, key = (torch.randn(1, 2, length, dim, generator=generator).to(dtype).requires_grad_() for _ in range(2))
     value = torch.cat([torch.randn(1, 2, length, dim, generator=generator), torch.eye(length).expand(1, 2, -1, -1)],
-                      dim=-1).requires_grad_()
+                      dim=-1).to(dtype).requires_grad_()
     output, _ = blocked_dropout_attention_forward(Training().train(), query, key, value, None, scaling, dropout=p)
-    grad = torch.randn(output.shape, generator=generator)
+    grad = torch.randn(output.shape, generator=generator).to(dtype)
     grads = torch.autograd.grad(output, (query, key, value), grad)
+    assert output.dtype == dtype and all(g.dtype == dtype for g in grads)
     dropped = output[..., dim:].transpose(1, 2) == 0
-    expected = explicit_dropout_attention(query, key, value, None, scaling, dropped, p)
-    torch.testing.assert_close(output, expected, atol=1e-6, rtol=1e-5)
-    for got, want in zip(grads, torch.autograd.grad(expected, (query, key, value), grad)):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    leaves = [t.detach().float().requires_grad_() for t in (query, key, value)]
+    expected = explicit_dropout_attention(*leaves, None, scaling, dropped, p)
+    tolerance = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(output.float(), expected, **tolerance)
+    for got, want in zip(grads, torch.autograd.grad(expected, leaves, grad.float())):
+        torch.testing.assert_close(got.float(), want, **({"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32
+                                                         else tolerance))
+    assert ran == [KERNELS[kernel]]
 
 
 def test_dropout_masks_drop_a_fraction_p_of_the_weights_independently():
@@ -128,10 +158,11 @@ def test_dropout_masks_drop_a_fraction_p_of_the_weights_independently():
     assert blocked_dropout.draw_dropout_mask(3, 77, 0.1).shape == (3, 80)  # columns up to a multiple of 8
 
 
-def test_the_dropped_output_is_the_undropped_one_on_average(monkeypatch):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_dropped_output_is_the_undropped_one_on_average(kernel, monkeypatch):
     """Kept weights scaled by 1 / (1 - p): averaged over many draws the output is that of attention without
     dropout, within 5 standard errors of the average."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 8)
+    take(kernel, monkeypatch, 8)
     query, key, value = (t.detach() for t in qkv(batch=1, heads=2, length=40, dim=4))
     expected, _ = eager_attention_forward(Training().eval(), query, key, value, None, scaling=0.5)
     torch.manual_seed(0)
@@ -158,10 +189,12 @@ def test_compiled_blocked_dropout_drops_single_weights(monkeypatch):
     assert 0 < (~kept).sum() < length * length / 2 and query.grad.isfinite().all()
 
 
-def test_blocked_dropout_masks_are_repeated_by_the_seed_whatever_the_thread_count(monkeypatch):
-    """Heads run in parallel, each drawing from its own generator seeded from the default one: the same seed gives
-    the same output and gradients with 1 thread or 3, and torch's thread count is as it was afterwards."""
-    monkeypatch.setattr(attention, "DROPOUT_BLOCK_ROWS", 16)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dropout_masks_are_repeated_by_the_seed_whatever_the_thread_count(kernel, monkeypatch):
+    """The same seed gives the same output and gradients with 1 thread or 3, and torch's thread count is as it was
+    afterwards: in blocks the heads run in parallel, each drawing from its own generator seeded from the default one;
+    with every weight at once the mask is one draw from the default generator."""
+    take(kernel, monkeypatch, 16)
     query, key, value = qkv(batch=2, heads=3, length=50, dim=8)
     grad = torch.randn(2, 50, 3, 8, generator=torch.Generator().manual_seed(1))
     threads = torch.get_num_threads()
