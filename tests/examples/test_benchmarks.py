@@ -35,6 +35,9 @@ SCRIPTS = {
     "test_train_step_benchmark_compares_equal_models": (
         "bench_train_step.py", ["--quick", "--repeats", "1", "--warmup", "0", "--dropout", "0.1", "--compile",
                                 "--compile-backend", "aot_eager"], 600, {}),
+    "test_dropout_benchmark_runs_each_setting_through_its_kernel": ("bench_dropout.py", ["--quick"], 300, {}),
+    "test_dropout_benchmark_times_the_attention_kernels_alone": (
+        "bench_dropout.py", ["--quick", "--attention-only", "--batch", "2"], 300, {}),
     "test_embedding_benchmark_times_every_model_on_every_set": (
         "bench_embeddings.py", ["--quick", "--count", "8", "--single", "2", "--repeats", "1", "--warmup", "0"], 600,
         {}),
@@ -287,6 +290,31 @@ def test_train_step_benchmark_compares_equal_models(script_result):
         assert re.search(rf"^\| {re.escape(step)} \| \d", out, re.MULTILINE), step
     assert re.search(r"torch.compile: its first 3 calls took [\d.]+ s .* pays that back after (\d+ steps|never)", out)
     assert "GEMM (linear layers, decoder)" in out and "optimizer (AdamW)" in out
+
+
+def test_dropout_benchmark_runs_each_setting_through_its_kernel(script_result):
+    """`bench_dropout.py --quick` (512 tokens, up to two blocks): each setting's step went through the attention
+    kernel it names, read off the loss's autograd graph: roformer_hf's dropout through `DropoutAttention`, the
+    reference through SDPA's math kernel, no attention dropout through SDPA's fused kernel."""
+    result = script_result
+    assert result.returncode == 0, result.stderr[-3000:]
+    kernels = {cells[1]: cells[2] for line in result.stdout.splitlines() if line.startswith("| ")
+               for cells in [[cell.strip() for cell in line.split("|")]]}
+    assert kernels["dropout 0"] == kernels["hidden dropout 0.1, attention dropout 0"] == "SDPA fused kernel"
+    assert kernels["dropout 0.1"] == "DropoutAttention"
+    assert kernels["dropout 0.1, SDPA's math kernel"] == "SDPA math kernel"
+
+
+def test_dropout_benchmark_times_the_attention_kernels_alone(script_result):
+    """`--attention-only`: the fused kernel without dropout, then roformer_hf's kernel for the length and SDPA's math
+    kernel with dropout, each against the first."""
+    result = script_result
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(2, 4, 512, 16) (batch, heads, tokens, head dim)" in result.stdout
+    rows = re.findall(r"^\| (.+?) \| [\d.]+ ms \([\d.]+-[\d.]+\) \| ([\d.]+)x \|$", result.stdout, re.MULTILINE)
+    assert [name for name, _ in rows] == ["SDPA fused kernel, dropout 0", "DropoutAttention, every weight at once, "
+                                          "dropout 0.1", "SDPA math kernel, dropout 0.1"]
+    assert float(rows[0][1]) == 1.0
 
 
 def test_demo_runs_reads_the_demos_result_lines(monkeypatch):
