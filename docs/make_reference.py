@@ -147,7 +147,8 @@ def optional_field_rows() -> list[str]:
 
 ATTENTION = (  # (value, the model class's flag that allows it, what runs)
     ("sdpa", "_supports_sdpa", "the default: PyTorch's `scaled_dot_product_attention`; on CPU each sequence in its own "
-     "slice (padding skipped), with attention dropout in training in blocks that keep only the dropout mask"),
+     "slice (padding skipped); with attention dropout in training, up to 512 tokens every head's weights at once in "
+     "batched products, beyond in blocks that keep only the dropout mask"),
     ("eager", None, "the softmax written out; the only kernel that returns the weights (`output_attentions=True` "
      "takes it whatever was asked)"),
     ("flash_attention_2", "_supports_flash_attn", "flash-attn's kernels on GPU (the `flash-attn` package), padding "
