@@ -98,12 +98,24 @@ class DropoutAttention(torch.autograd.Function):
     SDPA's math kernel, what PyTorch runs for attention dropout on CPU, draws one random number per weight and keeps
     the weights, their mask and the dropped weights for the backward pass. This keeps the weights and the mask, one
     byte per weight, and draws the whole mask at once from the default generator (so its draw does not depend on the
-    thread count). Half and bfloat16 inputs are computed in float32.
+    thread count). Half and bfloat16 inputs are computed in float32, and so is everything under autocast (which
+    would otherwise run the products in its lower precision in the forward pass and not in the backward pass).
     """
 
     @staticmethod
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float,
                 dropout: float) -> Tensor:
+        with torch.autocast(query.device.type, enabled=False):
+            return DropoutAttention._forward(ctx, query, key, value, attention_mask, scaling, dropout)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        with torch.autocast(grad_output.device.type, enabled=False):
+            return DropoutAttention._backward(ctx, grad_output)
+
+    @staticmethod
+    def _forward(ctx, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float,
+                 dropout: float) -> Tensor:
         ctx.input_dtype = query.dtype
         dtype = torch.promote_types(query.dtype, torch.float32)
         shape = query.shape[:-1] + value.shape[-1:]  # (B, nh, Lq, dv)
@@ -126,7 +138,7 @@ class DropoutAttention(torch.autograd.Function):
         return output.view(shape).to(ctx.input_dtype)
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor):
+    def _backward(ctx, grad_output: Tensor):
         query, key, value, output, weights, kept = ctx.saved_tensors
         grad_output = grad_output.to(query.dtype).flatten(0, 1)  # (B nh, Lq, dv)
         row_dot = (grad_output * output).sum(-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)

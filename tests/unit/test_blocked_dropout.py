@@ -159,6 +159,30 @@ def test_dropout_masks_drop_a_fraction_p_of_the_weights_independently():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("backward_under_autocast", [False, True])
+def test_dropout_attention_under_autocast_computes_in_float32(kernel, backward_under_autocast, monkeypatch):
+    """Under CPU autocast to bfloat16 (a user's mixed-precision training) the kernels compute as without it: the same
+    output and gradients with the same seed, whether the backward pass runs under autocast or not."""
+    take(kernel, monkeypatch, 16)
+    query, key, value = qkv(batch=2, heads=2, length=40, dim=8)
+    grad = torch.randn(2, 40, 2, 8, generator=torch.Generator().manual_seed(1))
+    results = []
+    for autocast in (False, True):
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            output, _ = blocked_dropout_attention_forward(Training().train(), query, key, value, None, 0.3,
+                                                          dropout=0.2)
+            if backward_under_autocast:
+                grads = torch.autograd.grad(output, (query, key, value), grad)
+        if not backward_under_autocast:
+            grads = torch.autograd.grad(output, (query, key, value), grad)
+        results.append((output, *grads))
+    for plain, autocast in zip(*results):
+        assert autocast.dtype == torch.float32
+        torch.testing.assert_close(autocast, plain, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_the_dropped_output_is_the_undropped_one_on_average(kernel, monkeypatch):
     """Kept weights scaled by 1 / (1 - p): averaged over many draws the output is that of attention without
     dropout, within 5 standard errors of the average."""
