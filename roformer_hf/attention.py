@@ -15,8 +15,8 @@ Which of them a forward calls is decided once, before its first layer (`kernels.
 - the ``"varlen"`` form (the layout says everything: real tokens side by side, or packed rows), with flash-attn: its
   varlen kernel reads the tokens directly; with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its
   own slice, adjacent ones of one length as one batch (no padding, no mask); with attention dropout in training,
-  `blocked_dropout_attention_forward` (`blocked_dropout.BlockedDropoutAttention`) keeps only the dropout mask, as
-  bits;
+  `blocked_dropout_attention_forward`: up to 512 tokens `blocked_dropout.DropoutAttention`, every head's weights at
+  once, beyond `blocked_dropout.BlockedDropoutAttention`, which keeps only the dropout mask, as bits;
 - otherwise the padded layout ``(B, nh, L, d)`` with the mask's tensor (`attend_padded`): padding, packed rows,
   causality after a cache, a bidirectional prefix.
 """
@@ -89,8 +89,8 @@ def sdpa_varlen_attention_forward(
     the same lengths are one call on their tokens viewed as a batch, which on the CPU gives the same bits as a call
     each: a batch of 32 short sentences sorted by length, as sentence-transformers embeds them, holds a few such runs,
     and took 0.96x the time (4 layers of base width, an AVX2 EPYC). With attention dropout a run's call draws the
-    mask of all its sequences at once, each weight dropped independently as before. `split` (not indexing) lets the backward pass join the gradients with one `cat`.
-    The model passes `seq_lengths`, read once per forward (without them the offsets are read here), and with attention
+    mask of all its sequences at once, each weight dropped independently. `split` (not indexing) lets the backward
+    pass join the gradients with one `cat`. The model passes `seq_lengths`, read once per forward (without them the offsets are read here), and with attention
     dropout, a causal module's mask of the longest sequence, which each sequence slices (else the dropout kernel
     renders its own, per sequence).
     """

@@ -1,11 +1,12 @@
 """Dropout on CPU, its mask drawn four elements to a 64-bit random number (`Tensor.bernoulli_` draws one each, about
-4x slower): attention dropout without the ``(B, nh, L, L)`` weights, `BlockedDropoutAttention`, and the hidden
-states' dropout, `dropout`.
+4x slower): attention dropout without the ``(B, nh, L, L)`` weights, `BlockedDropoutAttention`; attention dropout on
+short sequences, every head at once, `DropoutAttention`; and the hidden states' dropout, `dropout`.
 
 PyTorch's fused CPU attention has no dropout: with dropout, SDPA falls back to its math kernel, which keeps the
 weights, their dropout mask and the dropped weights for the backward pass. `BlockedDropoutAttention` attends one block
-of queries of one head at a time and keeps only the dropout mask, as bits (`attention.blocked_dropout_attention_forward`
-is its entry point in transformers' attention interface).
+of queries of one head at a time and keeps only the dropout mask, as bits; `DropoutAttention` keeps the weights and a
+byte of mask per weight, for sequences whose weights are small (`attention.blocked_dropout_attention_forward` chooses
+between them, and is their entry point in transformers' attention interface).
 """
 
 from __future__ import annotations
