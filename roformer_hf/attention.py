@@ -23,6 +23,8 @@ Which of them a forward calls is decided once, before its first layer (`kernels.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -30,7 +32,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from .blocked_dropout import DROPOUT_BLOCK_ROWS, BlockedDropoutAttention, DropoutAttention
-from .kernels import SDPA_DROPOUT, SDPA_VARLEN
+from .kernels import SDPA_DROPOUT, SDPA_NESTED, SDPA_VARLEN
 from .masks import AttentionMask, causal_mask
 
 
@@ -125,6 +127,58 @@ def sdpa_varlen_attention_forward(
     return torch.cat(outputs, dim=1), None  # (1, N, nh, d)
 
 
+def sdpa_nested_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,  # (1, nh, N, d): packed tokens
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: None,
+    scaling: float,
+    dropout: float = 0.0,
+    *,
+    cu_seq_lens_q: torch.Tensor,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    seq_lengths: tuple[int, ...] | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """SDPA on packed tokens as nested (jagged) tensors, for CUDA: every sequence in one call, which PyTorch runs with
+    its flash or memory-efficient varlen kernel (flash-attn's convention, without flash-attn installed): no padding
+    computed, no mask rendered. The arguments are `sdpa_varlen_attention_forward`'s. Those kernels take no sequence
+    without queries, which a last layer that queries the labelled tokens only can hold: such sequences are left
+    out, their keys with them.
+
+    Without it a packed row took a dense block-diagonal mask: on an H200 in bf16, the training step of 32 sequences
+    of 128 to 512 tokens in one row took 2.6x the time of the same sequences padded (benchmarks/RESULTS.md)."""
+    if seq_lengths is not None:
+        query_lengths = key_lengths = list(seq_lengths)
+    else:
+        query_lengths = cu_seq_lens_q.diff().tolist()
+        key_lengths = query_lengths if cu_seq_lens_k is None else cu_seq_lens_k.diff().tolist()
+    offsets_q, offsets_k = cu_seq_lens_q, cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
+    if not min(query_lengths):
+        kept = [s for s, n in enumerate(query_lengths) if n]
+        starts = [0, *itertools.accumulate(key_lengths)]
+        index = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in kept]).to(key.device, non_blocking=True)
+        key, value = key.index_select(2, index), value.index_select(2, index)
+        query_lengths, key_lengths = [query_lengths[s] for s in kept], [key_lengths[s] for s in kept]
+        offsets_q, offsets_k = (torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(
+            key.device, non_blocking=True) for lengths in (query_lengths, key_lengths))
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", False) if causal is None else causal
+    key, value = key_value_heads_for_every_query_head(module, key, value)
+
+    def jagged(tokens: Tensor, offsets: Tensor, lengths: list[int]) -> Tensor:  # (1, nh, N, d) -> (S, nh, j, d)
+        return torch.nested.nested_tensor_from_jagged(tokens[0].transpose(0, 1).contiguous(), offsets,
+                                                      min_seqlen=min(lengths),
+                                                      max_seqlen=max(lengths)).transpose(1, 2)
+
+    output = torch.nn.functional.scaled_dot_product_attention(
+        jagged(query, offsets_q, query_lengths), jagged(key, offsets_k, key_lengths),
+        jagged(value, offsets_k, key_lengths), dropout_p=dropout if module.training else 0.0, is_causal=causal,
+        scale=scaling)
+    return output.transpose(1, 2).values().unsqueeze(0), None  # (1, N, nh, d)
+
+
 def _equal_length_runs(query_lengths: list[int], key_lengths: list[int]) -> list[tuple[int, int, int]]:
     """Adjacent sequences of the same query and key lengths, as ``(count, query length, key length)``: each run is
     one batched SDPA call (sentence-transformers sorts a batch by length, so a batch of 32 short sentences holds a few
@@ -196,6 +250,7 @@ def key_value_heads_for_every_query_head(module: nn.Module, key: Tensor, value: 
 
 
 AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention_forward)
+AttentionInterface.register(SDPA_NESTED, sdpa_nested_attention_forward)
 AttentionInterface.register(SDPA_DROPOUT, blocked_dropout_attention_forward)
 
 

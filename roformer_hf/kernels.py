@@ -19,6 +19,7 @@ except ImportError:  # transformers releases before it: the same test
 
 SDPA_VARLEN = "roformer_sdpa_varlen"
 SDPA_DROPOUT = "roformer_sdpa_dropout"
+SDPA_NESTED = "roformer_sdpa_nested"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ def choose_kernel(implementation: str, device: torch.device | str | None = None,
     fused CPU kernel cannot apply (`SDPA_DROPOUT` applies it in blocks)."""
     if is_flash_attention_requested(requested_attention_implementation=implementation):
         return Kernel(implementation, implementation, takes_key_padding=True)
-    if implementation == "sdpa" and torch.device(device or "cpu").type == "cpu":
+    device_type = torch.device(device or "cpu").type
+    if implementation == "sdpa" and device_type == "cpu":
         return Kernel(SDPA_DROPOUT if dropout else "sdpa", SDPA_VARLEN, masks_causality=dropout)
+    if implementation == "sdpa" and device_type == "cuda":
+        return Kernel("sdpa", SDPA_NESTED)
     return Kernel(implementation)

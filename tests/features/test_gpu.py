@@ -148,3 +148,94 @@ def test_torch_compile_matches_eager_mode(checkpoint):
     compiled = torch.compile(model)
     assert relative_error(logits_at_real_tokens(compiled, ids, mask), logits_at_real_tokens(model, ids, mask)) <= 1e-4
     assert_gradients_close(gradients(compiled, ids, mask, labels), gradients(model, ids, mask, labels), 1e-3)
+
+
+def test_packed_row_matches_padded_batch(checkpoint):
+    """Sequences packed into one row (transformers' DataCollatorWithFlattening: positions restart, offsets given)
+    give the padded batch's logits and gradients, bf16 on CUDA's SDPA."""
+    folder, _ = checkpoint
+    ids, mask, labels = device_batch()
+    real = mask.bool()
+    lengths = mask.sum(1)
+    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    packed = {"input_ids": ids[real][None], "labels": labels[real][None],
+              "position_ids": torch.cat([torch.arange(n, device=DEVICE) for n in lengths.tolist()])[None],
+              "cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets,
+              "max_length_q": int(lengths.max()), "max_length_k": int(lengths.max())}
+    model = load(folder, "sdpa", torch.bfloat16)
+    with torch.inference_mode():
+        packed_logits = model(**{k: v for k, v in packed.items() if k != "labels"}).logits[0].float()
+    assert relative_error(packed_logits, logits_at_real_tokens(model, ids, mask)) <= BF16_RELATIVE
+
+    model.train().zero_grad(set_to_none=True)
+    model(**packed).loss.backward()
+    from_packed = {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
+    assert_gradients_close(from_packed, gradients(model, ids, mask, labels), BF16_GRADIENTS)
+
+
+def test_bf16_autocast_training_matches_fp32(checkpoint):
+    """An fp32 model trained under `torch.autocast("cuda", torch.bfloat16)` (what Trainer's `bf16=True` does): its
+    loss and gradients are those of fp32 within bf16's error."""
+    folder, _ = checkpoint
+    ids, mask, labels = device_batch()
+    model = load(folder, "sdpa")
+    expected = gradients(model, ids, mask, labels)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        actual = gradients(model, ids, mask, labels)
+    assert_gradients_close(actual, expected, BF16_GRADIENTS)
+
+
+def test_attention_dropout_trains_on_cuda(checkpoint):
+    """Attention dropout on CUDA (SDPA's own dropout): the loss changes with the seed, repeats with the same seed,
+    and the gradients stay finite; in eval mode it is off."""
+    folder, _ = checkpoint
+    ids, mask, labels = device_batch()
+    model = load(folder, "sdpa", torch.bfloat16, attention_probs_dropout_prob=0.5).train()
+
+    def loss(seed: int) -> float:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            return model(ids, attention_mask=mask, labels=labels).loss.item()
+
+    assert loss(0) == loss(0) != loss(1)
+    grads = gradients(load(folder, "sdpa", torch.bfloat16, attention_probs_dropout_prob=0.5), ids, mask, labels)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    model.eval()
+    assert relative_error(logits_at_real_tokens(model, ids, mask),
+                          logits_at_real_tokens(load(folder, "sdpa", torch.bfloat16), ids, mask)) == 0
+
+
+def test_greedy_generation_with_the_cache_matches_transformers(tmp_path):
+    """roformer_hf's causal LM on CUDA generates transformers' tokens (fp32, greedy), with the cache and without."""
+    reference, _ = reference_and_ours("RoFormerForCausalLM", tmp_path, is_decoder=True, **SIZE)
+    ours = roformer_hf.RoFormerForCausalLM.from_pretrained(tmp_path).to(DEVICE).eval()
+    prompts = torch.randint(1, 97, (3, 7), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    settings = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    expected = reference.to(DEVICE).generate(prompts, **settings)
+    assert torch.equal(ours.generate(prompts, **settings), expected)
+    assert torch.equal(ours.generate(prompts, use_cache=False, **settings), expected)
+
+
+def test_causal_lm_on_a_padded_batch_matches_transformers_fp32(tmp_path):
+    """A decoder's forward without a cache on a right-padded batch: causal attention on the real tokens alone (the
+    nested kernel's `is_causal`), bf16, against transformers' RoFormerForCausalLM in fp32."""
+    reference, _ = reference_and_ours("RoFormerForCausalLM", tmp_path, is_decoder=True, **SIZE)
+    ours = roformer_hf.RoFormerForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to(DEVICE).eval()
+    ids, mask, _ = device_batch()
+    real = mask.bool()
+    with torch.inference_mode():
+        expected = reference.to(DEVICE)(ids, attention_mask=mask).logits[real]
+        actual = ours(ids, attention_mask=mask, use_cache=False).logits[real]
+    assert relative_error(actual, expected) <= BF16_RELATIVE
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_gradient_checkpointing_gives_the_same_gradients(checkpoint, use_reentrant):
+    """Gradient checkpointing (Trainer's `gradient_checkpointing=True`) recomputes each layer in the backward pass,
+    through the nested varlen kernel: the gradients are those without it."""
+    folder, _ = checkpoint
+    ids, mask, labels = device_batch()
+    model = load(folder, "sdpa", torch.bfloat16)
+    expected = gradients(model, ids, mask, labels)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    assert_gradients_close(gradients(model, ids, mask, labels), expected, 1e-3)

@@ -10,6 +10,7 @@ from helpers import random_qkv as qkv
 from roformer_hf import attention
 from roformer_hf.attention import blocked_dropout_attention_forward, eager_attention_forward
 from roformer_hf.blocked_dropout import DropoutAttention
+from roformer_hf.kernels import SDPA_NESTED, SDPA_VARLEN, Kernel, choose_kernel
 
 
 @pytest.mark.parametrize("training, p", [(True, 0.0), (False, 0.3)])
@@ -118,6 +119,46 @@ def test_varlen_kernel_attends_each_sequence_to_its_own_keys():
         torch.testing.assert_close(output[:, q0:q1].double(), expected, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="causal attention on packed sequences needs as many keys as queries"):
         attention.sdpa_varlen_attention_forward(Causal().eval(), query, key, value, None, 0.5, **offsets)
+
+
+class GroupedBidirectional(Bidirectional):
+    num_key_value_groups = 2
+
+
+@pytest.mark.parametrize("query_lengths", [(4, 3, 5), (2, 0, 3)], ids=["every token", "some sequences without queries"])
+def test_nested_kernel_attends_each_sequence_to_its_own_keys(query_lengths):
+    """The CUDA varlen kernel (SDPA on nested tensors; PyTorch's math kernel on CPU) against the closed form per
+    sequence in float64, forward and gradients: grouped-query heads, and queries of some tokens only, a sequence
+    with none among them (the flash and memory-efficient kernels refuse those; the kernel leaves them out)."""
+    key_lengths = (4, 3, 5)
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(1, 4, sum(query_lengths), 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(1, 2, sum(key_lengths), 8, generator=generator, requires_grad=True) for _ in range(2))
+    offsets_q, offsets_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                            for n in (query_lengths, key_lengths))
+    output, _ = attention.sdpa_nested_attention_forward(GroupedBidirectional().eval(), query, key, value, None, 0.5,
+                                                         cu_seq_lens_q=offsets_q, cu_seq_lens_k=offsets_k)
+    pieces = []
+    for q0, q1, k0, k1 in zip(offsets_q, offsets_q[1:], offsets_k, offsets_k[1:]):
+        q = query[0, :, q0:q1].double()
+        k, v = (t[0, :, k0:k1].double().repeat_interleave(2, dim=0) for t in (key, value))
+        pieces.append(((q @ k.transpose(-1, -2) * 0.5).softmax(-1) @ v).transpose(0, 1))  # (n, nh, d)
+    expected = torch.cat(pieces)[None]
+    torch.testing.assert_close(output.double(), expected, atol=1e-6, rtol=1e-6)
+    weights = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+    actual_grads = torch.autograd.grad((output.double() * weights).sum(), (query, key, value))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (query, key, value))
+    for actual, wanted in zip(actual_grads, expected_grads):
+        torch.testing.assert_close(actual.double(), wanted.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_on_cuda_chooses_the_nested_varlen_kernel():
+    """SDPA's varlen function by device: sequence by sequence on CPU, nested tensors on CUDA (flash or
+    memory-efficient varlen kernels), with or without attention dropout, which CUDA's kernels draw themselves."""
+    assert choose_kernel("sdpa", "cpu").varlen == SDPA_VARLEN
+    for dropout in (False, True):
+        assert choose_kernel("sdpa", "cuda", dropout=dropout) == Kernel("sdpa", SDPA_NESTED)
+    assert choose_kernel("eager", "cuda").varlen is None
 
 
 @pytest.mark.parametrize("module", [Bidirectional(), Causal()], ids=["bidirectional", "causal"])
