@@ -32,7 +32,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from .blocked_dropout import DROPOUT_BLOCK_ROWS, BlockedDropoutAttention, DropoutAttention
-from .kernels import SDPA_DROPOUT, SDPA_NESTED, SDPA_VARLEN
+from .kernels import CUDA_VARLEN, SDPA_DROPOUT, SDPA_VARLEN
 from .masks import AttentionMask, causal_mask
 
 
@@ -127,7 +127,7 @@ def sdpa_varlen_attention_forward(
     return torch.cat(outputs, dim=1), None  # (1, N, nh, d)
 
 
-def sdpa_nested_attention_forward(
+def cuda_varlen_attention_forward(
     module: nn.Module,
     query: torch.Tensor,  # (1, nh, N, d): packed tokens
     key: torch.Tensor,
@@ -141,14 +141,15 @@ def sdpa_nested_attention_forward(
     seq_lengths: tuple[int, ...] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA on packed tokens as nested (jagged) tensors, for CUDA: every sequence in one call, which PyTorch runs with
-    its flash or memory-efficient varlen kernel (flash-attn's convention, without flash-attn installed): no padding
-    computed, no mask rendered. The arguments are `sdpa_varlen_attention_forward`'s. Those kernels take no sequence
-    without queries, which a last layer that queries the labelled tokens only can hold: such sequences are left
-    out, their keys with them.
+    """SDPA's varlen kernels on packed tokens, for CUDA: every sequence in one call, no padding computed, no mask
+    rendered; the arguments are `sdpa_varlen_attention_forward`'s. In fp16 and bf16 (head size up to 256, a multiple
+    of 8, Ampere or later) it calls PyTorch's flash-attention varlen kernel directly: the operator that SDPA on nested
+    tensors calls, without their bookkeeping, which costs more host time per call than a whole layer's kernels take
+    on the GPU (an H200 ran an eager training step of base size at a third of the padded path's speed through nested
+    tensors). Other dtypes go through nested (jagged) tensors: PyTorch's memory-efficient varlen kernel.
 
-    Without it a packed row took a dense block-diagonal mask: on an H200 in bf16, the training step of 32 sequences
-    of 128 to 512 tokens in one row took 2.6x the time of the same sequences padded (benchmarks/RESULTS.md)."""
+    Those kernels take no sequence without queries, which a last layer that queries the labelled tokens only can
+    hold: such sequences are left out, their keys with them."""
     if seq_lengths is not None:
         query_lengths = key_lengths = list(seq_lengths)
     else:
@@ -165,18 +166,30 @@ def sdpa_nested_attention_forward(
             key.device, non_blocking=True) for lengths in (query_lengths, key_lengths))
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", False) if causal is None else causal
+    dropout = dropout if module.training else 0.0
     key, value = key_value_heads_for_every_query_head(module, key, value)
+    query, key, value = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (N, nh, d)
+    if _flash_varlen_runs(query):
+        output = torch.ops.aten._flash_attention_forward(
+            query, key, value, offsets_q.to(torch.int32), offsets_k.to(torch.int32), max(query_lengths),
+            max(key_lengths), dropout, causal, False, scale=scaling)[0]
+        return output.unsqueeze(0), None  # (1, N, nh, d)
 
-    def jagged(tokens: Tensor, offsets: Tensor, lengths: list[int]) -> Tensor:  # (1, nh, N, d) -> (S, nh, j, d)
-        return torch.nested.nested_tensor_from_jagged(tokens[0].transpose(0, 1).contiguous(), offsets,
-                                                      min_seqlen=min(lengths),
+    def jagged(tokens: Tensor, offsets: Tensor, lengths: list[int]) -> Tensor:  # (N, nh, d) -> (S, nh, j, d)
+        return torch.nested.nested_tensor_from_jagged(tokens, offsets, min_seqlen=min(lengths),
                                                       max_seqlen=max(lengths)).transpose(1, 2)
 
     output = torch.nn.functional.scaled_dot_product_attention(
         jagged(query, offsets_q, query_lengths), jagged(key, offsets_k, key_lengths),
-        jagged(value, offsets_k, key_lengths), dropout_p=dropout if module.training else 0.0, is_causal=causal,
-        scale=scaling)
+        jagged(value, offsets_k, key_lengths), dropout_p=dropout, is_causal=causal, scale=scaling)
     return output.transpose(1, 2).values().unsqueeze(0), None  # (1, N, nh, d)
+
+
+def _flash_varlen_runs(query: Tensor) -> bool:
+    """PyTorch's flash-attention kernel takes `query` ``(N, nh, d)``: CUDA, fp16 or bf16, ``d`` up to 256 and a
+    multiple of 8, compute capability 8.0 or later."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256
+            and query.shape[-1] % 8 == 0 and torch.cuda.get_device_capability(query.device)[0] >= 8)
 
 
 def _equal_length_runs(query_lengths: list[int], key_lengths: list[int]) -> list[tuple[int, int, int]]:
@@ -250,7 +263,7 @@ def key_value_heads_for_every_query_head(module: nn.Module, key: Tensor, value: 
 
 
 AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention_forward)
-AttentionInterface.register(SDPA_NESTED, sdpa_nested_attention_forward)
+AttentionInterface.register(CUDA_VARLEN, cuda_varlen_attention_forward)
 AttentionInterface.register(SDPA_DROPOUT, blocked_dropout_attention_forward)
 
 

@@ -19,7 +19,7 @@ except ImportError:  # transformers releases before it: the same test
 
 SDPA_VARLEN = "roformer_sdpa_varlen"
 SDPA_DROPOUT = "roformer_sdpa_dropout"
-SDPA_NESTED = "roformer_sdpa_nested"
+CUDA_VARLEN = "roformer_cuda_varlen"
 
 
 @dataclass(frozen=True)
@@ -51,5 +51,5 @@ def choose_kernel(implementation: str, device: torch.device | str | None = None,
     if implementation == "sdpa" and device_type == "cpu":
         return Kernel(SDPA_DROPOUT if dropout else "sdpa", SDPA_VARLEN, masks_causality=dropout)
     if implementation == "sdpa" and device_type == "cuda":
-        return Kernel("sdpa", SDPA_NESTED)
+        return Kernel("sdpa", CUDA_VARLEN)
     return Kernel(implementation)

@@ -239,3 +239,36 @@ def test_gradient_checkpointing_gives_the_same_gradients(checkpoint, use_reentra
     expected = gradients(model, ids, mask, labels)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     assert_gradients_close(gradients(model, ids, mask, labels), expected, 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16 flash", "fp32 nested"])
+def test_cuda_varlen_kernel_matches_the_closed_form(dtype):
+    """The CUDA varlen kernel (flash-attention's operator in bf16, nested tensors in fp32) against the closed form
+    per sequence in float64, forward and gradients, grouped-query heads, with a sequence without queries."""
+    from roformer_hf.attention import cuda_varlen_attention_forward
+
+    class Module(torch.nn.Module):
+        is_causal, num_key_value_groups = False, 2
+
+    query_lengths, key_lengths = (2, 0, 3), (4, 3, 5)
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(1, 4, sum(query_lengths), 64, generator=generator).to(DEVICE, dtype).requires_grad_()
+    key, value = (torch.randn(1, 2, sum(key_lengths), 64, generator=generator).to(DEVICE, dtype).requires_grad_()
+                  for _ in range(2))
+    offsets_q, offsets_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+                            for n in (query_lengths, key_lengths))
+    output, _ = cuda_varlen_attention_forward(Module().eval(), query, key, value, None, 0.125,
+                                              cu_seq_lens_q=offsets_q, cu_seq_lens_k=offsets_k)
+    pieces = []
+    for q0, q1, k0, k1 in zip(offsets_q, offsets_q[1:], offsets_k, offsets_k[1:]):
+        q = query[0, :, q0:q1].double()
+        k, v = (t[0, :, k0:k1].double().repeat_interleave(2, dim=0) for t in (key, value))
+        pieces.append(((q @ k.transpose(-1, -2) * 0.125).softmax(-1) @ v).transpose(0, 1))
+    expected = torch.cat(pieces)[None]
+    tolerance = BF16_RELATIVE if dtype == torch.bfloat16 else 1e-5
+    assert relative_error(output, expected) <= tolerance
+    weights = torch.randn(expected.shape, generator=generator, dtype=torch.float64).to(DEVICE)
+    actual = torch.autograd.grad((output.double() * weights).sum(), (query, key, value))
+    wanted = torch.autograd.grad((expected * weights).sum(), (query, key, value))
+    for a, w in zip(actual, wanted):
+        assert relative_error(a, w) <= (BF16_GRADIENTS if dtype == torch.bfloat16 else 1e-4)

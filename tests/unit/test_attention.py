@@ -10,7 +10,7 @@ from helpers import random_qkv as qkv
 from roformer_hf import attention
 from roformer_hf.attention import blocked_dropout_attention_forward, eager_attention_forward
 from roformer_hf.blocked_dropout import DropoutAttention
-from roformer_hf.kernels import SDPA_NESTED, SDPA_VARLEN, Kernel, choose_kernel
+from roformer_hf.kernels import CUDA_VARLEN, SDPA_VARLEN, Kernel, choose_kernel
 
 
 @pytest.mark.parametrize("training, p", [(True, 0.0), (False, 0.3)])
@@ -136,7 +136,7 @@ def test_nested_kernel_attends_each_sequence_to_its_own_keys(query_lengths):
     key, value = (torch.randn(1, 2, sum(key_lengths), 8, generator=generator, requires_grad=True) for _ in range(2))
     offsets_q, offsets_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
                             for n in (query_lengths, key_lengths))
-    output, _ = attention.sdpa_nested_attention_forward(GroupedBidirectional().eval(), query, key, value, None, 0.5,
+    output, _ = attention.cuda_varlen_attention_forward(GroupedBidirectional().eval(), query, key, value, None, 0.5,
                                                          cu_seq_lens_q=offsets_q, cu_seq_lens_k=offsets_k)
     pieces = []
     for q0, q1, k0, k1 in zip(offsets_q, offsets_q[1:], offsets_k, offsets_k[1:]):
@@ -157,7 +157,7 @@ def test_sdpa_on_cuda_chooses_the_nested_varlen_kernel():
     memory-efficient varlen kernels), with or without attention dropout, which CUDA's kernels draw themselves."""
     assert choose_kernel("sdpa", "cpu").varlen == SDPA_VARLEN
     for dropout in (False, True):
-        assert choose_kernel("sdpa", "cuda", dropout=dropout) == Kernel("sdpa", SDPA_NESTED)
+        assert choose_kernel("sdpa", "cuda", dropout=dropout) == Kernel("sdpa", CUDA_VARLEN)
     assert choose_kernel("eager", "cuda").varlen is None
 
 
