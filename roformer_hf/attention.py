@@ -13,8 +13,9 @@ Which of them a forward calls is decided once, before its first layer (`kernels.
 `masks.AttentionMask` as the mask and the tokens in the layout's shape ``(*T, n, d)``:
 
 - the ``"varlen"`` form (the layout says everything: real tokens side by side, or packed rows), with flash-attn: its
-  varlen kernel reads the tokens directly; with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in its
-  own slice, adjacent ones of one length as one batch (no padding, no mask); with attention dropout in training,
+  varlen kernel reads the tokens directly; with SDPA on CUDA, for packed rows: `cuda_varlen_attention_forward`,
+  PyTorch's own flash-attention varlen kernel; with SDPA on CPU: `sdpa_varlen_attention_forward`, each sequence in
+  its own slice, adjacent ones of one length as one batch (no padding, no mask); with attention dropout in training,
   `blocked_dropout_attention_forward`: up to 512 tokens `blocked_dropout.DropoutAttention`, every head's weights at
   once, beyond `blocked_dropout.BlockedDropoutAttention`, which keeps only the dropout mask, as bits;
 - otherwise the padded layout ``(B, nh, L, d)`` with the mask's tensor (`attend_padded`): padding, packed rows,

@@ -28,8 +28,8 @@ class Kernel:
 
     Attributes:
         padded: the function on the padded layout ``(B, nh, L, d)``, with the mask's tensor.
-        varlen: the function on the real tokens, sequence by sequence (flash-attn's varlen kernel, `SDPA_VARLEN` on
-            CPU); ``None`` where the implementation has none.
+        varlen: the function on the real tokens, sequence by sequence (flash-attn's varlen kernel; `SDPA_VARLEN` on
+            CPU; `CUDA_VARLEN` for packed rows on CUDA); ``None`` where the implementation has none.
         takes_key_padding: the padded function takes the keys' padding ``(B, Lk)`` (flash-attn), not a dense mask.
         masks_causality: the varlen function applies causality as a mask it is given (attention dropout on CPU,
             whose blocked and math kernels have no ``is_causal``), not by itself.
@@ -41,15 +41,22 @@ class Kernel:
     masks_causality: bool = False
 
 
-def choose_kernel(implementation: str, device: torch.device | str | None = None, dropout: bool = False) -> Kernel:
+def choose_kernel(implementation: str, device: torch.device | str | None = None, dropout: bool = False,
+                  packed_rows: bool = False) -> Kernel:
     """The attention functions for ``config._attn_implementation`` (``"eager"`` when weights are returned) on
     `device`; `dropout`: attention dropout is on (training with ``attention_probs_dropout_prob > 0``), which SDPA's
-    fused CPU kernel cannot apply (`SDPA_DROPOUT` applies it in blocks)."""
+    fused CPU kernel cannot apply (`SDPA_DROPOUT` applies it in blocks); `packed_rows`: rows hold several sequences.
+
+    On CUDA, SDPA attends packed rows through `CUDA_VARLEN` (PyTorch's flash-attention varlen kernel), where its
+    padded function would need a block-diagonal mask: on an H200 (bf16, base size, 32 sequences of 128 to 512 tokens
+    in one row) that took the training step from 113k to 249k real tokens per second. Padded batches keep the padded
+    function, whose eager training step there took 36 ms against 49 ms through `CUDA_VARLEN` on the same sequences
+    (benchmarks/RESULTS.md)."""
     if is_flash_attention_requested(requested_attention_implementation=implementation):
         return Kernel(implementation, implementation, takes_key_padding=True)
     device_type = torch.device(device or "cpu").type
     if implementation == "sdpa" and device_type == "cpu":
         return Kernel(SDPA_DROPOUT if dropout else "sdpa", SDPA_VARLEN, masks_causality=dropout)
-    if implementation == "sdpa" and device_type == "cuda":
+    if implementation == "sdpa" and device_type == "cuda" and packed_rows:
         return Kernel("sdpa", CUDA_VARLEN)
     return Kernel(implementation)

@@ -141,7 +141,8 @@ class ForwardPlan:
         layout = BatchLayout.from_inputs(batch_size, seq_len, query_mask, packing_positions, offsets, unpad,
                                          host=layout_host)
         kernel = choose_kernel("eager" if output_attentions else config._attn_implementation, device,
-                               dropout=training and config.attention_probs_dropout_prob > 0)
+                               dropout=training and config.attention_probs_dropout_prob > 0,
+                               packed_rows=layout.has_packed_rows)
         self_mask = create_attention_mask(layout, kernel, device, causal=causal, past_length=past_length,
                                           key_padding=attention_mask if past_key_values is not None else None,
                                           prefix=prefix)

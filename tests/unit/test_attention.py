@@ -152,13 +152,14 @@ def test_nested_kernel_attends_each_sequence_to_its_own_keys(query_lengths):
         torch.testing.assert_close(actual.double(), wanted.double(), atol=1e-5, rtol=1e-5)
 
 
-def test_sdpa_on_cuda_chooses_the_nested_varlen_kernel():
-    """SDPA's varlen function by device: sequence by sequence on CPU, nested tensors on CUDA (flash or
-    memory-efficient varlen kernels), with or without attention dropout, which CUDA's kernels draw themselves."""
-    assert choose_kernel("sdpa", "cpu").varlen == SDPA_VARLEN
+def test_sdpa_on_cuda_takes_the_cuda_varlen_kernel_for_packed_rows():
+    """SDPA's varlen function by device: sequence by sequence on CPU; on CUDA for packed rows only (padded batches
+    keep the padded kernel there), with or without attention dropout, which CUDA's kernels draw themselves."""
+    assert choose_kernel("sdpa", "cpu").varlen == choose_kernel("sdpa", "cpu", packed_rows=True).varlen == SDPA_VARLEN
     for dropout in (False, True):
-        assert choose_kernel("sdpa", "cuda", dropout=dropout) == Kernel("sdpa", CUDA_VARLEN)
-    assert choose_kernel("eager", "cuda").varlen is None
+        assert choose_kernel("sdpa", "cuda", dropout=dropout, packed_rows=True) == Kernel("sdpa", CUDA_VARLEN)
+        assert choose_kernel("sdpa", "cuda", dropout=dropout) == Kernel("sdpa")
+    assert choose_kernel("eager", "cuda", packed_rows=True).varlen is None
 
 
 @pytest.mark.parametrize("module", [Bidirectional(), Causal()], ids=["bidirectional", "causal"])
