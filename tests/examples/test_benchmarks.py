@@ -28,6 +28,9 @@ SCRIPTS = {
         "bench_dense.py", ["--quick", "--rows", "1", "16", "300", "--repeats", "3", "--chain-rows", "16", "300"], 300,
         {}),
     "test_generation_benchmark_reports_throughput_and_step_cost": ("bench_generate.py", ["--quick"], 300, {}),
+    "test_gpu_paths_benchmark_runs_every_section_on_cpu": (
+        "bench_gpu_paths.py", ["--device", "cpu", "--dtype", "fp32", "--quick", "--repeats", "1", "--warmup", "0"],
+        300, {}),
     "test_quantization_benchmark_times_every_path_and_judges_the_targets": (
         "bench_quant.py", ["--quick", "--skip-compile", "--no-torchao", "--repeats", "1", "--warmup", "0"], 600,
         {"onnxruntime": "ONNX Runtime is the `onnx` extra (pip install -e '.[onnx]')"}),
@@ -588,3 +591,19 @@ def test_compiled_benchmark_times_the_served_package_against_eager_at_each_lengt
     # the run of lengths where compiled took less time (the cells rounded to 0.01: a ratio of 1.00x goes either way)
     paid, unpaid = {"none": ((), (8,)), "8": ((8,), (40,)), "40": ((8, 40), ())}[found.group(1)]
     assert all(ratios[length] <= 1 for length in paid) and all(ratios[length] >= 1 for length in unpaid), ratios
+
+
+def test_gpu_paths_benchmark_runs_every_section_on_cpu(script_result):
+    """`bench_gpu_paths.py --device cpu --dtype fp32 --quick` (its smoke run; the figures are for a GPU): every section
+    prints its table; in fp32 the packed row's loss is transformers' padded one, and greedy generation gives
+    transformers' tokens."""
+    result = script_result
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "FAIL" not in result.stdout
+    for title in ("Packed rows against padded batches", "One long sequence", "Generation:",
+                  "The encoder forward of an embeddings request", "training step, operators by device time"):
+        assert title in result.stdout, title
+    packing = [line.split("|")[1:-1] for line in result.stdout.splitlines()
+               if line.startswith(("| mixed lengths", "| short lines"))]
+    assert len(packing) == 2 and all(float(row[-1]) <= 1e-4 for row in packing)
+    assert "100.0% of the generated tokens are transformers'" in result.stdout
