@@ -1,9 +1,10 @@
-"""roformer_hf on Ray Serve, on CPU: the engine's own cost, correctness under concurrency, throughput and latency against
+"""roformer_hf on Ray Serve, on CPU or a GPU: the engine's own cost, correctness under concurrency, throughput and latency against
 the library offline. HTTP to 127.0.0.1 only; every run is a fixed number of requests, under `--max-seconds`.
 
     python benchmarks/bench_serving.py            # base width, 4 layers (several minutes on 2 cores)
     python benchmarks/bench_serving.py --quick    # tiny model, few requests (about a minute)
     python benchmarks/bench_serving.py --ingress proxy --ray-env RAY_SERVE_THROUGHPUT_OPTIMIZED=1   # a setting
+    python benchmarks/bench_serving.py --device cuda --ingress default --layers 12   # one replica on a GPU
 
 What it does:
 1. Saves a RoFormer-Sim-like folder (a decoder with a pooler, prefix LM; random weights) with a WordPiece tokenizer
@@ -36,6 +37,8 @@ What it does:
    with others gets slightly other numbers than alone, and greedy completions may then differ.
 5. FastAPI calling `SentenceTransformer(folder).encode` once per request (uvicorn, a subprocess): single-sentence
    requests from `--clients` clients, against Ray Serve's rate.
+`--device cuda` runs the replica (one, a GPU to itself), the offline references and the FastAPI app's
+SentenceTransformer on the GPU, in the folder's dtype (float32).
 Each HTTP run also reports the client's own CPU time (this process's `time.process_time`) as a share of the run's
 wall time: the client shares the machine with the server.
 """
@@ -103,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--int8", action="store_true",
                         help="serve with `int8` (and the offline references quantized alike); with --compile, the "
                              "compiled encoder is quantized statically (`calibration`)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the replicas, the offline references and the FastAPI app's model run: cpu, or "
+                             "cuda (one replica, a GPU to itself)")
     parser.add_argument("--max-seconds", type=float, default=1800, help="the whole run stops with an error after this")
     return parser
 
@@ -259,7 +265,7 @@ def percentiles(seconds: list[float]) -> tuple[float, float]:
 
 def greedy(served, prompt: str, max_tokens: int) -> list[int]:
     """`model.generate` on the prompt alone, up to the end-of-sequence token (excluded)."""
-    batch = served.tokenizer([prompt], return_tensors="pt")
+    batch = served.tokenizer([prompt], return_tensors="pt").to(served.loaded.device)
     with torch.no_grad():
         out = served.model.generate(**batch, do_sample=False, max_new_tokens=max_tokens,
                                     eos_token_id=served.loaded.eos_token_id, pad_token_id=served.tokenizer.pad_token_id)
@@ -284,14 +290,15 @@ class ServedRuns:
 
 
 def ray_environment(args: argparse.Namespace, ingress: str, first: int) -> dict[str, str]:
-    """What Ray's processes get for `ingress` (one of `INGRESS`): this checkout and `serving_apps` on their path,
+    """What Ray's processes get for `ingress` (one of `INGRESS`): this checkout and `serving_apps` first on their path,
     `--ray-env`'s settings, and the ingress's own (with direct ingress the replicas' ports from `first`). They inherit
     it when `ray.init` starts them (a `runtime_env` would start each worker through a setup process of its own)."""
     from roformer_hf.cli import choose_ingress
     from roformer_hf.serving import direct_ingress_env, haproxy_env
     from roformer_hf.serving.ingress import command_env, haproxy_ports_env
 
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCHMARKS)]),
+    path = [str(REPO_ROOT), str(BENCHMARKS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
            **dict(setting.split("=", 1) for setting in args.ray_env)}
     if ingress == "default":  # what the command sets: HAProxy where it runs, errors in OpenAI's shape
         env.update(command_env(choose_ingress("auto", None)[0]))
@@ -320,7 +327,8 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
     env = ray_environment(args, ingress, first)
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
-    ray.init(address="local", num_cpus=max(available_cores(), args.replicas * threads), include_dashboard=False,
+    ray.init(address="local", num_cpus=max(available_cores(), args.replicas * threads),
+             num_gpus=args.replicas if args.device.startswith("cuda") else 0, include_dashboard=False,
              log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -342,7 +350,7 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
             serve.run(build_app({"folder": str(folder), "replicas": args.replicas, "threads": threads,
                                  "max_batch_tokens": args.max_batch_tokens, "batch_wait_ms": args.batch_wait_ms,
                                  "max_ongoing_requests": max(64, args.clients), "compile": args.compile,
-                                 "int8": args.int8, "calibration": calibration and str(calibration),
+                                 "int8": args.int8, "device": args.device, "calibration": calibration and str(calibration),
                                  "compile_cache": str(folder.parent / f"compiled-{ingress}") if args.compile else None}),
                       name="sim", route_prefix="/sim")
             client.wait_until_up(f"{base}/sim/health")
@@ -391,7 +399,12 @@ def main(argv: list[str] | None = None) -> None:
     from roformer_hf.serving import ServedModel, default_replicas, default_threads
     from roformer_hf.similarity import encode
 
-    args.replicas = args.replicas or default_replicas(args.threads)
+    cuda = args.device.startswith("cuda")
+    if cuda and (args.int8 or args.compile):
+        raise SystemExit(f"--device={args.device} with --int8 or --compile: both run on the CPU only")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"--device={args.device}: torch sees no CUDA device here")
+    args.replicas = args.replicas or (1 if cuda else default_replicas(args.threads))
     for name in ("requests", "sentences", "completions", "clients", "replicas", "max_tokens", "passes"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: expected a positive integer")
@@ -409,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     progress(f"model: {size.layers} layers, hidden {size.hidden}; {len(lines)} lines of text; {args.replicas} "
              f"replica(s) x {threads} threads")
     save_sim_folder(folder, size, lines)
-    offline = ServedModel(folder, int8=args.int8)
+    offline = ServedModel(folder, int8=args.int8, device=args.device)
     short, passages = sentence_sets(lines, offline.tokenizer, args.sentences)
     calibration = None
     if args.int8 and args.compile:  # short sentences from the same text, none of those measured
@@ -422,23 +435,25 @@ def main(argv: list[str] | None = None) -> None:
 
     progress("offline references")
     torch.set_num_threads(args.replicas * threads)
+    def embed(sentences: list[str], batch_size: int = 32) -> torch.Tensor:  # on the host: a GPU's work finished
+        return encode(offline.model, offline.tokenizer, sentences, batch_size=batch_size).cpu()
+
     with torch.inference_mode():
         for sentence in short:  # warm-up: oneDNN's packed weights, each length's first call
-            encode(offline.model, offline.tokenizer, [sentence])
+            embed([sentence])
         alone, batch1 = [], []
         for sentence in short:
-            vector, seconds = timed(lambda s=sentence: encode(offline.model, offline.tokenizer, [s])[0])
+            vector, seconds = timed(lambda s=sentence: embed([s])[0])
             alone.append(vector)
             batch1.append(seconds)
         replica_batch1 = batch1
         if threads != args.replicas * threads:  # a request runs on one replica, with its threads
             torch.set_num_threads(threads)
-            replica_batch1 = [timed(lambda s=sentence: encode(offline.model, offline.tokenizer, [s]))[1]
-                              for sentence in short]
+            replica_batch1 = [timed(lambda s=sentence: embed([s]))[1] for sentence in short]
             torch.set_num_threads(args.replicas * threads)
         offline_rate = {}
         for name, sentences in ((SHORT_LABEL, short), (PASSAGE_LABEL, passages)):
-            batched = lambda s=sentences: encode(offline.model, offline.tokenizer, s, batch_size=32)  # noqa: E731
+            batched = lambda s=sentences: embed(s)  # noqa: E731
             batched()
             offline_rate[name] = len(sentences) / min(timed(batched)[1] for _ in range(args.passes))
     expected_tokens = [greedy(offline, prompt, args.max_tokens) for prompt in prompts]
@@ -469,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
                     for answer, tokens in zip(checked.completions.answers, expected_tokens))
 
     progress("SentenceTransformer on FastAPI")
-    env = {"SERVING_FOLDER": str(folder), "SERVING_THREADS": str(args.replicas * threads)}
+    env = {"SERVING_FOLDER": str(folder), "SERVING_THREADS": str(args.replicas * threads), "SERVING_DEVICE": args.device}
     with uvicorn_app(client, "serving_apps:sentence_transformers_app", env, factory=True) as url:
         client.load(f"{url}/v1/embeddings", [{"input": s} for s in short[:32]], args.clients)
         baseline = client.load(f"{url}/v1/embeddings", [{"input": s} for s in short], args.clients)
@@ -515,8 +530,11 @@ def main(argv: list[str] | None = None) -> None:
             bounds.append(f"- deployed again, its replicas loading the compiled encoder from the cache: "
                           f"{runs.ready_again_s:.1f} s")
 
-    print("\n## roformer_hf on Ray Serve (CPU)\n")
+    print(f"\n## roformer_hf on Ray Serve ({'GPU' if cuda else 'CPU'})\n")
     print(*machine_lines(), sep="\n")
+    if cuda:
+        print(f"- GPU: {torch.cuda.get_device_name(args.device)}; the replica, the offline references and the FastAPI "
+              f"app's SentenceTransformer on it, in {offline.loaded.dtype}")
     import ray as ray_module
 
     print(f"- ray {ray_module.__version__}; model: RoFormer-Sim-like decoder with a pooler, {size.layers} layers, hidden "

@@ -1,34 +1,84 @@
 #!/usr/bin/env bash
-# Every GPU path of roformer_hf in one run on a CUDA machine: the GPU tests, bench_gpu.py and bench_gpu_paths.py.
-# Each step has a time limit, and a step that fails or runs out leaves the next ones to run; every log and a summary
-# of exit codes and seconds go to $OUT (default: gpu_check_out/).
+# Every GPU path of roformer_hf in one run on a CUDA machine: the GPU tests, bench_gpu.py and bench_gpu_paths.py;
+# on request, the server on the GPU (bench_serving.py --device cuda) and the CPU benchmarks on the host's CPU.
+# Each step has a time limit, and a step that fails or runs out leaves the next ones to run; a summary of exit codes
+# and seconds goes to $OUT (default: gpu_check_out/), the steps' logs to $OUT/logs.tar.gz.
 #
-#     bash benchmarks/gpu_check.sh                 # everything, at most 8 minutes
-#     bash benchmarks/gpu_check.sh tests paths     # only the steps named (tests, bench, paths)
+#     bash benchmarks/gpu_check.sh                 # tests, bench and paths: at most 8 minutes
+#     bash benchmarks/gpu_check.sh tests paths     # only the steps named (tests, bench, paths, serve, host)
+#     bash benchmarks/gpu_check.sh serve host      # the GPU server, and beside it the host CPU's benchmarks
+#
+# `host` runs the short-input, embedding, training-step, dropout and dense-kernel benchmarks on the host's CPU, each
+# chain on two physical cores of its own (taskset, 2 torch threads: the 2-core machines' figures), the chains side by
+# side while the other steps run on the cores left.
 #
 # It uses the python3 found first on PATH and the packages installed there (torch with CUDA, transformers, pytest),
 # and roformer_hf from this checkout. Wheels in .whl/ (other versions of pure-Python packages, e.g. the transformers
-# that constraints.txt pins) are installed into a folder put first on PYTHONPATH; nothing else is installed, so the
-# script also runs on a machine without a network.
+# that constraints.txt pins) are installed into a folder put first on PYTHONPATH, and .whl/*.tar.xz (a package's
+# site-packages folders, e.g. Ray or OpenVINO without the parts these steps do not load) unpacked into it; nothing
+# else is installed, so the script also runs on a machine without a network.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
-mkdir -p "$OUT"
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+SITE=/tmp/gpu_check_site
 if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site \
-        .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheels: install failed (see wheels.log)" >> "$OUT/summary.txt"
-    export PYTHONPATH=/tmp/gpu_check_site:$PYTHONPATH
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE \
+        .whl/*.whl > "$LOGS/wheels.log" 2>&1 || echo "wheels: install failed (see wheels.log)" >> "$OUT/summary.txt"
 fi
+for archive in .whl/*.tar.xz; do
+    [ -e "$archive" ] || continue
+    mkdir -p $SITE && tar -xJf "$archive" -C $SITE || echo "$archive: unpacking failed" >> "$OUT/summary.txt"
+done
+[ -d $SITE ] && export PYTHONPATH=$SITE:$PYTHONPATH && export PATH=$SITE/bin:$PATH
 steps=${*:-tests bench paths}
 
-step() {  # step NAME SECONDS COMMAND...: runs COMMAND with a time limit, its output in $OUT/NAME.log
+step() {  # step NAME SECONDS COMMAND...: runs COMMAND with a time limit, its output in $LOGS/NAME.log
     local name=$1 limit=$2 start=$SECONDS
     shift 2
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
     echo "$name: exit $? after $((SECONDS - start)) s (limit $limit s): $*" >> "$OUT/summary.txt"
 }
+
+# One logical CPU of each physical core, in order; the host's chains take them two by two.
+mapfile -t PHYSICAL < <(lscpu -p=CPU,CORE,SOCKET 2>/dev/null | awk -F, '!/^#/ && !seen[$2 "," $3]++ {print $1}')
+HOST_CHAINS=5
+if (( ${#PHYSICAL[@]} < 2 * HOST_CHAINS + 2 )); then  # too few physical cores known: every logical CPU
+    echo "host: ${#PHYSICAL[@]} physical cores known; the chains take logical CPUs, siblings maybe" >> "$OUT/summary.txt"
+    mapfile -t PHYSICAL < <(seq 0 $(($(nproc) - 1)))
+fi
+
+host_chain() {  # host_chain INDEX NAME:SECONDS:COMMAND...: the commands one after another on the INDEX-th two cores
+    local index=$1 cpus=${PHYSICAL[$((2 * $1))]},${PHYSICAL[$((2 * $1 + 1))]} entry
+    shift
+    for entry in "$@"; do
+        IFS=: read -r name limit command <<< "$entry"
+        # shellcheck disable=SC2086  # the command's words
+        step "host_$name" "$limit" taskset -c "$cpus" python3 $command --threads 2
+    done
+}
+
+host() {  # the CPU benchmarks of the short-input and training goals, five chains side by side
+    if (( ${#PHYSICAL[@]} < 2 * HOST_CHAINS + 2 )); then
+        echo "host: ${#PHYSICAL[@]} physical cores, expected at least $((2 * HOST_CHAINS + 2))" >> "$OUT/summary.txt"
+        return
+    fi
+    local latency="benchmarks/bench_latency.py --workloads sentence short padded --repeats 10 --precisions"
+    host_chain 0 "latency_bf16:210:$latency bf16" "latency_fp32:210:$latency fp32" &
+    host_chain 1 "embeddings:200:benchmarks/bench_embeddings.py" \
+        "embeddings_bf16:200:benchmarks/bench_embeddings.py --dtype bf16" &
+    host_chain 2 "train_step_dropout:200:benchmarks/bench_train_step.py --dropout 0.1 --repeats 5 --skip-profile" \
+        "train_step:200:benchmarks/bench_train_step.py --repeats 5 --skip-profile" &
+    host_chain 3 "dropout:220:benchmarks/bench_dropout.py" "latency_int8:200:$latency int8" &
+    host_chain 4 "dense:400:benchmarks/bench_dense.py --repeats 40" &
+    wait
+}
+
+# The other steps run on the cores the host's chains leave.
+REST=$(IFS=,; echo "${PHYSICAL[*]:$((2 * HOST_CHAINS))}")
 
 {
     nvidia-smi
@@ -36,14 +86,23 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND with a time limit, its ou
 torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device');
 print('transformers', transformers.__version__, transformers.__file__)"
     python3 -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|tokenizers|flash|triton|sentence|accelerate|ray) "
+    PYTHONPATH=$PYTHONPATH python3 -c "import ray, openvino; print('ray', ray.__version__, 'openvino', openvino.__version__)"
+    lscpu
 } > "$OUT/environment.txt" 2>&1
 
+pin=()
+[[ " $steps " == *" host "* && -n $REST ]] && pin=(taskset -c "$REST")
 for name in $steps; do
     case $name in
-        tests) step tests 120 python3 -m pytest -p no:cacheprovider -v -rs tests/features/test_gpu.py ;;
-        bench) step bench_gpu 200 python3 benchmarks/bench_gpu.py --repeats 5 --warmup 2 ;;
-        paths) step bench_gpu_paths 170 python3 benchmarks/bench_gpu_paths.py --repeats 5 --warmup 2 ;;
-        *) echo "unknown step $name (tests, bench, paths)" >> "$OUT/summary.txt" ;;
+        tests) step tests 120 "${pin[@]}" python3 -m pytest -p no:cacheprovider -v -rs tests/features/test_gpu.py ;;
+        bench) step bench_gpu 200 "${pin[@]}" python3 benchmarks/bench_gpu.py --repeats 5 --warmup 2 ;;
+        paths) step bench_gpu_paths 170 "${pin[@]}" python3 benchmarks/bench_gpu_paths.py --repeats 5 --warmup 2 ;;
+        serve) step serve 260 "${pin[@]}" python3 benchmarks/bench_serving.py --device cuda --ingress default \
+            --layers 12 --sentences 512 --requests 500 --passes 2 --completions 8 --max-seconds 240 ;;
+        host) host & ;;
+        *) echo "unknown step $name (tests, bench, paths, serve, host)" >> "$OUT/summary.txt" ;;
     esac
 done
+wait
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -r "$LOGS"
 cat "$OUT/summary.txt"

@@ -69,7 +69,7 @@ def sentence_transformers_app() -> FastAPI:
     import roformer_hf  # noqa: F401  (registers the RoFormer classes the folder names)
 
     torch.set_num_threads(int(os.environ.get("SERVING_THREADS", "1")))
-    model = SentenceTransformer(os.environ["SERVING_FOLDER"], device="cpu")
+    model = SentenceTransformer(os.environ["SERVING_FOLDER"], device=os.environ.get("SERVING_DEVICE", "cpu"))
     app = FastAPI()
 
     @app.get("/health")

@@ -471,10 +471,12 @@ def test_latency_benchmark_times_every_model_and_the_decoding_step(script_result
     assert [line.split("|")[1].strip() for line in lines if re.match(r"\| (8|24) \| \d", line)] == ["8", "24"]
 
 
-def test_serving_benchmark_gives_ray_each_ingress_environment():
+def test_serving_benchmark_gives_ray_each_ingress_environment(monkeypatch):
     """`bench_serving.ray_environment`, what Ray's processes get for each `--ingress` (the one run per ingress, only
     direct ingress's, is in the slow test below): this checkout on their path and `--ray-env`'s settings; HAProxy with
-    free ports for its pages, the replicas' own HTTP ports, or the command's own environment."""
+    free ports for its pages, the replicas' own HTTP ports, or the command's own environment; a PYTHONPATH already set
+    stays after the checkout's (packages installed there, as on a machine where the wheels were unpacked into a
+    folder)."""
     pytest.importorskip("ray.serve", reason="the serving benchmark needs Ray Serve: pip install roformer_hf[serve]")
     import bench_serving
 
@@ -483,6 +485,9 @@ def test_serving_benchmark_gives_ray_each_ingress_environment():
     from roformer_hf.serving.ingress import HAPROXY_PORTS, command_env
 
     args = argparse.Namespace(ray_env=["RAY_SERVE_SOME_SETTING=a=b"], replicas=2)
+    site = "/opt/unpacked-site-packages"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([site, str(BENCHMARKS), ""]))
+    inherited = [site]  # the checkout's folders once, first; empty entries dropped
     draining = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
     for ingress in bench_serving.INGRESS:
         if ingress == "haproxy" and haproxy_binary() is None:
@@ -492,7 +497,7 @@ def test_serving_benchmark_gives_ray_each_ingress_environment():
         env = bench_serving.ray_environment(args, ingress, 20000)
         assert all(isinstance(name, str) and isinstance(value, str) for name, value in env.items()), env
         assert env["RAY_SERVE_SOME_SETTING"] == "a=b"
-        assert env["PYTHONPATH"].split(os.pathsep) == [str(BENCHMARKS.parent), str(BENCHMARKS)]
+        assert env["PYTHONPATH"].split(os.pathsep) == [str(BENCHMARKS.parent), str(BENCHMARKS), *inherited]
         assert (env.get(draining) == "0") == (ingress != "proxy"), (ingress, env)
         own = {name: value for name, value in env.items()
                if name not in ("RAY_SERVE_SOME_SETTING", "PYTHONPATH", draining)}
