@@ -327,14 +327,22 @@ def default_replicas(threads: int | None = None) -> int:
     threads each; without `threads`, one per core up to `MAX_DEFAULT_REPLICAS` (each holds the model). On 2 cores
     (Intel Xeon and AMD EPYC), two replicas of one thread answered more sentences per second than one of two, for
     single sentences and requests of 32 alike, and one client as fast (benchmarks/RESULTS.md)."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     return max(1, cores // threads) if threads else min(cores, MAX_DEFAULT_REPLICAS)
 
 
 def default_threads(replicas: int) -> int:
     """Torch threads per replica so that the replicas together use the machine's cores, no more."""
-    return max(1, (os.cpu_count() or 1) // replicas)
+    return max(1, usable_cores() // replicas)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS keeps one (`taskset`, a container's
+    cpuset), else the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 __all__ = ["MAX_DEFAULT_REPLICAS", "ModelThread", "RoFormerServer", "app", "chunks", "default_replicas",
-           "default_threads"]
+           "default_threads", "usable_cores"]

@@ -412,6 +412,21 @@ def test_deployment_settings_reach_ray_serve():
         build_app({"folder": "x", "int8": "maybe"})
 
 
+def test_default_replicas_and_threads_count_the_cores_this_process_may_use(monkeypatch):
+    """Under `taskset` or a container's cpuset the replicas and their threads share the cores the process may run on,
+    not the machine's: on 2 of 16 cores, two replicas of one thread, or one of two."""
+    import os
+
+    from roformer_hf.serving import default_replicas, default_threads
+    from roformer_hf.serving.app import MAX_DEFAULT_REPLICAS
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 7}, raising=False)
+    assert (default_replicas(), default_threads(1), default_threads(2), default_replicas(threads=2)) == (2, 2, 1, 1)
+    monkeypatch.delattr(os, "sched_getaffinity")  # an OS without affinity masks: the machine's count
+    assert (default_replicas(), default_threads(1)) == (min(16, MAX_DEFAULT_REPLICAS), 16)
+
+
 def test_device_and_cli_combinations_are_checked(folders, capsys):
     from roformer_hf.cli import main
 
