@@ -1,5 +1,6 @@
-"""roformer_hf on Ray Serve, on CPU or a GPU: the engine's own cost, correctness under concurrency, throughput and latency against
-the library offline. HTTP to 127.0.0.1 only; every run is a fixed number of requests, under `--max-seconds`.
+"""roformer_hf on Ray Serve, on CPU or a GPU: the engine's own cost, correctness under concurrency, throughput and
+latency against the library offline. HTTP to 127.0.0.1 only; every run is a fixed number of requests, under
+`--max-seconds`.
 
     python benchmarks/bench_serving.py            # base width, 4 layers (several minutes on 2 cores)
     python benchmarks/bench_serving.py --quick    # tiny model, few requests (about a minute)
@@ -168,12 +169,25 @@ def save_sim_folder(folder: Path, size, lines: list[str]):
 # HTTP clients.
 
 
+# text-embeddings-inference's timing headers that the server sets on each answer (ms): where a request's time went
+# inside the replica, from the handler's start.
+REPLICA_TIMES = ("x-tokenization-time", "x-queue-time", "x-inference-time", "x-total-time")
+
+
 @dataclass
 class Run:
     answers: list
     latencies: list[float]  # seconds per request
     wall: float
     cpu: float  # this process's CPU seconds during the run
+    replica_times: list[dict[str, float]]  # per answer, REPLICA_TIMES where the server sent them
+
+    def replica_medians(self) -> str:
+        """The medians of the replica's own times, "tokenization 0 / queue 3 / inference 7 / total 11 ms"."""
+        medians = [(name.removeprefix("x-").removesuffix("-time"),
+                    median(times[name] for times in self.replica_times)) for name in REPLICA_TIMES
+                   if self.replica_times and all(name in times for times in self.replica_times)]
+        return " / ".join(f"{name} {value:g}" for name, value in medians) + " ms" if medians else "-"
 
     def rate(self, per_request: int = 1) -> float:
         return len(self.answers) * per_request / self.wall
@@ -190,7 +204,7 @@ class Client:
 
         self.requests, self.deadline, self.local = requests, deadline, threading.local()
 
-    def post(self, url: str, body: dict) -> tuple[dict, float]:
+    def post(self, url: str, body: dict) -> tuple[dict, float, dict[str, float]]:
         if time.monotonic() > self.deadline:
             raise TimeoutError("--max-seconds passed")
         session = getattr(self.local, "session", None) or self.requests.Session()
@@ -199,7 +213,9 @@ class Client:
         response = session.post(url, json=body, timeout=120)
         if response.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
-        return orjson.loads(response.content), time.perf_counter() - start  # 32 x 768 floats: 2.2 ms, `json` 4.8
+        seconds = time.perf_counter() - start
+        times = {name: float(response.headers[name]) for name in REPLICA_TIMES if name in response.headers}
+        return orjson.loads(response.content), seconds, times  # 32 x 768 floats: 2.2 ms, `json` 4.8
 
     def load(self, url: str, bodies: list[dict], clients: int, rate: float | None = None) -> Run:
         """Every body posted from `clients` threads, as fast as they answer or, with `rate`, request i sent at
@@ -215,7 +231,8 @@ class Client:
         with ThreadPoolExecutor(clients) as pool:
             done = list(pool.map(send, range(len(bodies))))
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        return Run([answer for answer, _ in done], [seconds for _, seconds in done], wall, cpu)
+        return Run([answer for answer, _, _ in done], [seconds for _, seconds, _ in done], wall, cpu,
+                   [times for _, _, times in done])
 
     def wait_until_up(self, url: str, process: subprocess.Popen | None = None, seconds: float = 180) -> None:
         end = time.monotonic() + seconds
@@ -350,7 +367,8 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
             serve.run(build_app({"folder": str(folder), "replicas": args.replicas, "threads": threads,
                                  "max_batch_tokens": args.max_batch_tokens, "batch_wait_ms": args.batch_wait_ms,
                                  "max_ongoing_requests": max(64, args.clients), "compile": args.compile,
-                                 "int8": args.int8, "device": args.device, "calibration": calibration and str(calibration),
+                                 "int8": args.int8, "device": args.device,
+                                 "calibration": calibration and str(calibration),
                                  "compile_cache": str(folder.parent / f"compiled-{ingress}") if args.compile else None}),
                       name="sim", route_prefix="/sim")
             client.wait_until_up(f"{base}/sim/health")
@@ -435,6 +453,7 @@ def main(argv: list[str] | None = None) -> None:
 
     progress("offline references")
     torch.set_num_threads(args.replicas * threads)
+
     def embed(sentences: list[str], batch_size: int = 32) -> torch.Tensor:  # on the host: a GPU's work finished
         return encode(offline.model, offline.tokenizer, sentences, batch_size=batch_size).cpu()
 
@@ -484,7 +503,8 @@ def main(argv: list[str] | None = None) -> None:
                     for answer, tokens in zip(checked.completions.answers, expected_tokens))
 
     progress("SentenceTransformer on FastAPI")
-    env = {"SERVING_FOLDER": str(folder), "SERVING_THREADS": str(args.replicas * threads), "SERVING_DEVICE": args.device}
+    env = {"SERVING_FOLDER": str(folder), "SERVING_THREADS": str(args.replicas * threads),
+           "SERVING_DEVICE": args.device}
     with uvicorn_app(client, "serving_apps:sentence_transformers_app", env, factory=True) as url:
         client.load(f"{url}/v1/embeddings", [{"input": s} for s in short[:32]], args.clients)
         baseline = client.load(f"{url}/v1/embeddings", [{"input": s} for s in short], args.clients)
@@ -492,26 +512,26 @@ def main(argv: list[str] | None = None) -> None:
     replica_label = "offline encode, batch 1" + (f", {threads} thread(s) as in a replica" if replica_batch1 is not batch1
                                                  else "")
     bounds = []
-    rows.append(("engine floor: FastAPI alone on uvicorn (requests/s)", plain.rate(), "", None, plain.client_share()))
+    rows.append(("engine floor: FastAPI alone on uvicorn (requests/s)", plain.rate(), "", None, plain))
     for ingress, runs in serving.items():
         how = f", {INGRESS[ingress]}"
         for name, run in runs.floor:
             rows.append((f"engine floor: Ray Serve {name}{how} (requests/s)", run.rate(), "FastAPI alone on uvicorn",
-                         plain.rate(), run.client_share()))
+                         plain.rate(), run))
         for label, offline_label, run, sentences in runs.batches:
             rows.append((f"requests of {label}{how} (sentences/s)", sentences / run.wall, "offline encode, batch 32",
-                         offline_rate[offline_label], run.client_share()))
+                         offline_rate[offline_label], run))
         rows.append((f"single sentences from {args.clients} clients{how} (sentences/s)", runs.singles.rate(),
                      "SentenceTransformer.encode per request on FastAPI", baseline.rate(),
-                     runs.singles.client_share()))
+                     runs.singles))
         rows.append((f"engine floor: Ray Serve no-op from one client{how}, p50 / p99 (ms)",
-                     percentiles(runs.floor_one.latencies), "", None, runs.floor_one.client_share()))
+                     percentiles(runs.floor_one.latencies), "", None, runs.floor_one))
         for label, run, against, reference in (
                 (f"at half saturation ({runs.half:.0f} requests/s, paced)", runs.paced, "offline encode, batch 1",
                  offline_p),
                 ("from one client", runs.one, replica_label, replica_p)):
             p50, p99 = percentiles(run.latencies)
-            rows.append((f"latency {label}{how}, p50 / p99 (ms)", (p50, p99), against, reference, run.client_share()))
+            rows.append((f"latency {label}{how}, p50 / p99 (ms)", (p50, p99), against, reference, run))
         if ingress == "default":  # the goals of the command as a user runs it
             singles_ratio = runs.singles.rate() / baseline.rate()
             short_run = next(run for label, _, run, _ in runs.batches if label == SHORT_LABEL)
@@ -557,9 +577,10 @@ def main(argv: list[str] | None = None) -> None:
           f"greedy /v1/completions identical to `generate` alone: {identical}/{len(prompts)} "
           + (f"(int8: not expected, {len(prompts)} prompts batched)\n" if args.int8
              else f"({verdict(identical == len(prompts))})\n"))
-    print("| measure | served | against | reference | served / reference | client CPU (% of the run) |")
-    print("|---|---|---|---|---|---|")
-    for measure, served, against, reference, share in rows:
+    print("| measure | served | against | reference | served / reference | client CPU (% of the run) | the "
+          "replica's own times, median (x-...-time headers) |")
+    print("|---|---|---|---|---|---|---|")
+    for measure, served, against, reference, run in rows:
         if isinstance(served, tuple):
             cells = f"{served[0]:.1f} / {served[1]:.1f} | " + (
                 f"{against} | {reference[0]:.1f} / {reference[1]:.1f} | {served[0] / reference[0]:.2f}x" if reference
@@ -567,7 +588,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cells = f"{served:.1f} | {against or '-'} | " + (
                 f"{reference:.1f} | {served / reference:.2f}x" if reference else "- | -")
-        print(f"| {measure} | {cells} | {share} |")
+        print(f"| {measure} | {cells} | {run.client_share()} | {run.replica_medians()} |")
     print()
     print(*bounds, sep="\n")
 

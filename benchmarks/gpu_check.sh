@@ -61,7 +61,8 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND with a time limit, then a
 mapfile -t PHYSICAL < <(lscpu -p=CPU,CORE,SOCKET 2>/dev/null | awk -F, '!/^#/ && !seen[$2 "," $3]++ {print $1}')
 HOST_CHAINS=4
 if (( ${#PHYSICAL[@]} < 2 * HOST_CHAINS + 2 )); then  # too few physical cores known: every logical CPU
-    echo "host: ${#PHYSICAL[@]} physical cores known; the chains take logical CPUs, siblings maybe" >> "$OUT/summary.txt"
+    echo "host: ${#PHYSICAL[@]} physical cores known; the chains take logical CPUs (siblings maybe)" \
+        >> "$OUT/summary.txt"
     mapfile -t PHYSICAL < <(seq 0 $(($(nproc) - 1)))
 fi
 
@@ -103,7 +104,7 @@ REST=$(IFS=,; echo "${PHYSICAL[*]:$((2 * HOST_CHAINS))}")
 torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device');
 print('transformers', transformers.__version__, transformers.__file__)"
     python3 -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|tokenizers|flash|triton|sentence|accelerate|ray) "
-    PYTHONPATH=$PYTHONPATH python3 -c "import ray, openvino; print('ray', ray.__version__, 'openvino', openvino.__version__)"
+    python3 -c "import ray, openvino; print('ray', ray.__version__, 'openvino', openvino.__version__)"
     lscpu
 } > "$OUT/environment.txt" 2>&1
 

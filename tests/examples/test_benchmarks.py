@@ -520,7 +520,8 @@ def test_serving_benchmark_gives_ray_each_ingress_environment(monkeypatch):
 @pytest.mark.slow
 def test_serving_benchmark_checks_answers_and_reports_every_measure():
     """`bench_serving.py --quick`: Ray Serve's answers under concurrency equal `encode` and `generate` alone, and the
-    report has the engine floor, the throughputs and the latencies, each against its reference."""
+    report has the engine floor, the throughputs and the latencies, each against its reference, and where the
+    replica's time went by its answers' timing headers."""
     pytest.importorskip("ray.serve", reason="the serving benchmark needs Ray Serve: pip install roformer_hf[serve]")
     pytest.importorskip("sentence_transformers", reason="the serving benchmark compares with sentence-transformers")
     # 90-108 s within a full run on a 2-core Xeon, 202 s there when it ran twice as slowly (2026-11-28).
@@ -541,6 +542,13 @@ def test_serving_benchmark_checks_answers_and_reports_every_measure():
         assert float(cells[0].split(" / ")[0]) > 0 and cells[4].endswith("%"), (measure, cells)
         if cells[3] != "-":
             assert float(cells[3].rstrip("x")) > 0
+        # the replica's own times, from the headers of the folder's answers; none from the engine's no-op
+        times = re.fullmatch(r"tokenization ([0-9.]+) / queue ([0-9.]+) / inference ([0-9.]+) / total ([0-9.]+) ms",
+                             cells[5])
+        assert (times is None) == measure.startswith("engine floor"), (measure, cells)
+        if times:
+            tokenization, queue, inference, total = map(float, times.groups())
+            assert max(tokenization, queue, inference) <= total, (measure, cells)
     bound = re.search(r"latency from one client, direct ingress: p50 ([0-9.]+) ms against the bound ([0-9.]+) "
                       r"\(the no-op from one client\) \+ 5 \+ ([0-9.]+) \(offline encode, batch 1\) = ([0-9.]+) ms",
                       result.stdout)
