@@ -18,7 +18,8 @@
 # and roformer_hf from this checkout. Wheels in .whl/ (other versions of pure-Python packages, e.g. the transformers
 # that constraints.txt pins) are installed into a folder put first on PYTHONPATH, and .whl/*.tar.xz (a package's
 # site-packages folders, e.g. Ray or OpenVINO without the parts these steps do not load) unpacked into it; nothing
-# else is installed, so the script also runs on a machine without a network.
+# else is installed, so the script also runs on a machine without a network. `bash benchmarks/device_wheels.sh` fills
+# .whl/ for the GPU image's Python.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -35,7 +36,7 @@ fi
 TAG=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 for archive in .whl/*.tar.xz; do
     [ -e "$archive" ] || continue
-    if [[ $archive == *-cp3* && $archive != *-$TAG-* ]]; then  # built for another Python
+    if [[ $archive == *-cp3* && $archive != *-$TAG.* && $archive != *-$TAG-* ]]; then  # built for another Python
         echo "$archive: not for this Python ($TAG), left out" >> "$OUT/summary.txt"
         continue
     fi
