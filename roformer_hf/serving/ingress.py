@@ -58,7 +58,7 @@ def haproxy_ports_env() -> dict[str, str]:
     missing = [name for name in HAPROXY_PORTS if name not in os.environ]
     if not missing:
         return {}
-    first = free_ports(len(missing))
+    first = free_ports(len(missing), host="0.0.0.0")  # HAProxy's pages listen on every address
     return {name: str(first + i) for i, name in enumerate(missing)}
 
 

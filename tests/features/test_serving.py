@@ -241,6 +241,38 @@ def test_cli_refuses_an_unservable_folder_before_the_port_opens(folders, tmp_pat
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens
 
 
+def test_haproxy_pages_get_ports_free_on_every_address(monkeypatch):
+    """HAProxy's Prometheus and stats pages listen on every address (0.0.0.0), so their ports are probed there: a port
+    that another program holds on another of the machine's addresses is passed over, where a probe on the loopback
+    alone would hand it out and HAProxy would stop at "cannot bind socket"."""
+    from roformer_hf.serving import ingress
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.connect(("192.0.2.1", 9))  # sends nothing: the address the machine would send from
+            address = udp.getsockname()[0]
+    except OSError:
+        address = "127.0.0.1"
+    if address.startswith("127."):
+        pytest.skip("this machine has no address but the loopback")
+    held_port = ingress.free_ports(1, host="0.0.0.0")
+    choose = ingress.random.choice
+    chosen = []
+
+    def held_first(starts):  # the held port first, then as free_ports chooses
+        chosen.append(choose(starts) if chosen else held_port)
+        return chosen[-1]
+
+    for name in ingress.HAPROXY_PORTS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(ingress.random, "choice", held_first)
+    with socket.socket() as held:
+        held.bind((address, held_port))
+        held.listen()
+        ports = {int(port) for port in ingress.haproxy_ports_env().values()}
+    assert len(chosen) >= 2 and held_port not in ports and len(ports) == len(ingress.HAPROXY_PORTS), (chosen, ports)
+
+
 def test_direct_ports_are_checked_before_ray_starts(folders, capsys, caplog, monkeypatch, tmp_path):
     from roformer_hf.serving import direct_ingress_env, ephemeral_ports
     from roformer_hf.serving import ingress as serving
