@@ -58,7 +58,7 @@ def haproxy_ports_env() -> dict[str, str]:
     missing = [name for name in HAPROXY_PORTS if name not in os.environ]
     if not missing:
         return {}
-    first = free_ports(len(missing), host="0.0.0.0")  # HAProxy's pages listen on every address
+    first = free_ports(len(missing))
     return {name: str(first + i) for i, name in enumerate(missing)}
 
 
@@ -72,11 +72,13 @@ def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tup
         return None
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> int:
+def free_ports(count: int, host: str = "0.0.0.0") -> int:
     """The first of `count` consecutive ports free on `host` below the system's ephemeral ports, above Ray's worker
     ports (10002-19999) and outside Ray Serve's own direct-ingress ports (30000-30999, where its replicas listen
     unless told otherwise): a range for `direct_ingress_env(port, replicas)` with `count = 2 * replicas`, or a port
-    for a server that starts later (no outgoing connection can take it meanwhile)."""
+    for a server that starts later (no outgoing connection can take it meanwhile). The default `host` probes every
+    address at once: HAProxy's pages and the replicas listen beyond the loopback, where Ray's processes hold ports
+    of their own."""
     below = (ephemeral_ports() or (32768, 60999))[0]
     starts = [port for low, high in ((20000, min(30000, below)), (31000, below)) for port in range(low, high - count)]
     if not starts:

@@ -242,9 +242,9 @@ def test_cli_refuses_an_unservable_folder_before_the_port_opens(folders, tmp_pat
 
 
 def test_haproxy_pages_get_ports_free_on_every_address(monkeypatch):
-    """HAProxy's Prometheus and stats pages listen on every address (0.0.0.0), so their ports are probed there: a port
-    that another program holds on another of the machine's addresses is passed over, where a probe on the loopback
-    alone would hand it out and HAProxy would stop at "cannot bind socket"."""
+    """HAProxy's Prometheus and stats pages listen on every address (0.0.0.0), so `free_ports` probes them there: a
+    port that another program holds on another of the machine's addresses is passed over, where a probe on the
+    loopback alone would hand it out and HAProxy would stop at "cannot bind socket"."""
     from roformer_hf.serving import ingress
 
     try:
@@ -255,7 +255,7 @@ def test_haproxy_pages_get_ports_free_on_every_address(monkeypatch):
         address = "127.0.0.1"
     if address.startswith("127."):
         pytest.skip("this machine has no address but the loopback")
-    held_port = ingress.free_ports(1, host="0.0.0.0")
+    held_port = ingress.free_ports(1)
     choose = ingress.random.choice
     chosen = []
 
