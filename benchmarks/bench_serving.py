@@ -14,9 +14,9 @@ What it does:
 2. Offline, in this process with the server's torch threads (replicas x threads), after a warm-up pass: `encode` of
    each sentence alone (batch-1 latency; with several replicas, also with one replica's threads), of all of them in
    batches of 32 (sentences/s, the best of `--passes`), greedy `model.generate` of each prompt alone.
-3. The engine's floor: a no-op Ray Serve deployment behind FastAPI, without and with `@serve.batch`, against the same
-   constant from FastAPI alone on uvicorn (a subprocess), requests/s from `--clients` keep-alive clients, and the
-   no-op's latency from one client.
+3. The engine's floor: a no-op Ray Serve deployment behind FastAPI, without and with batching as the server batches
+   (`roformer_hf.serving.batching.Batcher`), against the same constant from FastAPI alone on uvicorn (a subprocess),
+   requests/s from `--clients` keep-alive clients, and the no-op's latency from one client.
    Steps 3 and 4 run once per `--ingress`, each on a fresh local Ray: as `roformer-hf serve` sets it up by default
    (HAProxy where it runs, Ray Serve's errors as JSON), through Ray's Python HTTP proxy, through Ray's HAProxy in its
    place (`roformer_hf.serving.haproxy_env`), and with direct ingress (the replica answers HTTP
@@ -353,7 +353,7 @@ def served_runs(args, ingress: str, folder: Path, threads: int, client: Client, 
         from serving_apps import BatchedNoop, Noop
 
         constant, floor = [{}] * args.requests, []
-        for name, deployment in (("no-op", Noop), ("no-op, @serve.batch", BatchedNoop)):
+        for name, deployment in (("no-op", Noop), ("no-op, batched", BatchedNoop)):
             serve.run(deployment.bind(), name="noop", route_prefix="/noop")
             client.wait_until_up(f"{base}/noop/health")
             client.load(f"{base}/noop/", constant[:64], args.clients)

@@ -1,8 +1,8 @@
 """The applications `bench_serving.py` measures Ray Serve against, importable by Ray's workers and by uvicorn
 (`uvicorn serving_apps:plain`, run from this folder):
 
-- `Noop`, `BatchedNoop`: Ray Serve deployments behind FastAPI that answer a constant, without and with `@serve.batch`:
-  the engine's own cost per request.
+- `Noop`, `BatchedNoop`: Ray Serve deployments behind FastAPI that answer a constant, without and with batching
+  across requests as the server batches (`roformer_hf.serving.batching.Batcher`): the engine's own cost per request.
 - `plain`: the same constant from a FastAPI app alone, for uvicorn.
 - `sentence_transformers_app`: FastAPI calling `SentenceTransformer(folder).encode` once per request, the folder read
   from the `SERVING_FOLDER` environment variable (`SERVING_THREADS` torch threads).
@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 from fastapi import FastAPI
 from ray import serve
 
 ANSWER = {"ok": True}
+ONE_TOKEN = SimpleNamespace(tokens=1)  # what a no-op request costs a batch
 
 plain = FastAPI()
 
@@ -48,13 +50,17 @@ class Noop:
 @serve.deployment(max_ongoing_requests=256)
 @serve.ingress(batched_app)
 class BatchedNoop:
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.001)
-    async def run(self, items: list[int]) -> list[dict]:
-        return [ANSWER] * len(items)
+    def __init__(self):
+        from roformer_hf.serving.batching import Batcher
+
+        self.batcher = Batcher(self.run, budget=64)
+
+    async def run(self, kind: str, chunks: list) -> list[dict]:
+        return [ANSWER] * len(chunks)
 
     @batched_app.post("/")
     async def answer(self) -> dict:
-        return await self.run(0)
+        return await self.batcher.submit("noop", ONE_TOKEN, wait_s=0.001)
 
     @batched_app.get("/health")
     async def health(self) -> dict:

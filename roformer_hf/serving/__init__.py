@@ -8,8 +8,9 @@
 - `protocol`: the table of routes, typed request bodies, and inputs read into token ids; one module per protocol
   fills it: `openai_api` (OpenAI's), `tei_api` (text-embeddings-inference's), `native_api` (this server's own).
 - `served`: `ServedModel`, the three together as plain Python, usable without Ray (`answer(path, body)`).
-- `app`: the Ray Serve deployment `RoFormerServer`: the FastAPI ingress, batching across requests, the guards, the
-  health check. `ingress`: the ways in (HAProxy, direct ingress) and their ports.
+- `app`: the Ray Serve deployment `RoFormerServer`: the FastAPI ingress, batching across requests (`batching`: a
+  batch formed when the model thread is free), the guards, the health check. `ingress`: the ways in (HAProxy, direct
+  ingress) and their ports.
 - `build_app`: the application, for the CLI, `serve run` and a Serve config file.
 
 The package `roformer_hf` does not import this one, so the core install needs no Ray.

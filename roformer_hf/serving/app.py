@@ -2,9 +2,9 @@
 with other requests' on the replica's model thread, the guards in front (API key, body size), every error in OpenAI's
 shape, and a health check that runs the model.
 
-A request's items go to the batched method of their kind (`serve.batch`) in chunks of at most `max_batch_tokens`,
-counted as a chunk will cost (a completion: its prompt plus the tokens it may generate), and Ray Serve groups the
-chunks of concurrent requests up to `max_batch_tokens` or `batch_wait_ms`; a batch is one forward (or one
+A request's items go to the replica's `batching.Batcher` in chunks of at most `max_batch_tokens`, counted as a
+chunk will cost (a completion: its prompt plus the tokens it may generate); when the model thread is free, the chunks
+of concurrent requests that wait, of one kind, up to `max_batch_tokens`, make one batch: one forward (or one
 `generate`), and every request gets its own rows back.
 """
 
@@ -29,11 +29,12 @@ from ray.serve.metrics import Counter, Histogram
 from starlette.exceptions import HTTPException
 
 from . import guards
+from .batching import Batcher
 from .errors import RequestError, RowError, error_body
 from .guards import Guarded, json_response
 from .protocol import ROUTES, Parsed, Route, validation_error
 from .served import ServedModel, raise_row_errors
-from .tasks import KINDS, Item, by_tokens
+from .tasks import Item, by_tokens
 
 logger = logging.getLogger("ray.serve")  # Ray Serve shows its logger's lines in the replica's log and the driver's
 
@@ -95,32 +96,6 @@ def chunks(items: list[Item], budget: int) -> list[Chunk]:
     alone (the parsers keep inputs within the model's length, and the budget is at least that)."""
     runs = by_tokens(list(range(len(items))), [item.tokens for item in items], budget) or [[]]
     return [Chunk([items[i] for i in run], min(sum(items[i].tokens for i in run), budget)) for run in runs]
-
-
-def _batch_tokens(batch: list[Chunk]) -> int:
-    return sum(chunk.tokens for chunk in batch)
-
-
-def _batched(kind: str):
-    """The batched method `run_<kind>`: it takes one chunk, and Ray Serve groups the chunks of concurrent requests up
-    to the token budget (the replica sets the budget and the wait); the batch runs on the model thread, and each chunk
-    gets its results back with the batch's start and end."""
-
-    async def run(self, batch: list[Chunk]) -> list[tuple[float, float, list]]:
-        items = [item for chunk in batch for item in chunk.items]
-        self.batch_tokens.observe(_batch_tokens(batch), tags={"kind": kind})
-        self.batch_size.observe(len(items), tags={"kind": kind})
-        start = time.perf_counter()
-        results = await self.thread.call(self.served.run, items)
-        end = time.perf_counter()
-        out, offset = [], 0
-        for chunk in batch:
-            out.append((start, end, results[offset:offset + len(chunk.items)]))
-            offset += len(chunk.items)
-        return out
-
-    run.__name__ = run.__qualname__ = f"run_{kind}"  # serve.batch finds the method by its name
-    return serve.batch(max_batch_size=4096, batch_wait_timeout_s=0.005, batch_size_fn=_batch_tokens)(run)
 
 
 class ModelThread:
@@ -206,10 +181,9 @@ class RoFormerServer:
                              f"{self.served.loaded.max_length} tokens")
         guards.GUARD.api_key, guards.GUARD.payload_limit = api_key, payload_limit
         self.thread = ModelThread(self.served, stall_s)
+        self.batcher = Batcher(self.run_batch, max_batch_tokens)
         self.max_batch_tokens, self.request_timeout_s = max_batch_tokens, request_timeout_s
         self.batch_wait_s, self.ongoing = batch_wait_ms / 1000, 0  # requests past parsing, not yet answered
-        for kind in KINDS:
-            getattr(self, f"run_{kind}").set_max_batch_size(max_batch_tokens)
         self.batch_tokens = Histogram("roformer_batch_tokens", description="Tokens per batch, as a batch counts them.",
                                       boundaries=[16, 64, 256, 1024, 4096, 16384], tag_keys=("kind",))
         self.batch_size = Histogram("roformer_batch_size", description="Inputs per batch.",
@@ -221,7 +195,19 @@ class RoFormerServer:
                     self.served.loaded.describe(), threads, max_batch_tokens, batch_wait_ms,
                     ", ".join(self.served.routes))
 
-    run_embed, run_classify, run_fill_mask, run_complete, run_similar = (_batched(kind) for kind in KINDS)
+    async def run_batch(self, kind: str, batch: list[Chunk]) -> list[tuple[float, float, list]]:
+        """One batch on the model thread: each chunk's results, with the batch's start and end."""
+        items = [item for chunk in batch for item in chunk.items]
+        self.batch_tokens.observe(sum(chunk.tokens for chunk in batch), tags={"kind": kind})
+        self.batch_size.observe(len(items), tags={"kind": kind})
+        start = time.perf_counter()
+        results = await self.thread.call(self.served.run, items)
+        end = time.perf_counter()
+        out, offset = [], 0
+        for chunk in batch:
+            out.append((start, end, results[offset:offset + len(chunk.items)]))
+            offset += len(chunk.items)
+        return out
 
     async def check_health(self) -> None:
         """Ray Serve's health check: the model runs (or is making progress); else Ray Serve replaces the replica."""
@@ -266,12 +252,12 @@ class RoFormerServer:
         yield b"data: [DONE]\n\n"
 
     async def run_items(self, items: list[Item], timing: Timing) -> list:
-        batched = getattr(self, f"run_{items[0].kind}")
         # The batch wait pays only where other requests can join: a request alone in the replica goes at once.
-        batched.set_batch_wait_timeout_s(self.batch_wait_s if self.ongoing else 0.0)
+        wait_s = self.batch_wait_s if self.ongoing else 0.0
         self.ongoing += 1
         try:
-            answers = await asyncio.gather(*(batched(chunk) for chunk in chunks(items, self.max_batch_tokens)))
+            answers = await asyncio.gather(*(self.batcher.submit(items[0].kind, chunk, wait_s)
+                                             for chunk in chunks(items, self.max_batch_tokens)))
         finally:
             self.ongoing -= 1
         timing.batch_start = min(start for start, _, _ in answers)
