@@ -170,8 +170,9 @@ def save_sim_folder(folder: Path, size, lines: list[str]):
 
 
 # text-embeddings-inference's timing headers that the server sets on each answer (ms): where a request's time went
-# inside the replica, from the handler's start.
+# inside the replica, from the handler's start; and the server's own `x-batch-size`, the inputs of the batch it ran in.
 REPLICA_TIMES = ("x-tokenization-time", "x-queue-time", "x-inference-time", "x-total-time")
+BATCH_SIZE = "x-batch-size"
 
 
 @dataclass
@@ -183,11 +184,20 @@ class Run:
     replica_times: list[dict[str, float]]  # per answer, REPLICA_TIMES where the server sent them
 
     def replica_medians(self) -> str:
-        """The medians of the replica's own times, "tokenization 0 / queue 3 / inference 7 / total 11 ms"."""
-        medians = [(name.removeprefix("x-").removesuffix("-time"),
-                    median(times[name] for times in self.replica_times)) for name in REPLICA_TIMES
-                   if self.replica_times and all(name in times for times in self.replica_times)]
-        return " / ".join(f"{name} {value:g}" for name, value in medians) + " ms" if medians else "-"
+        """The medians of the replica's own times and batch sizes, "tokenization 0 / queue 3 / inference 7 / total 11
+        ms, batch 12"."""
+        def med(name: str) -> float | None:
+            if self.replica_times and all(name in times for times in self.replica_times):
+                return median(times[name] for times in self.replica_times)
+            return None
+
+        medians = [(name.removeprefix("x-").removesuffix("-time"), med(name)) for name in REPLICA_TIMES
+                   if med(name) is not None]
+        if not medians:
+            return "-"
+        batch = med(BATCH_SIZE)
+        return " / ".join(f"{name} {value:g}" for name, value in medians) + " ms" + (
+            f", batch {batch:g}" if batch is not None else "")
 
     def rate(self, per_request: int = 1) -> float:
         return len(self.answers) * per_request / self.wall
@@ -214,7 +224,8 @@ class Client:
         if response.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
         seconds = time.perf_counter() - start
-        times = {name: float(response.headers[name]) for name in REPLICA_TIMES if name in response.headers}
+        times = {name: float(response.headers[name]) for name in (*REPLICA_TIMES, BATCH_SIZE)
+                 if name in response.headers}
         return orjson.loads(response.content), seconds, times  # 32 x 768 floats: 2.2 ms, `json` 4.8
 
     def load(self, url: str, bodies: list[dict], clients: int, rate: float | None = None) -> Run:
@@ -578,7 +589,7 @@ def main(argv: list[str] | None = None) -> None:
           + (f"(int8: not expected, {len(prompts)} prompts batched)\n" if args.int8
              else f"({verdict(identical == len(prompts))})\n"))
     print("| measure | served | against | reference | served / reference | client CPU (% of the run) | the "
-          "replica's own times, median (x-...-time headers) |")
+          "replica's own times and batch size, median (x-...-time, x-batch-size headers) |")
     print("|---|---|---|---|---|---|---|")
     for measure, served, against, reference, run in rows:
         if isinstance(served, tuple):

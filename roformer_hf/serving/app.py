@@ -150,6 +150,7 @@ class Timing:
     parsed: float = 0.0
     batch_start: float = 0.0
     batch_end: float = 0.0
+    batch_size: int = 0  # the inputs of the largest batch the request's inputs ran in
 
     def headers(self, tokens: int, device: str) -> dict[str, str]:
         now = time.perf_counter()
@@ -159,7 +160,8 @@ class Timing:
                 "x-compute-time": f"{(now - self.start) * 1000:.0f}", "x-compute-tokens": str(tokens),
                 "x-total-time": f"{(now - self.start) * 1000:.0f}",
                 "x-tokenization-time": f"{(self.parsed - self.start) * 1000:.0f}",
-                "x-queue-time": f"{queue * 1000:.0f}", "x-inference-time": f"{inference * 1000:.0f}"}
+                "x-queue-time": f"{queue * 1000:.0f}", "x-inference-time": f"{inference * 1000:.0f}",
+                "x-batch-size": str(self.batch_size)}
 
 
 class RoFormerServer:
@@ -195,8 +197,8 @@ class RoFormerServer:
                     self.served.loaded.describe(), threads, max_batch_tokens, batch_wait_ms,
                     ", ".join(self.served.routes))
 
-    async def run_batch(self, kind: str, batch: list[Chunk]) -> list[tuple[float, float, list]]:
-        """One batch on the model thread: each chunk's results, with the batch's start and end."""
+    async def run_batch(self, kind: str, batch: list[Chunk]) -> list[tuple[float, float, int, list]]:
+        """One batch on the model thread: each chunk's results, with the batch's start, end and inputs."""
         items = [item for chunk in batch for item in chunk.items]
         self.batch_tokens.observe(sum(chunk.tokens for chunk in batch), tags={"kind": kind})
         self.batch_size.observe(len(items), tags={"kind": kind})
@@ -205,7 +207,7 @@ class RoFormerServer:
         end = time.perf_counter()
         out, offset = [], 0
         for chunk in batch:
-            out.append((start, end, results[offset:offset + len(chunk.items)]))
+            out.append((start, end, len(items), results[offset:offset + len(chunk.items)]))
             offset += len(chunk.items)
         return out
 
@@ -260,9 +262,10 @@ class RoFormerServer:
                                              for chunk in chunks(items, self.max_batch_tokens)))
         finally:
             self.ongoing -= 1
-        timing.batch_start = min(start for start, _, _ in answers)
-        timing.batch_end = max(end for _, end, _ in answers)
-        return [result for _, _, results in answers for result in results]
+        timing.batch_start = min(start for start, _, _, _ in answers)
+        timing.batch_end = max(end for _, end, _, _ in answers)
+        timing.batch_size = max(size for _, _, size, _ in answers)
+        return [result for _, _, _, results in answers for result in results]
 
 
 def _endpoint(entry: Route):

@@ -543,12 +543,13 @@ def test_serving_benchmark_checks_answers_and_reports_every_measure():
         if cells[3] != "-":
             assert float(cells[3].rstrip("x")) > 0
         # the replica's own times, from the headers of the folder's answers; none from the engine's no-op
-        times = re.fullmatch(r"tokenization ([0-9.]+) / queue ([0-9.]+) / inference ([0-9.]+) / total ([0-9.]+) ms",
-                             cells[5])
+        times = re.fullmatch(r"tokenization ([0-9.]+) / queue ([0-9.]+) / inference ([0-9.]+) / total ([0-9.]+) ms, "
+                             r"batch ([0-9.]+)", cells[5])
         assert (times is None) == measure.startswith("engine floor"), (measure, cells)
         if times:
-            tokenization, queue, inference, total = map(float, times.groups())
+            tokenization, queue, inference, total, batch = map(float, times.groups())
             assert max(tokenization, queue, inference) <= total, (measure, cells)
+            assert batch >= (32 if "requests of 32 short" in measure else 1), (measure, cells)  # one request: one batch
     bound = re.search(r"latency from one client, direct ingress: p50 ([0-9.]+) ms against the bound ([0-9.]+) "
                       r"\(the no-op from one client\) \+ 5 \+ ([0-9.]+) \(offline encode, batch 1\) = ([0-9.]+) ms",
                       result.stdout)

@@ -1297,6 +1297,7 @@ def test_http_text_embeddings_inference_routes(server, served):
     assert info["model_type"]["classifier"]["id2label"] == {"0": "comedy", "1": "history", "2": "tragedy"}
     response = _post(f"{server}/clf/embed", {"inputs": SENTENCES[:2], "truncation_direction": "Left"})
     assert {"x-compute-time", "x-tokenization-time", "x-queue-time", "x-inference-time"} <= set(response.headers)
+    assert int(response.headers["x-batch-size"]) >= 2  # the request's two inputs ran in one batch
     torch.testing.assert_close(torch.tensor(response.json()), encode(clf.model, clf.tokenizer, SENTENCES[:2],
                                                                      normalize=True), atol=1e-5, rtol=0)
     tokens = _post(f"{server}/clf/tokenize", {"inputs": "the king"}).json()
