@@ -549,7 +549,8 @@ def test_serving_benchmark_checks_answers_and_reports_every_measure():
         if times:
             tokenization, queue, inference, total, batch = map(float, times.groups())
             assert max(tokenization, queue, inference) <= total, (measure, cells)
-            assert batch >= (32 if "requests of 32 short" in measure else 1), (measure, cells)  # one request: one batch
+            # a request's inputs run in one batch: requests of 32 (and one of 16, the last of --quick's 48) batch many
+            assert batch >= (16 if "requests of 32 short" in measure else 1), (measure, cells)
     bound = re.search(r"latency from one client, direct ingress: p50 ([0-9.]+) ms against the bound ([0-9.]+) "
                       r"\(the no-op from one client\) \+ 5 \+ ([0-9.]+) \(offline encode, batch 1\) = ([0-9.]+) ms",
                       result.stdout)
