@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="tokens per batch at most (a completion counts its prompt and max_tokens) "
                                "(default: %(default)s)")
     batching.add_argument("--batch-wait-ms", type=float, default=5.0,
-                          help="how long a batch waits to fill (default: %(default)s)")
+                          help="how long a batch waits for more inputs while the model is free and other "
+                               "requests are in the replica (default: %(default)s)")
     batching.add_argument("--max-inputs", type=int, default=256,
                           help="inputs one request may carry at most (default: %(default)s)")
     batching.add_argument("--max-ongoing-requests", type=int, default=64,
