@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow  # a Ray cluster of two nodes
 APP = "cluster"
 DEADLINE_S = 30  # both replicas seen answering
 CLIENTS = 4
+SHUTDOWN_S = 60  # the replicas gone after serve.shutdown() returns
 
 
 @pytest.fixture(scope="module")
@@ -87,5 +88,8 @@ def test_shutdown_is_clean(cluster):
     """Last in the module: Ray Serve shuts down, the application's replicas with it."""
     from ray import serve
 
-    serve.shutdown()
-    assert replica_processes(APP) == {}
+    serve.shutdown()  # it gives up waiting for the controller after 30 s, with a warning, on a machine under load
+    deadline = time.monotonic() + SHUTDOWN_S
+    while (live := replica_processes(APP)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert live == {}
