@@ -32,6 +32,7 @@ from . import guards
 from .batching import Batcher
 from .errors import RequestError, RowError, error_body
 from .guards import Guarded, json_response
+from .native_api import health
 from .protocol import ROUTES, Parsed, Route, validation_error
 from .served import ServedModel, raise_row_errors
 from .tasks import Item, by_tokens
@@ -62,6 +63,8 @@ async def _invalid(request: Request, error: RequestValidationError) -> Response:
     entry = ROUTE_OF.get((request.method, getattr(route, "path", None)))
     if entry is None or entry.body is None:
         return json_response(422, error_body(422, f"{request.method} {request.url.path}: {first.get('msg')}"))
+    if entry.body is dict:
+        return json_response(422, error_body(422, f"body={error.body!r:.60}: expected a JSON object"))
     try:
         entry.body.model_validate(error.body if error.body is not None else {})
     except ValidationError as again:
@@ -217,7 +220,7 @@ class RoFormerServer:
 
     async def handle(self, entry: Route, request: Request, body: Any) -> Response:
         timing = Timing()
-        if entry.path == "/health" and self.thread.failure is not None:
+        if entry.handler is health and self.thread.failure is not None:
             raise RequestError(503, None, f"this replica cannot run its model ({self.thread.failure}): expected Ray "
                                "Serve to replace it", code="unhealthy", headers={"retry-after": "1"})
         try:
@@ -277,8 +280,8 @@ def _endpoint(entry: Route):
     else:
         async def endpoint(self, request: Request, body: entry.body):
             return await self.handle(entry, request, body)
-    endpoint.__name__ = f"{entry.method.lower()}_{entry.protocol}_" + "".join(
-        c if c.isalnum() else "_" for c in entry.path).strip("_")
+    endpoint.__name__ = f"{entry.method.lower()}_{entry.protocol}_" + ("".join(
+        c if c.isalnum() else "_" for c in entry.path).strip("_") or "root")
     endpoint.__qualname__ = f"RoFormerServer.{endpoint.__name__}"  # how Ray Serve tells the class's routes
     return endpoint
 

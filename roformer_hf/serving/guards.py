@@ -13,7 +13,8 @@ from starlette.exceptions import HTTPException
 
 from .errors import error_body
 
-OPEN_PATHS = ("/health",)  # answered without the API key, as a load balancer's probe asks
+# Answered without the API key, as a load balancer's probe asks: the health routes.
+OPEN_ROUTES = (("GET", "/health"), ("GET", "/"), ("GET", "/ping"))
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Guarded:
     def _refusal(scope) -> Response | None:
         headers = dict(scope.get("headers", []))
         path, root = scope["path"], scope.get("root_path", "")  # Ray Serve's route prefix is the root path
-        if GUARD.api_key is not None and path.removeprefix(root) not in OPEN_PATHS:
+        if GUARD.api_key is not None and (scope["method"], path.removeprefix(root) or "/") not in OPEN_ROUTES:
             given = headers.get(b"authorization", b"").decode("latin-1")
             token = given[7:] if given[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), GUARD.api_key.encode()):

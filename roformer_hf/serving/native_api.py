@@ -1,6 +1,6 @@
 """This server's own routes, for what neither OpenAI nor text-embeddings-inference has: `POST /fill-mask` (the
 fill-mask pipeline's answer) on a masked LM and `POST /similar` (`roformer_hf.similarity.generate_similar`) on
-RoFormer-Sim; and `GET /health`."""
+RoFormer-Sim; and `GET /health` (also at text-embeddings-inference's `GET /` and `GET /ping`)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ def similar(served: ServedModel, body: SimilarRequest, _) -> Parsed:
 
 
 @route("GET", "/health", None, "roformer_hf")
+@route("GET", "/", None, "tei")  # text-embeddings-inference's health routes: Inference Endpoints' and SageMaker's probes
+@route("GET", "/ping", None, "tei")
 def health(served: ServedModel, _, __) -> Parsed:
     return Parsed([], lambda _: {"status": "ok", "model": served.loaded.name, "routes": served.routes})
 

@@ -84,6 +84,7 @@ def check_dimensions(served: ServedModel, dimensions: int | None) -> None:
 
 
 @route("POST", "/v1/embeddings", EmbeddingsRequest, "openai")
+@route("POST", "/embeddings", EmbeddingsRequest, "openai")  # the path of clients given the server's root as base URL
 def embeddings(served: ServedModel, body: EmbeddingsRequest, _) -> Parsed:
     check_model(served, body.model)
     check_dimensions(served, body.dimensions)

@@ -41,12 +41,13 @@ class Parsed:
 
 @dataclass(frozen=True)
 class Route:
-    """One route: its method and path, its body's type (None for a GET), the protocol it belongs to, whether a folder
-    serves it, and the handler from `(served, body, path parameters)` to the parsed request."""
+    """One route: its method and path, its body's type (a `Body`; `dict` for any JSON object, which the handler reads
+    itself; None for a GET), the protocol it belongs to, whether a folder serves it, and the handler from `(served,
+    body, path parameters)` to the parsed request."""
 
     method: str
     path: str
-    body: type[Body] | None
+    body: type[Body] | type[dict] | None
     protocol: str
     serves: Callable[[Any], bool]
     handler: Callable[[ServedModel, Any, dict[str, str]], Parsed]
@@ -71,8 +72,8 @@ def validation_error(error: ValidationError, entry: Route) -> RequestError:
     location = [str(part) for part in first["loc"] if part != "body"]
     param = location[0] if location else None
     if first["type"] == "extra_forbidden":
-        return RequestError(422, param, f"{param}: not a field of {entry.path}: expected only the fields of its "
-                            "schema (/docs lists them)")
+        return RequestError(422, param, f"{'.'.join(location)}: not a field of {entry.path}: expected only the fields "
+                            "of its schema (/docs lists them)")
     described = entry.body.model_fields.get(param) if param is not None else None
     if described is not None and described.description is not None:  # a union: say what it takes, not each try
         return RequestError(422, param, f"{param}={first.get('input')!r:.60}: expected {described.description}")

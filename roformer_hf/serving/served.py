@@ -24,9 +24,9 @@ class ServedModel(Tasks):
     """A saved folder, loaded once, and the routes it answers.
 
     Every model answers OpenAI's `/v1/embeddings` and `/v1/models`, text-embeddings-inference's `/embed`,
-    `/tokenize`, `/decode` and `/info`, and `/health`. A sequence classifier answers `/predict` too, one of a single
-    label (a cross-encoder) `/rerank`; a masked LM `/fill-mask`; a causal LM `/v1/completions`; RoFormer-Sim
-    `/similar`.
+    `/similarity`, `/tokenize`, `/decode`, `/info` and `POST /` (as the folder's own route), and `/health`. A sequence
+    classifier answers `/predict` too, one of a single label (a cross-encoder) `/rerank`; a masked LM `/fill-mask`; a
+    causal LM `/v1/completions`; RoFormer-Sim `/similar`.
 
     Args:
         folder: written by `save_pretrained`, the converter or sentence-transformers; it must hold a tokenizer.
@@ -98,7 +98,7 @@ class ServedModel(Tasks):
         if entry.body is not None:
             if not isinstance(body, (dict, entry.body)):
                 raise RequestError(422, None, f"body={body!r:.60}: expected a JSON object")
-            if isinstance(body, dict):
+            if isinstance(body, dict) and entry.body is not dict:
                 try:
                     body = entry.body.model_validate(body)
                 except ValidationError as error:

@@ -1,10 +1,11 @@
 """text-embeddings-inference's API: `POST /embed`, `/rerank` (a cross-encoder: a sequence classifier of one label),
-`/predict` (sentences or sentence pairs), `/tokenize`, `/decode`, and `GET /info`. The answers have TEI's shapes;
-errors have OpenAI's, as every route of this server."""
+`/predict` (sentences or sentence pairs), `/similarity`, `/tokenize`, `/decode`, `GET /info`, and `POST /` (also
+`/invocations`, SageMaker's path), which answers as the folder's own route does. The answers have TEI's shapes; errors
+have OpenAI's, as every route of this server."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import Field, StrictBool, StrictInt, StrictStr
@@ -37,7 +38,46 @@ def embed(served: ServedModel, body: EmbedRequest, _) -> Parsed:
                   lambda vectors: torch.stack(cut(vectors, body.dimensions, body.normalize)).numpy())
 
 
+class SimilarityInput(Body):
+    source_sentence: StrictStr
+    sentences: list[StrictStr]
+
+
+class SimilarityParameters(Body):
+    truncate: StrictBool = False
+    truncation_direction: Direction = "Right"
+    prompt_name: StrictStr | None = None
+
+
+class SimilarityRequest(Body):
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None
+
+
+@route("POST", "/similarity", SimilarityRequest, "tei")
+def similarity(served: ServedModel, body: SimilarityRequest, _) -> Parsed:
+    """The cosine similarity of `source_sentence`'s embedding with each of `sentences`' (the huggingface_hub client's
+    `sentence_similarity`)."""
+    options = body.parameters or SimilarityParameters()
+    read = {"truncate": options.truncate, "direction": options.truncation_direction,
+            "prompt_name": options.prompt_name}
+    source, _ = token_rows(served, body.inputs.source_sentence, "inputs.source_sentence", **read)
+    others, _ = token_rows(served, body.inputs.sentences, "inputs.sentences", **read)
+
+    def respond(vectors):
+        return torch.nn.functional.cosine_similarity(vectors[0][None], torch.stack(vectors[1:])).tolist()
+
+    return Parsed([Item("embed", (), row, len(row)) for row in source + others], respond)
+
+
 Sequence = StrictStr | list[StrictStr]
+
+
+class PredictParameters(Body):
+    """The text-classification task's parameters, as the huggingface_hub client sends them."""
+
+    function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None
+    top_k: StrictInt | None = Field(None, ge=1)
 
 
 class PredictRequest(Body):
@@ -45,6 +85,7 @@ class PredictRequest(Body):
     raw_scores: StrictBool = False
     truncate: StrictBool = False
     truncation_direction: Direction = "Right"
+    parameters: PredictParameters | None = None
 
 
 class RerankRequest(Body):
@@ -75,14 +116,14 @@ def _encode_pairs(served: ServedModel, firsts: list[str], seconds: list[str | No
     return rows
 
 
-def _scores(served: ServedModel, logits: torch.Tensor, raw: bool) -> torch.Tensor:
+def _scores(served: ServedModel, logits: torch.Tensor, raw: bool, function: str | None = None) -> torch.Tensor:
     """Scores as TEI gives them: the logits where `raw`, else a sigmoid for one label or several independent ones,
-    a softmax otherwise."""
-    if raw:
-        return logits
-    config = served.loaded.config
-    multi = config.problem_type == "multi_label_classification" or config.num_labels == 1
-    return logits.sigmoid() if multi else logits.softmax(-1)
+    a softmax otherwise; `function` ("sigmoid", "softmax", "none") in place of that choice where given."""
+    if function is None:
+        config = served.loaded.config
+        multi = config.problem_type == "multi_label_classification" or config.num_labels == 1
+        function = "none" if raw else "sigmoid" if multi else "softmax"
+    return {"none": logits, "sigmoid": logits.sigmoid(), "softmax": logits.softmax(-1)}[function]
 
 
 def _classifier(loaded) -> bool:
@@ -93,6 +134,10 @@ def _classifier(loaded) -> bool:
 def predict(served: ServedModel, body: PredictRequest, _) -> Parsed:
     # As TEI reads `inputs`: a string, or a list of two strings, is one input (a sentence, a pair); a list of more
     # strings, or of strings and pairs, is a batch.
+    options = body.parameters or PredictParameters()
+    if body.raw_scores and options.function_to_apply not in (None, "none"):
+        raise RequestError(422, "parameters", f"raw_scores=true with parameters.function_to_apply="
+                           f"{options.function_to_apply!r}: expected one of the two (raw scores are function 'none')")
     value = body.inputs
     single = isinstance(value, str) or (len(value) == 2 and all(isinstance(v, str) for v in value))
     inputs = [value] if single else value
@@ -107,8 +152,9 @@ def predict(served: ServedModel, body: PredictRequest, _) -> Parsed:
     labels = served.loaded.config.id2label
 
     def respond(logits):
-        answers = [sorted(({"score": s, "label": labels[k]} for k, s in
-                           enumerate(_scores(served, row, body.raw_scores).tolist())), key=lambda e: -e["score"])
+        answers = [sorted(({"score": s, "label": labels[k]} for k, s in enumerate(
+                    _scores(served, row, body.raw_scores, options.function_to_apply).tolist())),
+                          key=lambda e: -e["score"])[:options.top_k]
                    for row in logits]
         return answers[0] if single else answers
 
@@ -174,6 +220,23 @@ def decode(served: ServedModel, body: DecodeRequest, _) -> Parsed:
     return Parsed([], lambda _: texts)
 
 
+def default_path(loaded) -> str:
+    """The route `POST /` answers as, text-embeddings-inference's choice by the model: `/rerank` for a cross-encoder,
+    `/predict` for another classifier, `/embed` otherwise."""
+    return "/rerank" if loaded.is_reranker else "/predict" if loaded.is_classifier else "/embed"
+
+
+@route("POST", "/", dict, "tei")
+@route("POST", "/invocations", dict, "tei")
+def default(served: ServedModel, body: dict, params: dict[str, str]) -> Parsed:
+    entry, _ = served.find("POST", default_path(served.loaded))
+    try:
+        return served.parse_for(entry, body, params)
+    except RequestError as error:  # say which route's body was expected
+        error.message = f"{error.message} (POST / and /invocations answer as POST {entry.path} for this model)"
+        raise
+
+
 def model_type(served: ServedModel) -> dict:
     loaded = served.loaded
     if loaded.is_reranker:
@@ -199,4 +262,5 @@ def info(served: ServedModel, _, __) -> Parsed:
     return Parsed([], lambda _: answer)
 
 
-__all__ = ["DecodeRequest", "EmbedRequest", "PredictRequest", "RerankRequest", "TokenizeRequest"]
+__all__ = ["DecodeRequest", "EmbedRequest", "PredictParameters", "PredictRequest", "RerankRequest", "SimilarityRequest",
+           "TokenizeRequest", "default_path"]

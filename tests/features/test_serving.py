@@ -91,7 +91,7 @@ def _greedy(model, tokenizer, prompt, max_new_tokens):
 
 
 EVERY_MODEL = {"/health", "/v1/embeddings", "/v1/models", "/v1/models/{model:path}", "/embed", "/tokenize", "/decode",
-               "/info"}
+               "/info", "/", "/ping", "/invocations", "/embeddings", "/similarity"}
 
 
 def test_routes_follow_the_folder(served):
@@ -129,6 +129,57 @@ def test_predict_is_the_text_classification_pipeline(served):
         assert [entry["label"] for entry in got] == [entry["label"] for entry in expected]
         assert max(abs(a["score"] - b["score"]) for a, b in zip(got, expected)) < 1e-5
     assert len(server.answer("/predict", {"inputs": "the king"})) == 3  # one input: one list of labels
+
+
+def test_root_answers_as_the_folders_own_route(served, reranker):
+    """text-embeddings-inference's `POST /` (and SageMaker's `/invocations`): embeddings for an encoder, the
+    classifier's scores for a classifier, a ranking for a cross-encoder; `GET /` and `/ping` are the health check."""
+    mlm, clf, cross = served["mlm"], served["clf"], ServedModel(reranker)
+    unit = encode(mlm.model, mlm.tokenizer, SENTENCES, normalize=True)
+    for path in ("/", "/invocations"):
+        torch.testing.assert_close(torch.tensor(mlm.answer(path, {"inputs": SENTENCES})), unit, atol=1e-5, rtol=0)
+        assert clf.answer(path, {"inputs": SENTENCES}) == clf.answer("/predict", {"inputs": SENTENCES})
+        ranked = cross.answer(path, {"query": "the king", "texts": SENTENCES})
+        assert ranked == cross.answer("/rerank", {"query": "the king", "texts": SENTENCES})
+    scores = cross.model(**cross.tokenizer(["the king"] * 4, SENTENCES, padding=True, return_tensors="pt")).logits
+    assert [entry["index"] for entry in ranked] == scores[:, 0].argsort(descending=True).tolist()
+    with pytest.raises(RequestError) as refused:  # a reranker's body sent to an encoder
+        mlm.answer("/", {"query": "the king", "texts": SENTENCES})
+    assert refused.value.status == 422 and "POST /embed" in refused.value.message
+    assert mlm.answer("/", method="GET")["status"] == mlm.answer("/ping")["status"] == "ok"
+
+
+def test_similarity_is_the_cosine_of_the_embeddings(served):
+    """`/similarity`, as the huggingface_hub client's `sentence_similarity` sends it, against `encode`."""
+    for name in ("mlm", "sim"):  # mean pooling, and RoFormer-Sim's pooler
+        server = served[name]
+        unit = encode(server.model, server.tokenizer, SENTENCES, normalize=True)
+        got = server.answer("/similarity", {"inputs": {"source_sentence": SENTENCES[0], "sentences": SENTENCES[1:]},
+                                            "parameters": {}})
+        torch.testing.assert_close(torch.tensor(got), unit[1:] @ unit[0], atol=1e-5, rtol=0)
+    cut = served["mlm"].answer("/similarity", {"inputs": {"source_sentence": "the king " * 20, "sentences": ["day"]},
+                                               "parameters": {"truncate": True, "truncation_direction": "Left"}})
+    assert len(cut) == 1 and -1 <= cut[0] <= 1
+
+
+def test_predict_takes_the_text_classification_parameters(served):
+    """The `parameters` the huggingface_hub client's `text_classification` sends: `function_to_apply` in place of
+    the default softmax, `top_k` best labels."""
+    server = served["clf"]
+    logits = server.model(**server.tokenizer(SENTENCES, padding=True, return_tensors="pt")).logits.detach()
+    labels = server.model.config.id2label
+    for function, expected in (("none", logits), ("sigmoid", logits.sigmoid()), ("softmax", logits.softmax(-1))):
+        got = server.answer("/predict", {"inputs": SENTENCES, "parameters": {"function_to_apply": function}})
+        for row, scores in zip(got, expected):
+            assert {entry["label"]: entry["score"] for entry in row} == pytest.approx(
+                {labels[k]: score for k, score in enumerate(scores.tolist())}, abs=1e-5)
+    best = server.answer("/predict", {"inputs": "the king", "parameters": {"top_k": 1}})
+    assert [entry["label"] for entry in best] == [labels[logits[0].argmax().item()]]
+    assert server.answer("/predict", {"inputs": SENTENCES, "parameters": {}}) == \
+        server.answer("/predict", {"inputs": SENTENCES})
+    with pytest.raises(RequestError) as refused:
+        server.answer("/predict", {"inputs": "day", "raw_scores": True, "parameters": {"function_to_apply": "softmax"}})
+    assert (refused.value.status, refused.value.param) == (422, "parameters")
 
 
 def test_fill_mask_is_the_fill_mask_pipeline(served):
@@ -179,6 +230,12 @@ BAD_REQUESTS = [  # (route, body, status, field)
     ("/v1/completions", {"prompt": "day", "max_tokens": 0}, 422, "max_tokens"),
     ("/v1/completions", {"prompt": "day", "temperature": "hot"}, 422, "temperature"),
     ("/similar", {"sentences": "day", "n": 0}, 422, "n"),
+    ("/similarity", {"inputs": {"source_sentence": "day", "sentences": []}}, 422, "inputs.sentences"),
+    ("/similarity", {"inputs": {"source_sentence": " ", "sentences": ["day"]}}, 422, "inputs.source_sentence"),
+    ("/similarity", {"inputs": {"source_sentence": "day", "sentences": ["a"]}, "parameters": {"top_k": 2}}, 422,
+     "parameters"),
+    ("/", {"inputs": "day", "raw_scores": True}, 422, "raw_scores"),
+    ("/", ["day"], 422, None),
 ]
 
 
@@ -1288,6 +1345,35 @@ def test_http_the_openai_client(server, served):
     chunks = list(stream)
     assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+@pytest.mark.slow
+def test_http_the_huggingface_hub_client(server, served):
+    """huggingface_hub's `InferenceClient` as text-embeddings-inference's guide points it at a server: at a route, or
+    at the server's root, which answers as the folder's own route; the health routes open without the API key."""
+    from huggingface_hub import InferenceClient
+
+    client = InferenceClient(timeout=TIMEOUT)
+    sim, clf = served["sim"], served["clf"]
+    unit = encode(sim.model, sim.tokenizer, SENTENCES, normalize=True)
+    for url in (f"{server}/sim", f"{server}/sim/embed", f"{server}/sim/invocations"):
+        torch.testing.assert_close(torch.from_numpy(client.feature_extraction(SENTENCES[1], model=url)), unit[1:2],
+                                   atol=1e-5, rtol=0)
+    similar = client.sentence_similarity(SENTENCES[0], SENTENCES[1:], model=f"{server}/sim/similarity")
+    torch.testing.assert_close(torch.tensor(similar), unit[1:] @ unit[0], atol=1e-5, rtol=0)
+    expected = clf.answer("/predict", {"inputs": "the king"})
+    for url in (f"{server}/clf", f"{server}/clf/predict"):  # the client keeps the first of TEI's answer: the best
+        best = client.text_classification("the king", model=url, top_k=2, function_to_apply="softmax")
+        assert (best.label, best.score) == (expected[0]["label"], pytest.approx(expected[0]["score"], abs=1e-6))
+    openai = pytest.importorskip("openai")  # a client given the root as its base URL posts to /embeddings
+    answer = openai.OpenAI(base_url=f"{server}/sim", api_key="none", max_retries=0).embeddings.create(
+        model="sim", input=SENTENCES[1], encoding_format="float")
+    torch.testing.assert_close(torch.tensor(answer.data[0].embedding), encode(sim.model, sim.tokenizer, SENTENCES[1:2])[0],
+                               atol=1e-5, rtol=0)
+    for path in ("/", "/ping", "/health"):
+        assert requests.get(f"{server}/busy{path}", timeout=TIMEOUT).status_code == 200  # no key asked
+    assert _post(f"{server}/busy/", {"inputs": "day"}).status_code == 401
+    assert _post(f"{server}/busy/", {"inputs": "day"}, {"authorization": f"Bearer {KEY}"}).status_code == 200
 
 
 @pytest.mark.slow
