@@ -24,7 +24,7 @@ class ServedModel(Tasks):
     """A saved folder, loaded once, and the routes it answers.
 
     Every model answers OpenAI's `/v1/embeddings` and `/v1/models`, text-embeddings-inference's `/embed`,
-    `/similarity`, `/tokenize`, `/decode`, `/info` and `POST /` (as the folder's own route), and `/health`. A sequence
+    `/embed_all`, `/similarity`, `/tokenize`, `/decode`, `/info` and `POST /` (as the folder's own route), and `/health`. A sequence
     classifier answers `/predict` too, one of a single label (a cross-encoder) `/rerank`; a masked LM `/fill-mask`; a
     causal LM `/v1/completions`; RoFormer-Sim `/similar`.
 

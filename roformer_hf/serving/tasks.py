@@ -1,5 +1,5 @@
-"""The work a server runs on token ids, a list of inputs at a time: embed, classify (and rerank, a classifier of one
-label on pairs), fill-mask, complete, similar. Each protocol turns its requests into `Item`s; `Tasks.run` runs a list
+"""The work a server runs on token ids, a list of inputs at a time: embed (sentences, or each token), classify (and
+rerank, a classifier of one label on pairs), fill-mask, complete, similar. Each protocol turns its requests into `Item`s; `Tasks.run` runs a list
 of items of one kind in as few forwards as their parameters allow, and a failing input fails alone."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..similarity import SeededSampling, embedder, generate_similar
 from .errors import RowError
 from .loaded import LoadedModel
 
-KINDS = ("embed", "classify", "fill_mask", "complete", "similar")
+KINDS = ("embed", "embed_tokens", "classify", "fill_mask", "complete", "similar")
 # Real tokens per forward of an embedding batch. On one thread and on two (Intel Xeon), forwards of 1.5-2 thousand real
 # tokens embedded 3-5% more sentences per second than `similarity.encode`'s 32 rows (~400 tokens of short sentences,
 # ~4000 of passages) (benchmarks/RESULTS.md).
@@ -112,10 +112,8 @@ class Tasks:
     def embed(self, ids: list[list[int]]) -> list[torch.Tensor | RowError]:
         """The sentence embeddings `(H,)` of token-id rows, not normalized: sorted by length, as `encode` does (rows of
         one length need no per-sequence attention), and run about `EMBED_TOKENS` real tokens at a time."""
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         vectors: list = [None] * len(ids)
-        for rows in by_tokens(order, [len(row) for row in ids], EMBED_TOKENS):
-            padded = self._pad([ids[i] for i in rows], "right")
+        for rows, padded in self._embedding_batches(ids):
             if len(rows) == 1 and self.embed_alone is not None and self._compiled_takes(ids[rows[0]]):
                 batch = self.embed_alone(padded)  # one input the compiled encoder takes
             else:
@@ -124,6 +122,23 @@ class Tasks:
             for row, vector in zip(rows, batch):
                 vectors[row] = _finite(vector, "embedding")
         return vectors
+
+    @torch.no_grad()
+    def embed_tokens(self, ids: list[list[int]]) -> list[torch.Tensor | RowError]:
+        """Each token's embedding, `(L, H)` for a row of `L` ids, special tokens included: the encoder's last hidden
+        state (`model.base_model`), batched as `embed` batches."""
+        states: list = [None] * len(ids)
+        for rows, padded in self._embedding_batches(ids):
+            batch = self.model.base_model(**padded, use_cache=False).last_hidden_state.float().cpu()
+            for row, state in zip(rows, batch):
+                states[row] = _finite(state[:len(ids[row])], "token embeddings")
+        return states
+
+    def _embedding_batches(self, ids: list[list[int]]):
+        """The rows' indices, longest first, in runs of about `EMBED_TOKENS` real tokens, each with its padded batch."""
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        for rows in by_tokens(order, [len(row) for row in ids], EMBED_TOKENS):
+            yield rows, self._pad([ids[i] for i in rows], "right")
 
     @torch.no_grad()
     def classify(self, rows: list[dict[str, list[int]]]) -> list[torch.Tensor | RowError]:

@@ -1,7 +1,7 @@
-"""text-embeddings-inference's API: `POST /embed`, `/rerank` (a cross-encoder: a sequence classifier of one label),
-`/predict` (sentences or sentence pairs), `/similarity`, `/tokenize`, `/decode`, `GET /info`, and `POST /` (also
-`/invocations`, SageMaker's path), which answers as the folder's own route does. The answers have TEI's shapes; errors
-have OpenAI's, as every route of this server."""
+"""text-embeddings-inference's API: `POST /embed`, `/embed_all` (each token's embedding), `/rerank` (a cross-encoder:
+a sequence classifier of one label), `/predict` (sentences or sentence pairs), `/similarity`, `/tokenize`, `/decode`,
+`GET /info`, and `POST /` (also `/invocations`, SageMaker's path), which answers as the folder's own route does. The
+answers have TEI's shapes; errors have OpenAI's, as every route of this server."""
 
 from __future__ import annotations
 
@@ -36,6 +36,22 @@ def embed(served: ServedModel, body: EmbedRequest, _) -> Parsed:
                         prompt_name=body.prompt_name)
     return Parsed([Item("embed", (), row, len(row)) for row in ids],
                   lambda vectors: torch.stack(cut(vectors, body.dimensions, body.normalize)).numpy())
+
+
+class EmbedAllRequest(Body):
+    inputs: TextsOrIds
+    truncate: StrictBool = False
+    truncation_direction: Direction = "Right"
+    prompt_name: StrictStr | None = None
+
+
+@route("POST", "/embed_all", EmbedAllRequest, "tei")
+def embed_all(served: ServedModel, body: EmbedAllRequest, _) -> Parsed:
+    """Each token's embedding (the encoder's last hidden state, special tokens included) for each input."""
+    ids, _ = token_rows(served, body.inputs, "inputs", truncate=body.truncate, direction=body.truncation_direction,
+                        prompt_name=body.prompt_name)
+    return Parsed([Item("embed_tokens", (), row, len(row)) for row in ids],
+                  lambda states: [state.numpy() for state in states])
 
 
 class SimilarityInput(Body):
@@ -262,5 +278,5 @@ def info(served: ServedModel, _, __) -> Parsed:
     return Parsed([], lambda _: answer)
 
 
-__all__ = ["DecodeRequest", "EmbedRequest", "PredictParameters", "PredictRequest", "RerankRequest", "SimilarityRequest",
+__all__ = ["DecodeRequest", "EmbedAllRequest", "EmbedRequest", "PredictParameters", "PredictRequest", "RerankRequest", "SimilarityRequest",
            "TokenizeRequest", "default_path"]

@@ -91,7 +91,7 @@ def _greedy(model, tokenizer, prompt, max_new_tokens):
 
 
 EVERY_MODEL = {"/health", "/v1/embeddings", "/v1/models", "/v1/models/{model:path}", "/embed", "/tokenize", "/decode",
-               "/info", "/", "/ping", "/invocations", "/embeddings", "/similarity"}
+               "/info", "/", "/ping", "/invocations", "/embeddings", "/similarity", "/embed_all"}
 
 
 def test_routes_follow_the_folder(served):
@@ -147,6 +147,18 @@ def test_root_answers_as_the_folders_own_route(served, reranker):
         mlm.answer("/", {"query": "the king", "texts": SENTENCES})
     assert refused.value.status == 422 and "POST /embed" in refused.value.message
     assert mlm.answer("/", method="GET")["status"] == mlm.answer("/ping")["status"] == "ok"
+
+
+@pytest.mark.parametrize("name", ["mlm", "clf", "sim"])
+def test_embed_all_is_each_tokens_last_hidden_state(served, name):
+    """`/embed_all`, batched, against the encoder's forward on each input alone (the model's own padding-free run)."""
+    server = served[name]
+    got = server.answer("/embed_all", {"inputs": SENTENCES})
+    for sentence, states in zip(SENTENCES, got):
+        ids = server.tokenizer(sentence, return_tensors="pt")
+        alone = server.model.base_model(**ids).last_hidden_state[0].detach()
+        assert states.shape == (ids["input_ids"].shape[1], server.model.config.hidden_size)
+        torch.testing.assert_close(torch.from_numpy(states), alone, atol=1e-5, rtol=0)
 
 
 def test_similarity_is_the_cosine_of_the_embeddings(served):
@@ -1386,6 +1398,9 @@ def test_http_text_embeddings_inference_routes(server, served):
     assert int(response.headers["x-batch-size"]) >= 2  # the request's two inputs ran in one batch
     torch.testing.assert_close(torch.tensor(response.json()), encode(clf.model, clf.tokenizer, SENTENCES[:2],
                                                                      normalize=True), atol=1e-5, rtol=0)
+    states = _post(f"{server}/clf/embed_all", {"inputs": SENTENCES[:2]}).json()
+    for got, expected in zip(states, clf.answer("/embed_all", {"inputs": SENTENCES[:2]})):
+        torch.testing.assert_close(torch.tensor(got), torch.from_numpy(expected), atol=1e-5, rtol=0)
     tokens = _post(f"{server}/clf/tokenize", {"inputs": "the king"}).json()
     assert [token["id"] for token in tokens[0]] == clf.tokenizer("the king")["input_ids"]
     assert _post(f"{server}/clf/decode", {"ids": tokens[0][0]["id"]}).status_code == 422  # not a list of ids
