@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                                "requests are in the replica (default: %(default)s)")
     batching.add_argument("--max-inputs", type=int, default=256,
                           help="inputs one request may carry at most (default: %(default)s)")
+    batching.add_argument("--auto-truncate", action="store_true",
+                          help="cut an input longer than the model takes where its request does not set truncate, as "
+                               "text-embeddings-inference does by default (default: refuse it with 413)")
     batching.add_argument("--max-ongoing-requests", type=int, default=64,
                           help="requests a replica takes at once; more wait in Ray Serve's queue (default: %(default)s)")
     batching.add_argument("--max-queued-requests", type=int, default=256,
@@ -228,7 +231,7 @@ def serve_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                      "served_model_name": args.served_model_name, "api_key": args.api_key,
                      "payload_limit": args.payload_limit, "request_timeout_s": args.request_timeout,
                      "autoscale": args.autoscale, "compile": args.compile, "calibration": args.calibration,
-                     "compile_cache": args.compile_cache})
+                     "compile_cache": args.compile_cache, "auto_truncate": args.auto_truncate})
     if why is not None:
         log.info("ingress: Ray's Python proxy, not HAProxy: %s", why)
     log.info("serving %s on http://%s:%d (%s)", args.folder, args.host, args.port,

@@ -36,7 +36,7 @@ ARGUMENTS = {
     "max_ongoing_requests": (int, 64), "max_queued_requests": (int, 256), "device": (str, "cpu"),
     "served_model_name": (str, None), "api_key": (str, None), "payload_limit": (int, 2_000_000),
     "request_timeout_s": (float, None), "autoscale": (str, None), "health_check_timeout_s": (float, 30.0),
-    "compile": (bool, False), "calibration": (str, None), "compile_cache": (str, None),
+    "compile": (bool, False), "calibration": (str, None), "compile_cache": (str, None), "auto_truncate": (bool, False),
 }
 
 
@@ -105,7 +105,7 @@ def build_app(args: dict) -> serve.Application:
               "payload_limit": values["payload_limit"], "request_timeout_s": values["request_timeout_s"],
               "stall_s": values["health_check_timeout_s"], "max_ongoing_requests": values["max_ongoing_requests"],
               "compile": values["compile"], "calibration": values["calibration"],
-              "compile_cache": values["compile_cache"]}
+              "compile_cache": values["compile_cache"], "auto_truncate": values["auto_truncate"]}
     for name in ("calibration", "compile_cache"):  # read where the replicas run, whose working folder may be another
         if kwargs[name] is not None:
             kwargs[name] = str(Path(kwargs[name]).expanduser().resolve())

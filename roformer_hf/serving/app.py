@@ -175,10 +175,10 @@ class RoFormerServer:
                  batch_wait_ms: float = 5.0, max_inputs: int = 256, device: str = "cpu", name: str | None = None,
                  api_key: str | None = None, payload_limit: int = 2_000_000, request_timeout_s: float | None = None,
                  stall_s: float = 30.0, max_ongoing_requests: int | None = None, compile: bool = False,
-                 calibration: str | None = None, compile_cache: str | None = None):
+                 calibration: str | None = None, compile_cache: str | None = None, auto_truncate: bool = False):
         torch.set_num_threads(threads)  # before compiling: inductor's kernels keep the thread count they compiled with
         self.served = ServedModel(folder, int8=int8, max_inputs=max_inputs, device=device, name=name, compile=compile,
-                                  calibration=calibration, compile_cache=compile_cache,
+                                  calibration=calibration, compile_cache=compile_cache, auto_truncate=auto_truncate,
                                   settings={"max_batch_tokens": max_batch_tokens,
                                             "max_ongoing_requests": max_ongoing_requests})
         if max_batch_tokens < self.served.loaded.max_length:

@@ -21,7 +21,7 @@ Number = StrictInt | StrictFloat
 class FillMaskRequest(Body):
     inputs: StrictStr | list[StrictStr]
     top_k: StrictInt = Field(5, ge=1)
-    truncate: StrictBool = False
+    truncate: StrictBool | None = None  # None: the server's --auto-truncate
 
 
 @route("POST", "/fill-mask", FillMaskRequest, "roformer_hf", lambda loaded: loaded.is_masked_lm)

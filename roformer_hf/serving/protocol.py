@@ -116,13 +116,13 @@ def truncation_side(tokenizer, direction: str):
         tokenizer.truncation_side = saved
 
 
-def token_rows(served: ServedModel, value: Any, name: str, *, truncate: bool = False,
+def token_rows(served: ServedModel, value: Any, name: str, *, truncate: bool | None = None,
                direction: str = "right", prompt_name: str | None = None) -> tuple[list[list[int]], bool]:
     """The rows of token ids of `value` (a string, strings, token ids or lists of token ids) and whether it was one
     input. Texts are tokenized with the special tokens and the folder's prompt; token ids run as given (the folder's
     tokenizer's ids, no special token added). A row longer than the model takes is refused (413), or cut on
-    `direction`'s side where `truncate`."""
-    direction = direction.lower()
+    `direction`'s side where `truncate` (None: where the server truncates by default, `served.auto_truncate`)."""
+    direction, truncate = direction.lower(), served.auto_truncate if truncate is None else truncate
     single = isinstance(value, str) or (isinstance(value, list) and bool(value) and isinstance(value[0], int))
     rows = [value] if single else value
     check_count(served, name, len(rows))

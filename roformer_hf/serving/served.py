@@ -44,6 +44,8 @@ class ServedModel(Tasks):
         compile_cache: with `compile`: the folder that keeps compiled packages between starts (default
             `compiled.default_compile_cache()`; `LoadedModel`).
         settings: the server's settings that `/info` reports (`max_batch_tokens`, `max_ongoing_requests`).
+        auto_truncate: cut an input longer than the model takes, where its request does not say `truncate` (as
+            text-embeddings-inference's `--auto-truncate` does); otherwise such an input is refused (413).
 
     Example:
 
@@ -69,12 +71,16 @@ class ServedModel(Tasks):
 
     def __init__(self, folder: str | os.PathLike, *, int8: bool = False, max_inputs: int = 256, device: str = "cpu",
                  name: str | None = None, compile: bool = False, calibration: str | os.PathLike | None = None,
-                 compile_cache: str | os.PathLike | None = None, settings: dict[str, Any] | None = None):
+                 compile_cache: str | os.PathLike | None = None, settings: dict[str, Any] | None = None,
+                 auto_truncate: bool = False):
         if not isinstance(max_inputs, int) or max_inputs < 1:
             raise ValueError(f"max_inputs={max_inputs!r}: expected a positive integer")
+        if not isinstance(auto_truncate, bool):
+            raise ValueError(f"auto_truncate={auto_truncate!r}: expected True or False")
         super().__init__(LoadedModel(folder, int8=int8, device=device, name=name, compile=compile,
                                      calibration=calibration, compile_cache=compile_cache))
         self.max_inputs, self.settings, self.created = max_inputs, dict(settings or {}), int(time.time())
+        self.auto_truncate = auto_truncate
         self.served_routes = [entry for entry in ROUTES if entry.serves(self.loaded)]
         self.routes = list(dict.fromkeys(entry.path for entry in self.served_routes))
         self.paths = {(entry.method, entry.path) for entry in self.served_routes}

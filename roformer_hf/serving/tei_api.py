@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class EmbedRequest(Body):
     inputs: TextsOrIds
     normalize: StrictBool = True
-    truncate: StrictBool = False
+    truncate: StrictBool | None = None  # None: the server's --auto-truncate
     truncation_direction: Direction = "Right"
     prompt_name: StrictStr | None = None
     dimensions: StrictInt | None = Field(None, ge=1)
@@ -40,7 +40,7 @@ def embed(served: ServedModel, body: EmbedRequest, _) -> Parsed:
 
 class EmbedAllRequest(Body):
     inputs: TextsOrIds
-    truncate: StrictBool = False
+    truncate: StrictBool | None = None  # None: the server's --auto-truncate
     truncation_direction: Direction = "Right"
     prompt_name: StrictStr | None = None
 
@@ -60,7 +60,7 @@ class SimilarityInput(Body):
 
 
 class SimilarityParameters(Body):
-    truncate: StrictBool = False
+    truncate: StrictBool | None = None  # None: the server's --auto-truncate
     truncation_direction: Direction = "Right"
     prompt_name: StrictStr | None = None
 
@@ -99,7 +99,7 @@ class PredictParameters(Body):
 class PredictRequest(Body):
     inputs: Sequence | list[Sequence]
     raw_scores: StrictBool = False
-    truncate: StrictBool = False
+    truncate: StrictBool | None = None  # None: the server's --auto-truncate
     truncation_direction: Direction = "Right"
     parameters: PredictParameters | None = None
 
@@ -109,13 +109,15 @@ class RerankRequest(Body):
     texts: list[StrictStr]
     raw_scores: StrictBool = False
     return_text: StrictBool = False
-    truncate: StrictBool = False
+    truncate: StrictBool | None = None  # None: the server's --auto-truncate
     truncation_direction: Direction = "Right"
 
 
-def _encode_pairs(served: ServedModel, firsts: list[str], seconds: list[str | None], name: str, truncate: bool,
+def _encode_pairs(served: ServedModel, firsts: list[str], seconds: list[str | None], name: str, truncate: bool | None,
                   direction: str) -> list[dict[str, list[int]]]:
-    """Rows of `input_ids` and `token_type_ids` for sentences (second None) or pairs, as the classifier reads them."""
+    """Rows of `input_ids` and `token_type_ids` for sentences (second None) or pairs, as the classifier reads them;
+    `truncate` None: the server's `auto_truncate`."""
+    truncate = served.auto_truncate if truncate is None else truncate
     for i, (first, second) in enumerate(zip(firsts, seconds)):
         if not first.strip() or (second is not None and not second.strip()):
             raise RequestError(422, name, f"{name}[{i}]: expected non-empty strings")
@@ -272,7 +274,8 @@ def info(served: ServedModel, _, __) -> Parsed:
     answer = {"model_id": loaded.name, "model_sha": None, "model_dtype": loaded.dtype, "model_type": model_type(served),
               "max_concurrent_requests": served.settings.get("max_ongoing_requests"),
               "max_input_length": loaded.max_length, "max_batch_tokens": served.settings.get("max_batch_tokens"),
-              "max_batch_requests": None, "max_client_batch_size": served.max_inputs, "auto_truncate": False,
+              "max_batch_requests": None, "max_client_batch_size": served.max_inputs,
+              "auto_truncate": served.auto_truncate,
               "tokenization_workers": 1, "version": __version__, "sha": None, "docker_label": None,
               "routes": served.routes}
     return Parsed([], lambda _: answer)

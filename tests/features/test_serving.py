@@ -271,6 +271,28 @@ def test_truncate_cuts_a_long_input(strict):
     torch.testing.assert_close(torch.tensor(got), expected, atol=1e-5, rtol=0)
 
 
+def test_auto_truncate_cuts_what_a_request_leaves_unsaid(folders):
+    """`--auto-truncate` (text-embeddings-inference's): a long input is cut where its request does not set
+    `truncate`, and still refused where it sets `truncate: false`; every route that reads texts follows it."""
+    from roformer_hf.serving import build_app
+
+    sim, clf = (ServedModel(folders[name], auto_truncate=True) for name in ("sim", "clf"))
+    long = "the king " * 20
+    expected = encode(sim.model, sim.tokenizer, [long])  # encode truncates at model_max_length
+    for route, body, read in (("/embed", {"inputs": long, "normalize": False}, torch.tensor),
+                              ("/v1/embeddings", {"input": long}, lambda a: torch.tensor([a["data"][0]["embedding"]]))):
+        torch.testing.assert_close(read(sim.answer(route, body)), expected, atol=1e-5, rtol=0)
+        with pytest.raises(RequestError) as refused:
+            sim.answer(route, {**body, "truncate": False})
+        assert refused.value.status == 413
+    assert len(sim.answer("/embed_all", {"inputs": long})[0]) == sim.tokenizer.model_max_length
+    assert clf.answer("/predict", {"inputs": long}) == clf.answer("/predict", {"inputs": long, "truncate": True})
+    assert sim.answer("/info")["auto_truncate"] is True and ServedModel(folders["sim"]).answer("/info")[
+        "auto_truncate"] is False
+    assert build_app({"folder": str(folders["sim"]), "auto_truncate": "true"})._bound_deployment.init_kwargs[
+        "auto_truncate"] is True
+
+
 # The folders that cannot be served: refused at start by the CLI, before the port opens.
 
 
