@@ -83,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="seconds a request may take in the replica before a 504 (default: no limit)")
     guards = serve.add_argument_group("guards")
     guards.add_argument("--api-key", default=os.environ.get("ROFORMER_HF_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on every route but the health checks (GET /health, /, "
-                             "/ping) (default: $ROFORMER_HF_API_KEY, else none)")
+                        help="require 'Authorization: Bearer KEY' on every route but the health checks (GET "
+                             "/health, /, /ping) (default: $ROFORMER_HF_API_KEY, else none)")
     guards.add_argument("--payload-limit", type=int, default=2_000_000,
                         help="bytes a request body may hold; a larger one gets 413 before it is read "
                              "(default: %(default)s)")

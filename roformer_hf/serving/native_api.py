@@ -63,8 +63,9 @@ def similar(served: ServedModel, body: SimilarRequest, _) -> Parsed:
         for i, ranked in enumerate(results)]})
 
 
+# Also at text-embeddings-inference's health routes, the probes of Inference Endpoints and SageMaker.
 @route("GET", "/health", None, "roformer_hf")
-@route("GET", "/", None, "tei")  # text-embeddings-inference's health routes: Inference Endpoints' and SageMaker's probes
+@route("GET", "/", None, "tei")
 @route("GET", "/ping", None, "tei")
 def health(served: ServedModel, _, __) -> Parsed:
     return Parsed([], lambda _: {"status": "ok", "model": served.loaded.name, "routes": served.routes})

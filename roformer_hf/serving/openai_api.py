@@ -31,8 +31,8 @@ class EmbeddingsRequest(Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(None, ge=1)
     user: StrictStr | None = None  # the caller's end user, for OpenAI's abuse monitoring: accepted, not used
-    truncate: StrictBool | None = None  # not OpenAI's: cut inputs longer than the model takes instead of refusing
-    # them (None: the server's --auto-truncate)
+    # Not OpenAI's: cut inputs longer than the model takes instead of refusing them (None: the server's --auto-truncate)
+    truncate: StrictBool | None = None
 
 
 class StreamOptions(Body):

@@ -24,9 +24,9 @@ class ServedModel(Tasks):
     """A saved folder, loaded once, and the routes it answers.
 
     Every model answers OpenAI's `/v1/embeddings` and `/v1/models`, text-embeddings-inference's `/embed`,
-    `/embed_all`, `/similarity`, `/tokenize`, `/decode`, `/info` and `POST /` (as the folder's own route), and `/health`. A sequence
-    classifier answers `/predict` too, one of a single label (a cross-encoder) `/rerank`; a masked LM `/fill-mask`; a
-    causal LM `/v1/completions`; RoFormer-Sim `/similar`.
+    `/embed_all`, `/similarity`, `/tokenize`, `/decode`, `/info` and `POST /` (as the folder's own route), and
+    `/health`. A sequence classifier answers `/predict` too, one of a single label (a cross-encoder) `/rerank`; a
+    masked LM `/fill-mask`; a causal LM `/v1/completions`; RoFormer-Sim `/similar`.
 
     Args:
         folder: written by `save_pretrained`, the converter or sentence-transformers; it must hold a tokenizer.

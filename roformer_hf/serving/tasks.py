@@ -1,6 +1,7 @@
 """The work a server runs on token ids, a list of inputs at a time: embed (sentences, or each token), classify (and
-rerank, a classifier of one label on pairs), fill-mask, complete, similar. Each protocol turns its requests into `Item`s; `Tasks.run` runs a list
-of items of one kind in as few forwards as their parameters allow, and a failing input fails alone."""
+rerank, a classifier of one label on pairs), fill-mask, complete, similar. Each protocol turns its requests into
+`Item`s; `Tasks.run` runs a list of items of one kind in as few forwards as their parameters allow, and a failing
+input fails alone."""
 
 from __future__ import annotations
 

@@ -281,5 +281,5 @@ def info(served: ServedModel, _, __) -> Parsed:
     return Parsed([], lambda _: answer)
 
 
-__all__ = ["DecodeRequest", "EmbedAllRequest", "EmbedRequest", "PredictParameters", "PredictRequest", "RerankRequest", "SimilarityRequest",
-           "TokenizeRequest", "default_path"]
+__all__ = ["DecodeRequest", "EmbedAllRequest", "EmbedRequest", "PredictParameters", "PredictRequest", "RerankRequest",
+           "SimilarityRequest", "TokenizeRequest", "default_path"]
