@@ -6,7 +6,8 @@
   between starts.
 - `tasks`: the work on token ids (embed, classify, fill-mask, complete, similar), a list of inputs at a time.
 - `protocol`: the table of routes, typed request bodies, and inputs read into token ids; one module per protocol
-  fills it: `openai_api` (OpenAI's), `tei_api` (text-embeddings-inference's), `native_api` (this server's own).
+  fills it: `openai_api` (OpenAI's), `tei_api` (text-embeddings-inference's), `rerank_api` (Jina's and Cohere's
+  rerank), `native_api` (this server's own).
 - `served`: `ServedModel`, the three together as plain Python, usable without Ray (`answer(path, body)`).
 - `app`: the Ray Serve deployment `RoFormerServer`: the FastAPI ingress, batching across requests (`batching`: a
   batch formed when the model thread is free), the guards, the health check. `ingress`: the ways in (HAProxy, direct

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.routing import compile_path
 
-from . import native_api, openai_api, tei_api  # noqa: F401 - each fills `protocol.ROUTES`
+from . import native_api, openai_api, rerank_api, tei_api  # noqa: F401 - each fills `protocol.ROUTES`
 from .errors import RequestError, RowError
 from .loaded import LoadedModel
 from .protocol import ROUTES, Parsed, Route, validation_error

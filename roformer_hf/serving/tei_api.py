@@ -113,7 +113,7 @@ class RerankRequest(Body):
     truncation_direction: Direction = "Right"
 
 
-def _encode_pairs(served: ServedModel, firsts: list[str], seconds: list[str | None], name: str, truncate: bool | None,
+def encode_pairs(served: ServedModel, firsts: list[str], seconds: list[str | None], name: str, truncate: bool | None,
                   direction: str) -> list[dict[str, list[int]]]:
     """Rows of `input_ids` and `token_type_ids` for sentences (second None) or pairs, as the classifier reads them;
     `truncate` None: the server's `auto_truncate`."""
@@ -134,7 +134,7 @@ def _encode_pairs(served: ServedModel, firsts: list[str], seconds: list[str | No
     return rows
 
 
-def _scores(served: ServedModel, logits: torch.Tensor, raw: bool, function: str | None = None) -> torch.Tensor:
+def label_scores(served: ServedModel, logits: torch.Tensor, raw: bool, function: str | None = None) -> torch.Tensor:
     """Scores as TEI gives them: the logits where `raw`, else a sigmoid for one label or several independent ones,
     a softmax otherwise; `function` ("sigmoid", "softmax", "none") in place of that choice where given."""
     if function is None:
@@ -165,13 +165,13 @@ def predict(served: ServedModel, body: PredictRequest, _) -> Parsed:
         if isinstance(item, list) and len(item) != 2:
             raise RequestError(422, "inputs", f"inputs[{i}] holds {len(item)} strings: expected a string or a pair")
         pairs.append((item, None) if isinstance(item, str) else tuple(item))
-    rows = _encode_pairs(served, [p[0] for p in pairs], [p[1] for p in pairs], "inputs", body.truncate,
+    rows = encode_pairs(served, [p[0] for p in pairs], [p[1] for p in pairs], "inputs", body.truncate,
                          body.truncation_direction)
     labels = served.loaded.config.id2label
 
     def respond(logits):
         answers = [sorted(({"score": s, "label": labels[k]} for k, s in enumerate(
-                    _scores(served, row, body.raw_scores, options.function_to_apply).tolist())),
+                    label_scores(served, row, body.raw_scores, options.function_to_apply).tolist())),
                           key=lambda e: -e["score"])[:options.top_k]
                    for row in logits]
         return answers[0] if single else answers
@@ -184,11 +184,11 @@ def rerank(served: ServedModel, body: RerankRequest, _) -> Parsed:
     check_count(served, "texts", len(body.texts))
     if not body.query.strip():
         raise RequestError(422, "query", "query='': expected a non-empty string")
-    rows = _encode_pairs(served, [body.query] * len(body.texts), body.texts, "texts", body.truncate,
+    rows = encode_pairs(served, [body.query] * len(body.texts), body.texts, "texts", body.truncate,
                          body.truncation_direction)
 
     def respond(logits):
-        scores = [_scores(served, row, body.raw_scores)[0].item() for row in logits]
+        scores = [label_scores(served, row, body.raw_scores)[0].item() for row in logits]
         ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
         return [{"index": i, "score": scores[i], **({"text": body.texts[i]} if body.return_text else {})}
                 for i in ranked]
@@ -282,4 +282,4 @@ def info(served: ServedModel, _, __) -> Parsed:
 
 
 __all__ = ["DecodeRequest", "EmbedAllRequest", "EmbedRequest", "PredictParameters", "PredictRequest", "RerankRequest",
-           "SimilarityRequest", "TokenizeRequest", "default_path"]
+           "SimilarityRequest", "TokenizeRequest", "default_path", "encode_pairs", "label_scores"]

@@ -161,6 +161,34 @@ def test_embed_all_is_each_tokens_last_hidden_state(served, name):
         torch.testing.assert_close(torch.from_numpy(states), alone, atol=1e-5, rtol=0)
 
 
+def test_documents_rerank_is_jina_and_cohere_shaped(reranker):
+    """`/v1/rerank` and `/v2/rerank` (what Jina's and Cohere's clients send, as vLLM serves it) against the
+    cross-encoder's logit of each pair alone."""
+    cross = ServedModel(reranker, name="bge-reranker")
+    documents = ["day", {"text": "the king dies"}, "a crown", "the sword speaks at night"]
+    texts = [d if isinstance(d, str) else d["text"] for d in documents]
+    alone = [cross.model(**cross.tokenizer("the king", text, return_tensors="pt")).logits[0, 0].sigmoid().item()
+             for text in texts]
+    best = sorted(range(len(texts)), key=lambda i: -alone[i])
+    for path in ("/v1/rerank", "/v2/rerank"):
+        answer = cross.answer(path, {"model": "bge-reranker", "query": "the king", "documents": documents, "top_n": 3})
+        assert [result["index"] for result in answer["results"]] == best[:3]
+        assert [result["relevance_score"] for result in answer["results"]] == pytest.approx(
+            [alone[i] for i in best[:3]], abs=1e-5)
+        assert [result["document"]["text"] for result in answer["results"]] == [texts[i] for i in best[:3]]
+        assert answer["model"] == "bge-reranker" and answer["id"].startswith("rerank-")
+        assert answer["usage"]["total_tokens"] == sum(len(cross.tokenizer("the king", text)["input_ids"])
+                                                      for text in texts)
+    bare = cross.answer("/v1/rerank", {"query": "the king", "documents": texts, "return_documents": False, "top_n": 0})
+    assert [result["index"] for result in bare["results"]] == best and "document" not in bare["results"][0]
+    with pytest.raises(RequestError) as refused:
+        cross.answer("/v1/rerank", {"model": "rerank-english-v3.0", "query": "the king", "documents": texts})
+    assert (refused.value.status, refused.value.param) == (404, "model")
+    with pytest.raises(RequestError) as refused:
+        cross.answer("/v1/rerank", {"query": "the king", "documents": texts, "max_tokens_per_doc": 64})
+    assert (refused.value.status, refused.value.param) == (422, "max_tokens_per_doc")
+
+
 def test_similarity_is_the_cosine_of_the_embeddings(served):
     """`/similarity`, as the huggingface_hub client's `sentence_similarity` sends it, against `encode`."""
     for name in ("mlm", "sim"):  # mean pooling, and RoFormer-Sim's pooler
@@ -1408,6 +1436,19 @@ def test_http_the_huggingface_hub_client(server, served):
         assert requests.get(f"{server}/busy{path}", timeout=TIMEOUT).status_code == 200  # no key asked
     assert _post(f"{server}/busy/", {"inputs": "day"}).status_code == 401
     assert _post(f"{server}/busy/", {"inputs": "day"}, {"authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+@pytest.mark.slow
+def test_http_documents_rerank(server, reranker):
+    cross = ServedModel(reranker, name="reranker")
+    body = {"model": "reranker", "query": "the king", "documents": SENTENCES, "top_n": 2}
+    response = _post(f"{server}/reranker/v1/rerank", body)
+    assert response.status_code == 200, response.text[:500]
+    got, expected = response.json(), cross.answer("/v1/rerank", body)
+    assert [r["index"] for r in got["results"]] == [r["index"] for r in expected["results"]]
+    assert [r["relevance_score"] for r in got["results"]] == pytest.approx(
+        [r["relevance_score"] for r in expected["results"]], abs=1e-5)
+    assert _post(f"{server}/sim/v1/rerank", body).status_code == 404  # not a cross-encoder
 
 
 @pytest.mark.slow
