@@ -70,8 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     batching.add_argument("--batch-wait-ms", type=float, default=5.0,
                           help="how long a batch waits for more inputs while the model is free and other "
                                "requests are in the replica (default: %(default)s)")
-    batching.add_argument("--max-inputs", type=int, default=256,
-                          help="inputs one request may carry at most (default: %(default)s)")
+    batching.add_argument("--max-inputs", type=int, default=2048,
+                          help="inputs one request may carry at most; OpenAI's limit (default: %(default)s)")
     batching.add_argument("--auto-truncate", action="store_true",
                           help="cut an input longer than the model takes where its request does not set truncate, as "
                                "text-embeddings-inference does by default (default: refuse it with 413)")

@@ -27,13 +27,13 @@ from .app import RoFormerServer, default_replicas, default_threads
 from .errors import RequestError, RowError, error_body
 from .ingress import direct_ingress_env, ephemeral_ports, free_ports, haproxy_binary, haproxy_env
 from .loaded import LoadedModel
-from .served import ServedModel
+from .served import MAX_INPUTS, ServedModel
 from .tasks import Item, Tasks
 
 # build_app's arguments: name -> (type, default). Strings are read as `serve run` passes them.
 ARGUMENTS = {
     "replicas": (int, None), "threads": (int, None), "int8": (bool, False), "max_batch_tokens": (int, 4096),
-    "batch_wait_ms": (float, 5.0), "max_inputs": (int, 256), "num_cpus": (float, None),
+    "batch_wait_ms": (float, 5.0), "max_inputs": (int, MAX_INPUTS), "num_cpus": (float, None),
     "max_ongoing_requests": (int, 64), "max_queued_requests": (int, 256), "device": (str, "cpu"),
     "served_model_name": (str, None), "api_key": (str, None), "payload_limit": (int, 2_000_000),
     "request_timeout_s": (float, None), "autoscale": (str, None), "health_check_timeout_s": (float, 30.0),

@@ -34,7 +34,7 @@ from .errors import RequestError, RowError, error_body
 from .guards import Guarded, json_response
 from .native_api import health
 from .protocol import ROUTES, Parsed, Route, validation_error
-from .served import ServedModel, raise_row_errors
+from .served import MAX_INPUTS, ServedModel, raise_row_errors
 from .tasks import Item, by_tokens
 
 logger = logging.getLogger("ray.serve")  # Ray Serve shows its logger's lines in the replica's log and the driver's
@@ -172,7 +172,7 @@ class RoFormerServer:
     torch threads. The remaining arguments are `build_app`'s."""
 
     def __init__(self, folder: str, *, threads: int = 1, int8: bool = False, max_batch_tokens: int = 4096,
-                 batch_wait_ms: float = 5.0, max_inputs: int = 256, device: str = "cpu", name: str | None = None,
+                 batch_wait_ms: float = 5.0, max_inputs: int = MAX_INPUTS, device: str = "cpu", name: str | None = None,
                  api_key: str | None = None, payload_limit: int = 2_000_000, request_timeout_s: float | None = None,
                  stall_s: float = 30.0, max_ongoing_requests: int | None = None, compile: bool = False,
                  calibration: str | None = None, compile_cache: str | None = None, auto_truncate: bool = False):

@@ -19,6 +19,10 @@ from .loaded import LoadedModel
 from .protocol import ROUTES, Parsed, Route, validation_error
 from .tasks import Tasks
 
+# Inputs one request may carry by default: OpenAI's limit for an embeddings request. LangChain's `OpenAIEmbeddings`
+# sends 1000 texts a request by default.
+MAX_INPUTS = 2048
+
 
 class ServedModel(Tasks):
     """A saved folder, loaded once, and the routes it answers.
@@ -69,7 +73,7 @@ class ServedModel(Tasks):
     ```
     """
 
-    def __init__(self, folder: str | os.PathLike, *, int8: bool = False, max_inputs: int = 256, device: str = "cpu",
+    def __init__(self, folder: str | os.PathLike, *, int8: bool = False, max_inputs: int = MAX_INPUTS, device: str = "cpu",
                  name: str | None = None, compile: bool = False, calibration: str | os.PathLike | None = None,
                  compile_cache: str | os.PathLike | None = None, settings: dict[str, Any] | None = None,
                  auto_truncate: bool = False):
@@ -148,4 +152,4 @@ def raise_row_errors(results: list) -> list:
     return results
 
 
-__all__ = ["ServedModel", "raise_row_errors"]
+__all__ = ["MAX_INPUTS", "ServedModel", "raise_row_errors"]

@@ -321,6 +321,20 @@ def test_auto_truncate_cuts_what_a_request_leaves_unsaid(folders):
         "auto_truncate"] is True
 
 
+def test_the_command_and_build_app_share_their_defaults(monkeypatch):
+    """`roformer-hf serve`'s flags default to what `build_app` (and `serve run`) takes without them."""
+    from roformer_hf.cli import _parser
+    from roformer_hf.serving import ARGUMENTS
+
+    monkeypatch.delenv("ROFORMER_HF_API_KEY", raising=False)
+    serve = next(action for action in _parser()._actions if action.dest == "command").choices["serve"]
+    flags = {action.dest: action.default for action in serve._actions}
+    renamed = {"request_timeout_s": "request_timeout"}
+    shared = {name: default for name, (_, default) in ARGUMENTS.items() if renamed.get(name, name) in flags}
+    assert len(shared) >= 15
+    assert {name: flags[renamed.get(name, name)] for name in shared} == shared
+
+
 # The folders that cannot be served: refused at start by the CLI, before the port opens.
 
 
@@ -1436,6 +1450,24 @@ def test_http_the_huggingface_hub_client(server, served):
         assert requests.get(f"{server}/busy{path}", timeout=TIMEOUT).status_code == 200  # no key asked
     assert _post(f"{server}/busy/", {"inputs": "day"}).status_code == 401
     assert _post(f"{server}/busy/", {"inputs": "day"}, {"authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+@pytest.mark.slow
+def test_http_langchain_openai_embeddings(server, served):
+    """LangChain's `OpenAIEmbeddings` as docs/serving.md sets it up (texts, not its cl100k token ids): documents in
+    several requests of `chunk_size`, and a query; the server's default `--max-inputs` takes its default chunk."""
+    from langchain_openai import OpenAIEmbeddings
+
+    from roformer_hf.serving.served import MAX_INPUTS
+
+    assert OpenAIEmbeddings.model_fields["chunk_size"].default <= MAX_INPUTS
+    sim = served["sim"]
+    documents = [f"{a} {b}" for a in SENTENCES for b in SENTENCES]  # 16, in requests of 8 (the app's --max-inputs)
+    client = OpenAIEmbeddings(model="sim", base_url=f"{server}/sim/v1", api_key="unused", chunk_size=8,
+                              check_embedding_ctx_length=False, max_retries=0)
+    expected = encode(sim.model, sim.tokenizer, documents)
+    torch.testing.assert_close(torch.tensor(client.embed_documents(documents)), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(client.embed_query(documents[5])), expected[5], atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
