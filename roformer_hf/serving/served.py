@@ -86,7 +86,7 @@ class ServedModel(Tasks):
         self.max_inputs, self.settings, self.created = max_inputs, dict(settings or {}), int(time.time())
         self.auto_truncate = auto_truncate
         self.served_routes = [entry for entry in ROUTES if entry.serves(self.loaded)]
-        self.routes = list(dict.fromkeys(entry.path for entry in self.served_routes))
+        self.routes = sorted({entry.path for entry in self.served_routes})
         self.paths = {(entry.method, entry.path) for entry in self.served_routes}
 
     def find(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
