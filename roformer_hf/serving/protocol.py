@@ -74,6 +74,9 @@ def validation_error(error: ValidationError, entry: Route) -> RequestError:
     if first["type"] == "extra_forbidden":
         return RequestError(422, param, f"{'.'.join(location)}: not a field of {entry.path}: expected only the fields "
                             "of its schema (/docs lists them)")
+    if first["type"] == "missing":
+        return RequestError(422, param, f"{'.'.join(location)}: missing: expected the field (/docs lists the fields "
+                            f"of {entry.path})")
     described = entry.body.model_fields.get(param) if param is not None else None
     if described is not None and described.description is not None:  # a union: say what it takes, not each try
         return RequestError(422, param, f"{param}={first.get('input')!r:.60}: expected {described.description}")

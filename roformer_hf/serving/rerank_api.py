@@ -1,8 +1,9 @@
 """The rerank API that Jina's and Cohere's clients speak, as vLLM and Infinity serve it: `POST /v1/rerank` and
 `POST /v2/rerank` (Cohere's second version's path) on a cross-encoder. It ranks `documents` (strings, or objects
 with a `text`) by their relevance to `query`, best first: `{"id", "model", "usage": {"total_tokens"}, "results":
-[{"index", "relevance_score", "document": {"text"}}]}`. The scores are `/rerank`'s: the sigmoid of the
-cross-encoder's logit."""
+[{"index", "relevance_score", "document": {"text"}}]}`. The scores are text-embeddings-inference's `/rerank`'s: the
+sigmoid of the cross-encoder's logit. `POST /rerank` takes both: text-embeddings-inference's body (`query`, `texts`)
+and, as vLLM and Infinity answer there too, a body with `documents`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
+from . import tei_api
 from .errors import RequestError
-from .protocol import Body, Parsed, check_count, check_model, route
+from .protocol import Body, Parsed, Route, check_count, check_model, route
 from .tasks import Item
 from .tei_api import encode_pairs, label_scores
 
@@ -56,4 +58,22 @@ def rerank_documents(served: ServedModel, body: DocumentsRerankRequest, _) -> Pa
     return Parsed([Item("classify", (), row, len(row["input_ids"])) for row in rows], respond)
 
 
-__all__ = ["Document", "DocumentsRerankRequest"]
+
+def _reranker(loaded) -> bool:
+    return loaded.is_reranker
+
+
+TEI_SHAPE = Route("POST", "/rerank", tei_api.RerankRequest, "tei", _reranker, tei_api.rerank)
+DOCUMENTS_SHAPE = Route("POST", "/rerank", DocumentsRerankRequest, "rerank", _reranker, rerank_documents)
+
+
+@route("POST", "/rerank", dict, "tei", _reranker)
+def rerank(served: ServedModel, body: dict, params: dict[str, str]) -> Parsed:
+    """Text-embeddings-inference's `/rerank` (`query`, `texts`); with `documents` in place of `texts`, the shape above."""
+    if "documents" not in body and "texts" not in body:
+        raise RequestError(422, "texts", "texts: missing: expected texts (text-embeddings-inference's body) or "
+                           "documents (Jina's and Cohere's)")
+    return served.parse_for(DOCUMENTS_SHAPE if "documents" in body else TEI_SHAPE, body, params)
+
+
+__all__ = ["DOCUMENTS_SHAPE", "Document", "DocumentsRerankRequest", "TEI_SHAPE"]

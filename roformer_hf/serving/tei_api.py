@@ -179,8 +179,8 @@ def predict(served: ServedModel, body: PredictRequest, _) -> Parsed:
     return Parsed([Item("classify", (), row, len(row["input_ids"])) for row in rows], respond)
 
 
-@route("POST", "/rerank", RerankRequest, "tei", lambda loaded: loaded.is_reranker)
 def rerank(served: ServedModel, body: RerankRequest, _) -> Parsed:
+    """`POST /rerank` as text-embeddings-inference reads it (`rerank_api.rerank` routes a body here)."""
     check_count(served, "texts", len(body.texts))
     if not body.query.strip():
         raise RequestError(422, "query", "query='': expected a non-empty string")
@@ -282,4 +282,4 @@ def info(served: ServedModel, _, __) -> Parsed:
 
 
 __all__ = ["DecodeRequest", "EmbedAllRequest", "EmbedRequest", "PredictParameters", "PredictRequest", "RerankRequest",
-           "SimilarityRequest", "TokenizeRequest", "default_path", "encode_pairs", "label_scores"]
+           "SimilarityRequest", "TokenizeRequest", "default_path", "encode_pairs", "label_scores", "rerank"]

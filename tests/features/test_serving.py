@@ -181,6 +181,13 @@ def test_documents_rerank_is_jina_and_cohere_shaped(reranker):
                                                       for text in texts)
     bare = cross.answer("/v1/rerank", {"query": "the king", "documents": texts, "return_documents": False, "top_n": 0})
     assert [result["index"] for result in bare["results"]] == best and "document" not in bare["results"][0]
+    # `/rerank` takes this shape too (vLLM and Infinity answer it there), and text-embeddings-inference's.
+    legacy = cross.answer("/rerank", {"query": "the king", "documents": texts})
+    assert [result["index"] for result in legacy["results"]] == best
+    assert [result["index"] for result in cross.answer("/rerank", {"query": "the king", "texts": texts})] == best
+    with pytest.raises(RequestError) as refused:
+        cross.answer("/rerank", {"query": "the king"})
+    assert (refused.value.status, refused.value.param) == (422, "texts") and "documents" in refused.value.message
     with pytest.raises(RequestError) as refused:
         cross.answer("/v1/rerank", {"model": "rerank-english-v3.0", "query": "the king", "documents": texts})
     assert (refused.value.status, refused.value.param) == (404, "model")
