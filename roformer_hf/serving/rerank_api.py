@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from .served import ServedModel
 
 
+def _reranker(loaded) -> bool:
+    return loaded.is_reranker
+
+
 class Document(Body):
     text: StrictStr
 
@@ -36,8 +40,8 @@ class DocumentsRerankRequest(Body):
     truncate: StrictBool | None = None  # not theirs: cut long pairs instead of refusing them (None: --auto-truncate)
 
 
-@route("POST", "/v1/rerank", DocumentsRerankRequest, "rerank", lambda loaded: loaded.is_reranker)
-@route("POST", "/v2/rerank", DocumentsRerankRequest, "rerank", lambda loaded: loaded.is_reranker)
+@route("POST", "/v1/rerank", DocumentsRerankRequest, "rerank", _reranker)
+@route("POST", "/v2/rerank", DocumentsRerankRequest, "rerank", _reranker)
 def rerank_documents(served: ServedModel, body: DocumentsRerankRequest, _) -> Parsed:
     check_model(served, body.model)
     check_count(served, "documents", len(body.documents))
@@ -56,11 +60,6 @@ def rerank_documents(served: ServedModel, body: DocumentsRerankRequest, _) -> Pa
                             for i in ranked]}
 
     return Parsed([Item("classify", (), row, len(row["input_ids"])) for row in rows], respond)
-
-
-
-def _reranker(loaded) -> bool:
-    return loaded.is_reranker
 
 
 TEI_SHAPE = Route("POST", "/rerank", tei_api.RerankRequest, "tei", _reranker, tei_api.rerank)
