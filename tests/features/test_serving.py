@@ -340,6 +340,9 @@ def test_the_command_and_build_app_share_their_defaults(monkeypatch):
     shared = {name: default for name, (_, default) in ARGUMENTS.items() if renamed.get(name, name) in flags}
     assert len(shared) >= 15
     assert {name: flags[renamed.get(name, name)] for name in shared} == shared
+    page = (Path(__file__).parents[2] / "docs" / "serving.md").read_text(encoding="utf-8")
+    listed = re.search(r"^`build_app`: (.*?)\.$", page, flags=re.MULTILINE | re.DOTALL).group(1)
+    assert set(re.findall(r"`(\w+)`", listed)) == set(ARGUMENTS)  # the page names every argument, and no other
 
 
 # The folders that cannot be served: refused at start by the CLI, before the port opens.
