@@ -111,9 +111,9 @@ class DenseChain(torch.nn.Module):
 
 CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after one untimed: its weights as a server keeps them
 CHAIN_PATHS = ("roformer_hf", "nn.Linear (MKL)", "OpenVINO")
-# Each CPU kind's `fused.DenseRule`, and the AVX2 one as it is where `few_rows`' kernel cannot be built.
-RULES = (fused.INTEL_RULE, fused.AVX512_RULE, fused.AVX2_RULE,
-         dataclasses.replace(fused.AVX2_RULE, cpu="AVX2 only, without few rows", few_rows_max_rows=0))
+# Each CPU kind's `fused.DenseRule`, and those that take `few_rows`' kernel as they are where it cannot be built.
+RULES = (*fused.RULES, *(dataclasses.replace(rule, cpu=f"{rule.cpu}, without few rows", few_rows_max_rows=0)
+                         for rule in fused.RULES if rule.few_rows_max_rows))
 
 
 def under_rule(rule: fused.DenseRule, call):

@@ -107,7 +107,11 @@ def available_cores() -> int:
 def machine_lines() -> list[str]:
     import transformers
 
+    from roformer_hf import cpu as cpu_facts
+    from roformer_hf import few_rows, fused
+
     cpu, flags = cpu_info()
+    few_rows_kernel = f"{few_rows.isa()} build" if few_rows.available() else f"not available ({few_rows.why_not()})"
     limits = [f"{name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name)]
     cores = available_cores()
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
@@ -117,6 +121,8 @@ def machine_lines() -> list[str]:
         + (f"; kernels held below the CPU's ISA: {' '.join(limits)} (fbgemm is not)" if limits else ""),
         f"- torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
         f"Python {platform.python_version()}",
+        f"- CPU family {cpu_facts.cpu_family()}; dense kernels by the rule `fused.RULE`: {fused.RULE.cpu}; "
+        f"`few_rows`' kernel: {few_rows_kernel}",
         f"- load average (1/5/15 min) at the end: {load}",
     ]
 

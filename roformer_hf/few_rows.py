@@ -1,13 +1,15 @@
-"""A GEMM for fp32 inputs of few rows on CPUs with AVX2 and FMA: `linear`, on a weight laid out by `pack`.
+"""A GEMM for fp32 inputs of few rows on CPUs with AVX2 and FMA or with AVX-512: `linear`, on a weight laid out by
+`pack`.
 
 A short input's dense layers wait on their weights: on an AMD EPYC with AVX2 only, oneDNN's GEMM on a packed weight
 ran the 16 dense calls of a 16-token forward (4 layers of base width) at 70-82 GFLOP/s where a large product runs at
-165 (`benchmarks/RESULTS.md`). This kernel (`csrc/few_rows.cpp`) puts the input's rows in a vector's lanes and
-broadcasts each weight entry once against them, so the weight streams through once, in the order `pack` lays it out:
-tiles of `TILE` output features, each tile's entries feature by feature along the input. Each output is summed over
-the input features in order, whatever the number of rows from 2 up, so a row's result does not depend on the rows
-beside it; one row alone (a decoding step) reads each tile as whole vectors against the input repeated to its layout,
-in four interleaved sums.
+165 (`benchmarks/RESULTS.md`). This kernel (`csrc/few_rows.cpp`) puts the input's rows in a vector's lanes (8 a
+vector with AVX2, 16 with AVX-512: `isa`) and broadcasts each weight entry once against them, so the weight streams
+through once, in the order `pack` lays it out: tiles of `TILE` output features, each tile's entries feature by feature
+along the input. Each output is summed over the input features in order, whatever the number of rows from 2 up and
+the instruction set, so a row's result does not depend on the rows beside it; one row alone (a decoding step) reads
+each tile as whole vectors against the input repeated to its layout, in interleaved sums (4 with AVX2, 8 with
+AVX-512).
 
 It is built at first use with the system's C++ compiler (``$CXX``, else ``c++``; about a second) into
 ``$ROFORMER_HF_CACHE/kernels``, else ``$XDG_CACHE_HOME/roformer_hf/kernels``, else ``~/.cache/roformer_hf/kernels``,
@@ -36,11 +38,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .cpu import cpu_has, held_below_avx512
+
 logger = logging.getLogger(__name__)
 
 TILE = 6  # output features a tile of the packed weight holds: `kTile` in csrc/few_rows.cpp
 SOURCE = Path(__file__).with_name("csrc") / "few_rows.cpp"
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+AVX512_FLAGS = ("-mavx512f",)  # added where `isa` is AVX-512: 16 lanes a vector, 32 registers
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "library" (ctypes.CDLL or None) and "why_not" (str), once decided
@@ -66,6 +71,13 @@ def available() -> bool:
                                    "oneDNN's kernel instead", why_not)
                 _state.update(library=library, why_not=why_not)
     return _state["library"] is not None
+
+
+def isa() -> str:
+    """The instruction set the kernel is built for here: ``"AVX-512"`` where the CPU has AVX-512F and the environment
+    does not hold oneDNN below it (``ONEDNN_MAX_CPU_ISA``: the kernel then runs the AVX2 code, as an AVX2-only CPU
+    would), else ``"AVX2"``."""
+    return "AVX-512" if cpu_has("avx512f") and not held_below_avx512() else "AVX2"
 
 
 def why_not() -> str:
@@ -140,7 +152,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, "turned off by ROFORMER_HF_FEW_ROWS=0"
     if not sys.platform.startswith("linux"):
         return None, f"built on Linux only, not {sys.platform}"
-    if not _cpu_has("avx2", "fma"):
+    if not cpu_has("avx2", "fma"):
         return None, "the CPU has no AVX2 and FMA"
     runtimes = _openmp_runtimes()
     if len(runtimes) != 1:
@@ -152,14 +164,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if not compiler:
         return None, "no C++ compiler (set CXX)"
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), str(openmp).encode(),
+    flags = FLAGS + (AVX512_FLAGS if isa() == "AVX-512" else ())
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), str(openmp).encode(),
                                      torch.__version__.encode()])).hexdigest()[:16]
     try:
         folder = cache_root() / "kernels"
         path = folder / f"few_rows-{key}.so"
         if not path.exists():
             folder.mkdir(parents=True, exist_ok=True)
-            _build(compiler, openmp, folder, path)
+            _build(compiler, flags, openmp, folder, path)
         library = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return None, str(error)
@@ -175,12 +188,12 @@ def _turned_off() -> bool:
     return os.environ.get("ROFORMER_HF_FEW_ROWS", "1").strip() == "0"
 
 
-def _build(compiler: str, openmp: Path, folder: Path, path: Path) -> None:
-    """Compiles `SOURCE` into `path`, through a file of its own in `folder` renamed into place (processes building it
-    at once each write their own)."""
+def _build(compiler: str, flags: tuple[str, ...], openmp: Path, folder: Path, path: Path) -> None:
+    """Compiles `SOURCE` with `flags` into `path`, through a file of its own in `folder` renamed into place (processes
+    building it at once each write their own)."""
     handle, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
     os.close(handle)
-    command = [*shlex.split(compiler), *FLAGS, str(SOURCE), "-o", partial, f"-Wl,-rpath,{openmp.parent}"]
+    command = [*shlex.split(compiler), *flags, str(SOURCE), "-o", partial, f"-Wl,-rpath,{openmp.parent}"]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
@@ -189,19 +202,6 @@ def _build(compiler: str, openmp: Path, folder: Path, path: Path) -> None:
     finally:
         if os.path.exists(partial):
             os.remove(partial)
-
-
-def _cpu_has(*flags: str) -> bool:
-    """Whether /proc/cpuinfo lists every flag in `flags`."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return set(flags) <= set(value.split())
-    except OSError:
-        pass
-    return False
 
 
 def _openmp_runtimes() -> list[Path]:

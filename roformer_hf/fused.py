@@ -6,8 +6,9 @@ torch.compile's CPU backend emits for linear layers, applies either to the GEMM'
 CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (AMD EPYC with AVX-512, fp32;
 `benchmarks/RESULTS.md`, 2026-11-23, at d290e68).
 
-On CPUs with AVX2 only, fp32 inputs of 2 to 256 rows take `few_rows`' GEMM instead, which reads a short input's
-weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions.
+On CPUs with AVX2 only, fp32 inputs of 1 to 256 rows take `few_rows`' GEMM instead, which reads a short input's
+weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 128
+rows, in its AVX-512 build.
 
 It has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it only in eager
 forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
@@ -31,7 +32,6 @@ width 3-6% faster on an Intel Xeon).
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -45,6 +45,7 @@ from torch.nn.modules import module as torch_module
 from transformers.activations import GELUActivation
 
 from . import few_rows
+from .cpu import cpu_family, cpu_vendor, held_below_avx512
 from .blocked_dropout import dropout
 from .few_rows import Packed  # also what lets a saved folder's copy of the code carry few_rows.py
 
@@ -54,23 +55,7 @@ _BF16_GEMMS = _KERNEL is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16) if _BF16_GEMMS else (torch.float32,)
 _PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _KERNEL is not None else None
 
-
-def cpu_vendor() -> str:
-    """The CPU's vendor as /proc/cpuinfo names it (``"GenuineIntel"``, ``"AuthenticAMD"``); ``""`` where unknown."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    return value.strip()
-    except OSError:
-        pass
-    return ""
-
-
 PACKING_HINT = 16  # the rows oneDNN lays a packed weight out for; it serves every row count
-# oneDNN's CPU limits (`ONEDNN_MAX_CPU_ISA`, formerly `DNNL_MAX_CPU_ISA`) that keep its kernels off AVX-512.
-_LIMITS_BELOW_AVX512 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"}
 
 
 @dataclass(frozen=True)
@@ -81,7 +66,8 @@ class DenseRule:
     Attributes:
         cpu: the CPU kind, as the benchmarks name it.
         packed_max_rows: fp32 inputs of 2 up to this many rows take oneDNN's kernel on the packed weight.
-        beyond: the fp32 kernel past them: ``"onednn"`` (on the layer's own weight) or ``"module"`` (MKL's).
+        beyond: the fp32 kernel past them, and past `few_rows_max_rows`: ``"onednn"`` (on the layer's own weight),
+            ``"module"`` (MKL's) or ``"packed"``.
         one_row: the fp32 kernel of one row (a decoding step).
         few_rows_max_rows: fp32 inputs of 1 up to this many rows take `few_rows`' kernel where it is available
             (`few_rows.available`), in place of `one_row` and `packed_max_rows`, and `beyond` past them; 0: never.
@@ -104,8 +90,13 @@ class DenseRule:
 # for one row, 0.5-0.85x oneDNN's time. The encoder compiled with frozen weights took 0.84-0.97x the eager time for
 # one input of 8-512 tokens.
 INTEL_RULE = DenseRule("Intel, AVX-512", math.inf, "onednn", "module", fuses_gelu=True)
-# AMD EPYC with AVX-512: the packed weight up to 1.5x faster at 2-256 rows; beyond, the GEMM is bound by its arithmetic.
-AVX512_RULE = DenseRule("AMD, AVX-512", 256, "onednn", "onednn", fuses_gelu=True)
+# AMD EPYC with AVX-512, Zen 4 (family 25; 512-bit operations in two halves): the packed weight up to 1.5x faster at
+# 2-256 rows; beyond, the GEMM is bound by its arithmetic.
+AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", 256, "onednn", "onednn", fuses_gelu=True)
+# AMD EPYC with AVX-512, Zen 5 (family 26; whole 512-bit operations): four layers' dense calls in a row, each weight
+# read from memory, took 0.68-0.87x oneDNN's time on the packed weight in `few_rows`' AVX-512 kernel at 1-64 rows,
+# 0.95x at 128, 1.07x at 256; the packed weight 0.92x oneDNN's time on the layer's own at 626 rows.
+ZEN5_RULE = DenseRule("AMD Zen 5, AVX-512", math.inf, "packed", "onednn", fuses_gelu=True, few_rows_max_rows=128)
 # AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, with their weights read from memory as a forward
 # reads them, took 0.57-0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626, 1.11x at 2626;
 # oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2. The compiled
@@ -122,8 +113,7 @@ AVX2_RULE = DenseRule("AVX2 only", 512, "module", "onednn", fuses_gelu=False, co
 def onednn_has_avx512() -> bool:
     """Whether oneDNN's kernels run AVX-512 here: the CPU has it and oneDNN is not held below it (oneDNN reads its
     limit once, from the environment)."""
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    if limit.strip().upper() in _LIMITS_BELOW_AVX512:
+    if held_below_avx512():
         return False
     is_avx512_supported = getattr(torch.cpu, "_is_avx512_supported", None)
     if is_avx512_supported is not None:
@@ -131,12 +121,17 @@ def onednn_has_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
+RULES = (INTEL_RULE, AVX512_RULE, ZEN5_RULE, AVX2_RULE)  # every CPU kind's, as `dense_rule` picks among them
+
+
 def dense_rule() -> DenseRule:
     """This CPU's `DenseRule`: AVX2 only (a CPU without AVX-512 on any vendor's; measured on an AMD EPYC), else
-    Intel's or AMD's AVX-512 rule by the vendor."""
+    Intel's AVX-512 rule, or AMD's for Zen 4 or for Zen 5 and later by the CPU's family."""
     if not onednn_has_avx512():
         return AVX2_RULE
-    return INTEL_RULE if cpu_vendor() == "GenuineIntel" else AVX512_RULE
+    if cpu_vendor() == "GenuineIntel":
+        return INTEL_RULE
+    return ZEN5_RULE if cpu_family() >= 26 else AVX512_RULE
 
 
 RULE = dense_rule()
@@ -497,8 +492,8 @@ def _dense_kernel(x: Tensor) -> str:
       packed weight would sum in another order) or past the packed rows (AVX2 only).
     - ``"onednn"``: oneDNN's kernel on the layer's own weight, where the rule names it, and for an input of no rows.
     - ``"few_rows"``: `few_rows`' kernel on the weight packed in its tiles, for fp32 inputs of 1 up to
-      `DenseRule.few_rows_max_rows` rows where it is available (AVX2 only), in place of the packed weight and the
-      rule's `one_row`; past them the rule's `beyond`.
+      `DenseRule.few_rows_max_rows` rows where it is available (AVX2 only; AMD Zen 5), in place of the packed weight
+      and the rule's `one_row`; past them the rule's `beyond`.
     """
     rows = x.numel() // x.shape[-1]
     if RULE.few_rows_max_rows and x.dtype == torch.float32 and rows > 0 and few_rows.available():

@@ -1,11 +1,12 @@
-// y = x w^T + bias (+ residual) in fp32 for inputs of few rows, with AVX2 and FMA: `roformer_hf/few_rows.py` builds
-// and calls it.
+// y = x w^T + bias (+ residual) in fp32 for inputs of few rows, with AVX2 and FMA, or AVX-512 where it is built with
+// it (`-mavx512f`): `roformer_hf/few_rows.py` builds and calls it.
 //
-// The rows of x lie in a vector's lanes (x transposed, 16 lanes at a time and the last 8 or fewer in 8) and each
-// weight entry is broadcast once against them, so the weight, which a short input's product waits on, streams through
-// once in the order it is laid out: tiles of `kTile` output columns, each tile's entries column by column
-// (`few_rows.pack`). Each output is summed over k in order, whatever the number of rows from 2 up, so a row's result
-// does not depend on the rows beside it; one row alone takes `row_tiles`.
+// The rows of x lie in a vector's lanes (x transposed, two vectors' lanes at a time and the last rows, as many as one
+// vector holds or fewer, in one) and each weight entry is broadcast once against them, so the weight, which a short
+// input's product waits on, streams through once in the order it is laid out: tiles of `kTile` output columns, each
+// tile's entries column by column (`few_rows.pack`). Each output is summed over k in order, whatever the number of
+// rows from 2 up and the vector width, so a row's result does not depend on the rows beside it; one row alone takes
+// `row_tiles`.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -16,39 +17,63 @@
 
 namespace {
 
+// The vector the kernel computes in: `kWidth` floats.
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kWidth = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#else
+using Vec = __m256;
+constexpr int kWidth = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#endif
+
 constexpr int64_t kTile = 6;          // output columns a tile holds: `few_rows.TILE`
 constexpr int64_t kPrefetch = 1024;   // how far ahead (in floats) the weight is fetched into the caches
+constexpr int64_t kBlock = 2 * kWidth;  // the rows of a full block: two vectors' lanes
+// Tiles the last rows (in one vector's lanes) take at once: 12 vectors of sums in AVX2's 16 registers, 24 in
+// AVX-512's 32 (on an AMD EPYC with AVX-512, Zen 5, 4 layers' dense calls at 2-16 rows in 0.90-0.94x the time of 2).
+constexpr int64_t kGroup = kWidth == 16 ? 4 : 2;
 
 // `Tiles` adjacent tiles of the packed weight `w` against one block of `Lanes` rows of the transposed input `xt`
 // (`Lanes` floats a step of k): out[t * kTile + j][lane].
 template <int Lanes, int Tiles>
 inline void tile_product(const float* xt, const float* w, int64_t K, float* out) {
-  constexpr int kVectors = Lanes / 8;
-  __m256 sums[Tiles * kTile][kVectors];
+  constexpr int kVectors = Lanes / kWidth;
+  Vec sums[Tiles * kTile][kVectors];
   for (auto& column : sums)
-    for (auto& sum : column) sum = _mm256_setzero_ps();
+    for (auto& sum : column) sum = vzero();
   for (int64_t k = 0; k < K; ++k) {
     if (((k * kTile) & 15) < kTile)  // once a cache line of each tile's stream
       for (int t = 0; t < Tiles; ++t)
         _mm_prefetch(reinterpret_cast<const char*>(w + t * kTile * K + k * kTile + kPrefetch), _MM_HINT_T0);
-    __m256 a[kVectors];
-    for (int v = 0; v < kVectors; ++v) a[v] = _mm256_loadu_ps(xt + k * Lanes + 8 * v);
+    Vec a[kVectors];
+    for (int v = 0; v < kVectors; ++v) a[v] = vload(xt + k * Lanes + kWidth * v);
     for (int t = 0; t < Tiles; ++t)
       for (int j = 0; j < kTile; ++j) {
-        const __m256 b = _mm256_broadcast_ss(w + t * kTile * K + k * kTile + j);
-        for (int v = 0; v < kVectors; ++v) sums[t * kTile + j][v] = _mm256_fmadd_ps(a[v], b, sums[t * kTile + j][v]);
+        const Vec b = vbroadcast(w + t * kTile * K + k * kTile + j);
+        for (int v = 0; v < kVectors; ++v) sums[t * kTile + j][v] = vfma(a[v], b, sums[t * kTile + j][v]);
       }
   }
   for (int c = 0; c < Tiles * kTile; ++c)
-    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + c * Lanes + 8 * v, sums[c][v]);
+    for (int v = 0; v < kVectors; ++v) vstore(out + c * Lanes + kWidth * v, sums[c][v]);
 }
 
-// 8 rows against two tiles, the same sums spelled out and kept out of line: written as above and inlined, GCC stored
-// the twelve sums to the stack at every step of k (or kept one there), and the product ran at half the rate.
+#if !defined(__AVX512F__)
+// AVX2's group, 8 rows against two tiles, the same sums spelled out and kept out of line: written as above and inlined,
+// GCC stored the twelve sums to the stack at every step of k (or kept one there), and the product ran at half the rate.
 template <>
-__attribute__((noinline)) void tile_product<8, 2>(const float* xt, const float* w, int64_t K, float* out) {
-  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
-  __m256 c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+__attribute__((noinline)) void tile_product<kWidth, 2>(const float* xt, const float* w, int64_t K, float* out) {
+  Vec c0 = vzero(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
+  Vec c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
   const float* u = w;               // the first tile's entries at step k
   const float* v = w + kTile * K;   // the second's
   for (int64_t k = 0; k < K; ++k, u += kTile, v += kTile) {
@@ -56,23 +81,24 @@ __attribute__((noinline)) void tile_product<8, 2>(const float* xt, const float* 
       _mm_prefetch(reinterpret_cast<const char*>(u + kPrefetch), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetch), _MM_HINT_T0);
     }
-    const __m256 a = _mm256_loadu_ps(xt + k * 8);
-    c0 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u), c0);
-    c1 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u + 1), c1);
-    c2 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u + 2), c2);
-    c3 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u + 3), c3);
-    c4 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u + 4), c4);
-    c5 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(u + 5), c5);
-    c6 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v), c6);
-    c7 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v + 1), c7);
-    c8 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v + 2), c8);
-    c9 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v + 3), c9);
-    c10 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v + 4), c10);
-    c11 = _mm256_fmadd_ps(a, _mm256_broadcast_ss(v + 5), c11);
+    const Vec a = vload(xt + k * kWidth);
+    c0 = vfma(a, vbroadcast(u), c0);
+    c1 = vfma(a, vbroadcast(u + 1), c1);
+    c2 = vfma(a, vbroadcast(u + 2), c2);
+    c3 = vfma(a, vbroadcast(u + 3), c3);
+    c4 = vfma(a, vbroadcast(u + 4), c4);
+    c5 = vfma(a, vbroadcast(u + 5), c5);
+    c6 = vfma(a, vbroadcast(v), c6);
+    c7 = vfma(a, vbroadcast(v + 1), c7);
+    c8 = vfma(a, vbroadcast(v + 2), c8);
+    c9 = vfma(a, vbroadcast(v + 3), c9);
+    c10 = vfma(a, vbroadcast(v + 4), c10);
+    c11 = vfma(a, vbroadcast(v + 5), c11);
   }
-  const __m256 sums[2 * kTile] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
-  for (int c = 0; c < 2 * kTile; ++c) _mm256_storeu_ps(out + c * 8, sums[c]);
+  const Vec sums[2 * kTile] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+  for (int c = 0; c < 2 * kTile; ++c) vstore(out + c * kWidth, sums[c]);
 }
+#endif
 
 // y's rows [m0, m0 + rows) and columns [n0, n0 + columns) from `out` (column j's `Lanes` rows at out[j * Lanes]), plus
 // the bias and the residual.
@@ -90,60 +116,65 @@ inline void store(const float* out, const float* bias, const float* residual, fl
   }
 }
 
-// Tiles [first, last) of the output, two at a time: each against every block of 16 rows in `xt16` (one tile at a time,
-// 12 vectors of sums), then against the last rows, `tail` of them (up to 8), in `xt8` (both tiles at once, 12 vectors
-// of sums too), so that 17-24 rows cost a block and a half, not two.
-void tiles(const float* xt16, int64_t blocks, const float* xt8, int64_t tail, const float* w, const float* bias,
+// Tiles [first, last) of the output, `kGroup` at a time: each against every full block of `kBlock` rows in `xtb` (one
+// tile at a time, 12 vectors of sums), then against the last rows, `tail` of them (up to `kWidth`), in `xtt` (the
+// group at once), so that a block and a half of rows costs a block and a half, not two.
+void tiles(const float* xtb, int64_t blocks, const float* xtt, int64_t tail, const float* w, const float* bias,
            const float* residual, float* y, int64_t M, int64_t N, int64_t K, int64_t first, int64_t last) {
-  alignas(32) float out[2 * kTile * 8];
-  for (int64_t t = first; t < last; t += 2) {
-    const int64_t pair = std::min<int64_t>(2, last - t);
-    for (int64_t i = t; i < t + pair; ++i) {
+  alignas(64) float out[kGroup * kTile * kWidth];
+  for (int64_t t = first; t < last; t += kGroup) {
+    const int64_t group = std::min(kGroup, last - t);
+    for (int64_t i = t; i < t + group; ++i) {
       const int64_t n0 = i * kTile, columns = std::min(kTile, N - n0);
       for (int64_t block = 0; block < blocks; ++block) {
-        tile_product<16, 1>(xt16 + block * K * 16, w + n0 * K, K, out);
-        store<16>(out, bias, residual, y, N, block * 16, std::min<int64_t>(16, M - block * 16), n0, columns);
+        tile_product<kBlock, 1>(xtb + block * K * kBlock, w + n0 * K, K, out);
+        store<kBlock>(out, bias, residual, y, N, block * kBlock, std::min<int64_t>(kBlock, M - block * kBlock), n0,
+                      columns);
       }
     }
     if (tail > 0) {
-      const int64_t n0 = t * kTile, columns = std::min(pair * kTile, N - n0);
-      if (pair == 2) {
-        tile_product<8, 2>(xt8, w + n0 * K, K, out);
+      const int64_t n0 = t * kTile, columns = std::min(group * kTile, N - n0);
+      if (group == kGroup) {
+        tile_product<kWidth, kGroup>(xtt, w + n0 * K, K, out);
       } else {
-        tile_product<8, 1>(xt8, w + n0 * K, K, out);
+        for (int64_t i = 0; i < group; ++i)
+          tile_product<kWidth, 1>(xtt, w + (n0 + i * kTile) * K, K, out + i * kTile * kWidth);
       }
-      store<8>(out, bias, residual, y, N, blocks * 16, tail, n0, columns);
+      store<kWidth>(out, bias, residual, y, N, blocks * kBlock, tail, n0, columns);
     }
   }
 }
 
-// One row against tiles [first, last): each tile's entries read as whole vectors, 24 floats (4 steps of k) at a time,
-// against the input repeated to the tile's layout (`xr`: x[k] six times in a row), into 3 vectors of sums. Output j
-// then adds its four sums (the steps of k that are 0, 1, 2 and 3 modulo 4) in that order, and the steps past the last
-// multiple of 4 one by one: an order of its own, the same on any number of threads. With one row in 8 lanes
-// (`tile_product`) 7 of them were idle, and on a weight in the caches oneDNN's matrix-vector product was faster.
+// One row against tiles [first, last): each tile's entries read as whole vectors, three vectors (`kSteps` steps of k)
+// at a time, against the input repeated to the tile's layout (`xr`: x[k] six times in a row), into 3 vectors of sums.
+// Output j then adds its `kSteps` sums (the steps of k that are 0, 1, ... modulo `kSteps`) in that order, and the
+// steps past the last multiple of `kSteps` one by one: an order of its own, the same on any number of threads. With one
+// row in a vector's lanes (`tile_product`) all but one of them were idle, and on a weight in the caches oneDNN's
+// matrix-vector product was faster.
 void row_tiles(const float* xr, const float* x, const float* w, const float* bias, const float* residual, float* y,
                int64_t N, int64_t K, int64_t first, int64_t last) {
-  const int64_t whole = K / 4 * 4;
-  alignas(32) float sums[4 * kTile];
+  constexpr int64_t kSteps = 3 * kWidth / kTile;
+  const int64_t whole = K / kSteps * kSteps;
+  alignas(64) float sums[3 * kWidth];
   for (int64_t t = first; t < last; ++t) {
     const float* tile = w + t * kTile * K;
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0;
-    for (int64_t k = 0; k < whole; k += 4) {
+    Vec s0 = vzero(), s1 = s0, s2 = s0;
+    for (int64_t k = 0; k < whole; k += kSteps) {
       const float* u = tile + k * kTile;
       const float* r = xr + k * kTile;
-      _mm_prefetch(reinterpret_cast<const char*>(u + kPrefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(u + kPrefetch + 16), _MM_HINT_T0);
-      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(u), _mm256_loadu_ps(r), s0);
-      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(u + 8), _mm256_loadu_ps(r + 8), s1);
-      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(u + 16), _mm256_loadu_ps(r + 16), s2);
+      for (int64_t line = 0; line < 3 * kWidth; line += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(u + kPrefetch + line), _MM_HINT_T0);
+      s0 = vfma(vload(u), vload(r), s0);
+      s1 = vfma(vload(u + kWidth), vload(r + kWidth), s1);
+      s2 = vfma(vload(u + 2 * kWidth), vload(r + 2 * kWidth), s2);
     }
-    _mm256_store_ps(sums, s0);
-    _mm256_store_ps(sums + 8, s1);
-    _mm256_store_ps(sums + 16, s2);
+    vstore(sums, s0);
+    vstore(sums + kWidth, s1);
+    vstore(sums + 2 * kWidth, s2);
     const int64_t n0 = t * kTile, columns = std::min(kTile, N - n0);
     for (int64_t j = 0; j < columns; ++j) {
-      float value = sums[j] + sums[kTile + j] + sums[2 * kTile + j] + sums[3 * kTile + j];
+      float value = sums[j];
+      for (int64_t step = 1; step < kSteps; ++step) value += sums[step * kTile + j];
       for (int64_t k = whole; k < K; ++k) value = std::fma(x[k], tile[k * kTile + j], value);
       if (bias != nullptr) value += bias[n0 + j];
       if (residual != nullptr) value += residual[n0 + j];
@@ -191,6 +222,9 @@ void transpose(const float* x, int64_t M, int64_t K, int64_t m0, int64_t lanes, 
 
 }  // namespace
 
+// The floats of the vector the kernel was built for (8 with AVX2, 16 with AVX-512).
+extern "C" int few_row_width() { return kWidth; }
+
 // x (M, K), contiguous; w: (N, K) packed by `few_rows.pack`; bias (N) or null; residual (M, N), contiguous, or null;
 // y (M, N), contiguous. The tiles are shared out among `threads` threads of the OpenMP runtime torch runs on.
 extern "C" void few_row_linear(const float* x, const float* w, const float* bias, const float* residual, float* y,
@@ -207,19 +241,20 @@ extern "C" void few_row_linear(const float* x, const float* w, const float* bias
     }
     return;
   }
-  // Blocks of 16 rows, and the rows after them in 8 lanes where there are 8 or fewer (all of them up to 8 rows).
-  const int64_t rest = M % 16, tail = M <= 8 ? M : (rest > 0 && rest <= 8 ? rest : 0);
-  const int64_t blocks = (M - tail + 15) / 16;
-  std::unique_ptr<float[]> xt(new float[(blocks * 16 + (tail > 0 ? 8 : 0)) * K]);
-  for (int64_t block = 0; block < blocks; ++block) transpose(x, M, K, block * 16, 16, xt.get() + block * K * 16);
-  if (tail > 0) transpose(x, M, K, blocks * 16, 8, xt.get() + blocks * K * 16);
-  const int64_t pairs = (count + 1) / 2;
+  // Full blocks, and the rows after them in one vector's lanes where one holds them (all of them up to `kWidth` rows).
+  const int64_t rest = M % kBlock, tail = M <= kWidth ? M : (rest > 0 && rest <= kWidth ? rest : 0);
+  const int64_t blocks = (M - tail + kBlock - 1) / kBlock;
+  std::unique_ptr<float[]> xt(new float[(blocks * kBlock + (tail > 0 ? kWidth : 0)) * K]);
+  for (int64_t block = 0; block < blocks; ++block)
+    transpose(x, M, K, block * kBlock, kBlock, xt.get() + block * K * kBlock);
+  if (tail > 0) transpose(x, M, K, blocks * kBlock, kWidth, xt.get() + blocks * K * kBlock);
+  const int64_t groups = (count + kGroup - 1) / kGroup;
 #pragma omp parallel num_threads(threads)
   {
-    // Each thread takes whole pairs of tiles, which the rows in 8 lanes take two at a time.
+    // Each thread takes whole groups of tiles, which the last rows take at once.
     const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-    const int64_t first = std::min(count, 2 * (pairs * part / parts));
-    const int64_t last = std::min(count, 2 * (pairs * (part + 1) / parts));
-    tiles(xt.get(), blocks, xt.get() + blocks * K * 16, tail, w, bias, residual, y, M, N, K, first, last);
+    const int64_t first = std::min(count, kGroup * (groups * part / parts));
+    const int64_t last = std::min(count, kGroup * (groups * (part + 1) / parts));
+    tiles(xt.get(), blocks, xt.get() + blocks * K * kBlock, tail, w, bias, residual, y, M, N, K, first, last);
   }
 }
