@@ -26,7 +26,8 @@ OpenVINO chose for its dense layers: what the model's dense layers cost against 
 runtime the latency target names. In fp32 roformer_hf's calls also run under each other CPU kind's rule
 (`fused.DenseRule`), in the same turns: whether this CPU's rule is the fastest of them here. A layer timed alone keeps
 its weight in the caches call after call; in a row, each reads its weight from memory, as a forward does, so the
-rules are judged on the calls in a row.
+rules are judged on the calls in a row. In int8 the chain also runs on each of `Int8Linear`'s kernels at every row
+count, fbgemm's on weights packed once and oneDNN's: the measurements behind `quantization.few_row_limit`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import argparse
 import copy
 import dataclasses
 import importlib.util
+import math
 import time
 from collections import Counter
 from statistics import median
@@ -44,7 +46,7 @@ from common import machine_lines
 from transformers.activations import ACT2FN
 from workload import add_size_arguments, parse_args, size_of
 
-from roformer_hf import few_rows, fused
+from roformer_hf import few_rows, fused, quantization
 from roformer_hf.fused import fused_linear, fused_linears
 from roformer_hf.quantization import quantize_int8
 
@@ -116,6 +118,28 @@ RULES = (*fused.RULES, *(dataclasses.replace(rule, cpu=f"{rule.cpu}, without few
                          for rule in fused.RULES if rule.few_rows_max_rows))
 
 
+def under_int8_limit(limit: float, call):
+    """`call` with `Int8Linear` taking fbgemm's kernel below `limit` rows (`quantization.SMALL_BATCH_ROWS`) and oneDNN's
+    from it on, in place of this CPU's limit; the layers must hold fbgemm's copies (`int8_with_fbgemm`)."""
+    def run():
+        mine, quantization.SMALL_BATCH_ROWS = quantization.SMALL_BATCH_ROWS, limit
+        try:
+            return call()
+        finally:
+            quantization.SMALL_BATCH_ROWS = mine
+    return run
+
+
+def int8_with_fbgemm(chain: DenseChain) -> DenseChain:
+    """`chain` quantized by `quantize_int8` with fbgemm's packed copies of the weights beside oneDNN's, whatever this
+    CPU's limit: either kernel at any row count (`under_int8_limit`)."""
+    mine, quantization.SMALL_BATCH_ROWS = quantization.SMALL_BATCH_ROWS, math.inf
+    try:
+        return quantize_int8(copy.deepcopy(chain))
+    finally:
+        quantization.SMALL_BATCH_ROWS = mine
+
+
 def under_rule(rule: fused.DenseRule, call):
     """`call` with the dense layers taking `rule`'s kernels instead of this CPU's."""
     def run():
@@ -159,8 +183,10 @@ def chain_times(size, layers: int, rows: int, precision: str, repeats: int,
     compiled = openvino_chain(chain, x, precision, threads)
     calls = {}
     if precision == "int8":
-        quantized = quantize_int8(copy.deepcopy(chain))
+        quantized, both = quantize_int8(copy.deepcopy(chain)), int8_with_fbgemm(chain)
         calls["roformer_hf"] = lambda: quantized(x)
+        calls.update({f"int8: {name}": under_int8_limit(limit, lambda: both(x))
+                      for name, limit in (("oneDNN", 0), ("fbgemm", math.inf))})
     elif precision == "bf16":  # plain `nn.Linear` in bf16 is oneDNN's kernel already: no MKL path to time
         cast, x_bf16 = copy.deepcopy(chain).to(torch.bfloat16), x.bfloat16()
         calls["roformer_hf"] = lambda: cast(x_bf16).float()
@@ -247,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
               f"turns, each the mean of {CHAIN_BLOCK} calls in a row)\n")
         print("| precision | rows | " + " | ".join(CHAIN_PATHS) + " | roformer_hf / OpenVINO | OpenVINO's kernels |")
         print("|---|---|" + "---|" * (len(CHAIN_PATHS) + 2))
-        by_rule = {}
+        by_rule, by_int8 = {}, {}
         for precision in args.chain_precisions:
             for rows in args.chain_rows:
                 times, kernels = chain_times(size, args.layers, rows, precision, args.repeats, torch.get_num_threads())
@@ -257,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
                 if precision == "fp32":
                     by_rule[rows] = [times["roformer_hf" if rule == fused.RULE else f"rule: {rule.cpu}"]
                                      for rule in RULES]
+                if precision == "int8":
+                    by_int8[rows] = times["int8: oneDNN"], times["int8: fbgemm"]
         if by_rule:
             print(f"\nThe fp32 calls in a row under each CPU kind's rule (ms, from the same turns; this CPU's: "
                   f"{fused.RULE.cpu}), each over the fastest:\n")
@@ -264,6 +292,12 @@ def main(argv: list[str] | None = None) -> None:
             print("|---|" + "---|" * len(RULES))
             for rows, times in by_rule.items():
                 print(f"| {rows} | " + " | ".join(f"{time:.3f} ({time / min(times):.2f}x)" for time in times) + " |")
+        if by_int8:
+            print(f"\nThe int8 calls in a row on each kernel (ms, from the same turns); this CPU gives fbgemm's the "
+                  f"calls of fewer than {quantization.SMALL_BATCH_ROWS} rows (`quantization.few_row_limit`):\n")
+            print("| rows | oneDNN | fbgemm | oneDNN / fbgemm |\n|---|---|---|---|")
+            for rows, (onednn, fbgemm) in by_int8.items():
+                print(f"| {rows} | {onednn:.3f} | {fbgemm:.3f} | {onednn / fbgemm:.2f}x |")
 
 
 if __name__ == "__main__":

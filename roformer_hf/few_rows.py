@@ -3,13 +3,13 @@
 
 A short input's dense layers wait on their weights: on an AMD EPYC with AVX2 only, oneDNN's GEMM on a packed weight
 ran the 16 dense calls of a 16-token forward (4 layers of base width) at 70-82 GFLOP/s where a large product runs at
-165 (`benchmarks/RESULTS.md`). This kernel (`csrc/few_rows.cpp`) puts the input's rows in a vector's lanes (8 a
-vector with AVX2, 16 with AVX-512: `isa`) and broadcasts each weight entry once against them, so the weight streams
-through once, in the order `pack` lays it out: tiles of `TILE` output features, each tile's entries feature by feature
-along the input. Each output is summed over the input features in order, whatever the number of rows from 2 up and
-the instruction set, so a row's result does not depend on the rows beside it; one row alone (a decoding step) reads
-each tile as whole vectors against the input repeated to its layout, in interleaved sums (4 with AVX2, 8 with
-AVX-512).
+165 (`benchmarks/RESULTS.md`). This kernel streams the weight through once, in the order `pack` lays it out: tiles of
+output features, each tile's entries feature by feature along the input. With AVX2 (`csrc/few_rows_avx2.cpp`, tiles
+of 6) the input's rows lie in a vector's lanes and each weight entry is broadcast against them; with AVX-512
+(`csrc/few_rows_avx512.cpp`, tiles of 48, three vectors) the weight lies in the lanes and each input entry is broadcast
+against it, 8 rows at a time, so that no lane idles at few rows. Either way each output is summed over the input
+features in order, whatever the number of rows from 2 up: the same bits in both, and a row's result does not depend
+on the rows beside it. One row alone (a decoding step) is summed in interleaved runs, an order of its own.
 
 It is built at first use with the system's C++ compiler (``$CXX``, else ``c++``; about a second) into
 ``$ROFORMER_HF_CACHE/kernels``, else ``$XDG_CACHE_HOME/roformer_hf/kernels``, else ``~/.cache/roformer_hf/kernels``,
@@ -42,10 +42,12 @@ from .cpu import cpu_has, held_below_avx512
 
 logger = logging.getLogger(__name__)
 
-TILE = 6  # output features a tile of the packed weight holds: `kTile` in csrc/few_rows.cpp
-SOURCE = Path(__file__).with_name("csrc") / "few_rows.cpp"
+# Each instruction set's source (`isa`) and the output features a tile of its packed weight holds (its `kTile`).
+SOURCES = {"AVX2": Path(__file__).with_name("csrc") / "few_rows_avx2.cpp",
+           "AVX-512": Path(__file__).with_name("csrc") / "few_rows_avx512.cpp"}
+TILES = {"AVX2": 6, "AVX-512": 48}
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
-AVX512_FLAGS = ("-mavx512f",)  # added where `isa` is AVX-512: 16 lanes a vector, 32 registers
+AVX512_FLAGS = ("-mavx512f",)  # added for the AVX-512 source
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "library" (ctypes.CDLL or None) and "why_not" (str), once decided
@@ -75,8 +77,8 @@ def available() -> bool:
 
 def isa() -> str:
     """The instruction set the kernel is built for here: ``"AVX-512"`` where the CPU has AVX-512F and the environment
-    does not hold oneDNN below it (``ONEDNN_MAX_CPU_ISA``: the kernel then runs the AVX2 code, as an AVX2-only CPU
-    would), else ``"AVX2"``."""
+    does not hold oneDNN below it (``ONEDNN_MAX_CPU_ISA``: the kernel is then AVX2's, as on an AVX2-only CPU), else
+    ``"AVX2"``. Each has a source and a packed layout of its own (`SOURCES`, `TILES`)."""
     return "AVX-512" if cpu_has("avx512f") and not held_below_avx512() else "AVX2"
 
 
@@ -90,20 +92,22 @@ def why_not() -> str:
 class Packed:
     """A weight ``(out_features, in_features)`` laid out for `linear` (`pack`)."""
 
-    tiles: Tensor  # (ceil(out_features / TILE), in_features, TILE), contiguous; the last tile's missing features zero
+    tiles: Tensor  # (ceil(out_features / tile), in_features, tile), contiguous; the last tile's missing features zero
     out_features: int
 
 
 def pack(weight: Tensor) -> Packed:
-    """`weight` ``(out_features, in_features)`` laid out for `linear` (a copy)."""
+    """`weight` ``(out_features, in_features)`` laid out for `linear` (a copy), in tiles of the kernel's width
+    (`TILES`)."""
     if weight.dim() != 2 or weight.dtype != torch.float32:
         raise ValueError(f"few_rows.pack: weight must be a 2-d float32 tensor, got {tuple(weight.shape)} "
                          f"{weight.dtype}")
+    tile = _library().few_row_tile()
     out_features, in_features = weight.shape
-    tiles = -(-out_features // TILE)
-    padded = weight.new_zeros(tiles * TILE, in_features)
+    tiles = -(-out_features // tile)
+    padded = weight.new_zeros(tiles * tile, in_features)
     padded[:out_features] = weight
-    return Packed(padded.view(tiles, TILE, in_features).transpose(1, 2).contiguous(), out_features)
+    return Packed(padded.view(tiles, tile, in_features).transpose(1, 2).contiguous(), out_features)
 
 
 def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | None = None) -> Tensor:
@@ -117,11 +121,12 @@ def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | No
 
     It has no backward: with autograd recording, inputs that require grad are refused.
     """
-    library = _state.get("library") if available() else None
-    if library is None:
-        raise RuntimeError(f"roformer_hf's few-row GEMM is not available here: {why_not()}")
+    library = _library()
     tiles, out_features = packed.tiles, packed.out_features
     in_features = tiles.shape[1]
+    if tiles.shape[2] != library.few_row_tile():
+        raise ValueError(f"few_rows.linear: packed holds tiles of {tiles.shape[2]} features, this kernel's are "
+                         f"{library.few_row_tile()} wide: pack the weight again with few_rows.pack")
     if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != in_features:
         raise ValueError(f"few_rows.linear: x must be float32 on CPU with {in_features} features (the packed "
                          f"weight's), got {tuple(x.shape)} {x.dtype} on {x.device}")
@@ -146,6 +151,14 @@ def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | No
     return output
 
 
+def _library() -> ctypes.CDLL:
+    """The loaded kernel (`RuntimeError` where it is not `available`)."""
+    library = _state.get("library") if available() else None
+    if library is None:
+        raise RuntimeError(f"roformer_hf's few-row GEMM is not available here: {why_not()}")
+    return library
+
+
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """The built kernel, or None and why not."""
     if _turned_off():
@@ -158,13 +171,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if len(runtimes) != 1:
         return None, f"not one GNU OpenMP runtime (libgomp.so.1) loaded to share torch's threads: {runtimes or 'none'}"
     openmp = runtimes[0]
-    if not SOURCE.is_file():
-        return None, f"its source {SOURCE} is missing (a saved folder's copy of roformer_hf's code carries none)"
+    kind = isa()
+    source_path = SOURCES[kind]
+    if not source_path.is_file():
+        return None, f"its source {source_path} is missing (a saved folder's copy of roformer_hf's code carries none)"
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         return None, "no C++ compiler (set CXX)"
-    source = SOURCE.read_bytes()
-    flags = FLAGS + (AVX512_FLAGS if isa() == "AVX-512" else ())
+    source = source_path.read_bytes()
+    flags = FLAGS + (AVX512_FLAGS if kind == "AVX-512" else ())
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), str(openmp).encode(),
                                      torch.__version__.encode()])).hexdigest()[:16]
     try:
@@ -172,7 +187,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         path = folder / f"few_rows-{key}.so"
         if not path.exists():
             folder.mkdir(parents=True, exist_ok=True)
-            _build(compiler, flags, openmp, folder, path)
+            _build(compiler, source_path, flags, openmp, folder, path)
         library = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return None, str(error)
@@ -181,6 +196,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     function = library.few_row_linear
     function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     function.restype = None
+    library.few_row_tile.argtypes, library.few_row_tile.restype = [], ctypes.c_int
+    if library.few_row_tile() != TILES[kind]:
+        return None, f"{path} holds tiles of {library.few_row_tile()} features, expected {TILES[kind]} for {kind}"
     return library, ""
 
 
@@ -188,12 +206,12 @@ def _turned_off() -> bool:
     return os.environ.get("ROFORMER_HF_FEW_ROWS", "1").strip() == "0"
 
 
-def _build(compiler: str, flags: tuple[str, ...], openmp: Path, folder: Path, path: Path) -> None:
-    """Compiles `SOURCE` with `flags` into `path`, through a file of its own in `folder` renamed into place (processes
+def _build(compiler: str, source: Path, flags: tuple[str, ...], openmp: Path, folder: Path, path: Path) -> None:
+    """Compiles `source` with `flags` into `path`, through a file of its own in `folder` renamed into place (processes
     building it at once each write their own)."""
     handle, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
     os.close(handle)
-    command = [*shlex.split(compiler), *flags, str(SOURCE), "-o", partial, f"-Wl,-rpath,{openmp.parent}"]
+    command = [*shlex.split(compiler), *flags, str(source), "-o", partial, f"-Wl,-rpath,{openmp.parent}"]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:

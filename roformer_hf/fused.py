@@ -7,8 +7,8 @@ CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (
 `benchmarks/RESULTS.md`, 2026-11-23, at d290e68).
 
 On CPUs with AVX2 only, fp32 inputs of 1 to 256 rows take `few_rows`' GEMM instead, which reads a short input's
-weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 128
-rows, in its AVX-512 build.
+weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 64
+rows, in its AVX-512 kernel.
 
 It has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it only in eager
 forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
@@ -93,10 +93,12 @@ INTEL_RULE = DenseRule("Intel, AVX-512", math.inf, "onednn", "module", fuses_gel
 # AMD EPYC with AVX-512, Zen 4 (family 25; 512-bit operations in two halves): the packed weight up to 1.5x faster at
 # 2-256 rows; beyond, the GEMM is bound by its arithmetic.
 AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", 256, "onednn", "onednn", fuses_gelu=True)
-# AMD EPYC with AVX-512, Zen 5 (family 26; whole 512-bit operations): four layers' dense calls in a row, each weight
-# read from memory, took 0.68-0.87x oneDNN's time on the packed weight in `few_rows`' AVX-512 kernel at 1-64 rows,
-# 0.95x at 128, 1.07x at 256; the packed weight 0.92x oneDNN's time on the layer's own at 626 rows.
-ZEN5_RULE = DenseRule("AMD Zen 5, AVX-512", math.inf, "packed", "onednn", fuses_gelu=True, few_rows_max_rows=128)
+# AMD EPYC with AVX-512, Zen 5 (family 26; whole 512-bit operations): `few_rows`' AVX-512 kernel ran four layers'
+# dense calls in a row, each weight read from memory, in 0.70-0.93x the time of oneDNN's on the packed weight at 1-64
+# rows, 0.96-1.00x at 128-256; the model of 4 layers of base width in 0.62-0.68x the time at one token, 0.86-0.97x at
+# 4-32, 0.97-1.01x at 64 and even beyond. Past 64 rows the packed weight, which took 0.92x the time of the layer's own
+# at 626 rows.
+ZEN5_RULE = DenseRule("AMD Zen 5, AVX-512", math.inf, "packed", "onednn", fuses_gelu=True, few_rows_max_rows=64)
 # AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, with their weights read from memory as a forward
 # reads them, took 0.57-0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626, 1.11x at 2626;
 # oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2. The compiled
