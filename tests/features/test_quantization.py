@@ -432,8 +432,7 @@ def per_call(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 @needs_int8_kernel
 @pytest.mark.parametrize("change", [None, "a hook on a layer", "a layer replaced", "the key layer replaced",
                                     "buffers loaded"])
-def test_an_int8_models_calls_are_checked_at_the_forwards_start_and_changes_are_followed(change, kernel,
-                                                                                          monkeypatch):
+def test_an_int8_models_calls_are_checked_at_the_forwards_start_and_changes_are_followed(change, kernel):
     """From its second forward on, a quantized model checks its layers once, at the forward's start
     (`fused.one_forward`), and no call checks again; whatever changed since (hooks, layers, loaded buffers) is seen:
     the forward computes what the layers compute now, or refuses stale packed weights, as each call would."""
@@ -456,10 +455,9 @@ def test_an_int8_models_calls_are_checked_at_the_forwards_start_and_changes_are_
             model(ids)
         return
     checked_calls = []
-    monkeypatch.setattr(Int8Linear, "_check_packed", lambda self: checked_calls.append(self) or self._packed_from)
-    with torch.inference_mode():
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():  # the kernel's patch stays
+        patch.setattr(Int8Linear, "_check_packed", lambda self: checked_calls.append(self) or self._packed_from)
         second = model(ids).last_hidden_state
-    monkeypatch.undo()
     if change is None:
         assert torch.equal(second, first) and not checked_calls  # every call was checked at the start
     assert seen == (["hooked"] if change == "a hook on a layer" else [])
@@ -610,3 +608,15 @@ def test_static_int8_refuses_what_cannot_calibrate(monkeypatch):
     with pytest.raises(ImportError, match=r"torchao's PT2E flow, which did not import \(.*\): pip install "
                                           r"roformer_hf\[quantization\]"):
         quantization.static_int8(model.eval(), [{"input_ids": ids}])
+
+
+@pytest.mark.parametrize(("vnni", "vendor", "family", "expected"), [
+    (False, "AuthenticAMD", 25, 256), (False, "GenuineIntel", 6, 256), (True, "GenuineIntel", 6, 32),
+    (True, "AuthenticAMD", 25, 0), (True, "AuthenticAMD", 26, 16)])
+def test_the_few_row_limit_follows_the_cpu_kind_it_was_measured_on(monkeypatch, vnni, vendor, family, expected):
+    """Below the limit `Int8Linear` takes fbgemm's kernel: every row count without VNNI's int32 sums, and on CPUs
+    with VNNI as far as fbgemm measured faster on each kind (none on a Zen 4, unmeasured there)."""
+    monkeypatch.setattr(quantization, "_cpu_has_vnni", lambda: vnni)
+    monkeypatch.setattr(quantization, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(quantization, "cpu_family", lambda: family)
+    assert quantization.few_row_limit() == expected
