@@ -10,8 +10,11 @@ On CPUs with AVX2 only, fp32 inputs of 1 to 256 rows take `few_rows`' GEMM inste
 weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 64
 rows, in its AVX-512 kernel.
 
-It has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it only in eager
-forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
+In fp32 training, where oneDNN's GEMM outruns MKL's (`DenseRule.trains_on_onednn`: AMD's Zen 5, where MKL runs AVX2
+code), a plain `nn.Linear`'s call and its gradients take oneDNN's kernel (`_TrainedLinear`), eager only.
+
+The fused kernel has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it
+only in eager forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
 would: a plain `nn.Linear` (not an adapter such as LoRA's, not a quantized weight) without hooks, fp32 or bf16
 without autocast, on CPU. A layer class that applies the activation or the addition itself declares it
 (`FusesPostOps`: `quantization.Int8Linear` does; this module does not import it, so saved folders carry no
@@ -75,6 +78,8 @@ class DenseRule:
         compiled_max_tokens: the longest input a server started with ``--compile`` sends to the compiled encoder
             (`serving.compiled`), one input at a time; a longer one runs eagerly, where the compiled graph's GEMMs (the
             packed weight at every row count, query, key and value apart) took longer than this rule's.
+        trains_on_onednn: fp32 training's dense layers take oneDNN's kernel, forward and backward (`_TrainedLinear`),
+            in place of MKL's, where MKL runs code slower than oneDNN's (on AMD CPUs its GEMM is AVX2 code).
     """
 
     cpu: str
@@ -84,6 +89,7 @@ class DenseRule:
     fuses_gelu: bool
     compiled_max_tokens: float = math.inf
     few_rows_max_rows: int = 0
+    trains_on_onednn: bool = False
 
 
 # Intel Xeon (AVX-512): the packed weight at every row count, 1.05-1.10x up to 2626 rows; MKL's matrix-vector product
@@ -98,7 +104,10 @@ AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", 256, "onednn", "onednn", fuses_gel
 # rows, 0.96-1.00x at 128-256; the model of 4 layers of base width in 0.62-0.68x the time at one token, 0.86-0.97x at
 # 4-32, 0.97-1.01x at 64 and even beyond. Past 64 rows the packed weight, which took 0.92x the time of the layer's own
 # at 626 rows.
-ZEN5_RULE = DenseRule("AMD Zen 5, AVX-512", math.inf, "packed", "onednn", fuses_gelu=True, few_rows_max_rows=64)
+# oneDNN's GEMM ran the training step's shapes at 1.9-2.2x MKL's rate forward and for the input's gradient, 1.4-2.0x
+# for the weight's (on its transposed operands as they lie).
+ZEN5_RULE = DenseRule("AMD Zen 5, AVX-512", math.inf, "packed", "onednn", fuses_gelu=True, few_rows_max_rows=64,
+                      trains_on_onednn=True)
 # AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, with their weights read from memory as a forward
 # reads them, took 0.57-0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626, 1.11x at 2626;
 # oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2. The compiled
@@ -394,13 +403,50 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
             else:
                 kernel = "onednn"  # a weight that is never packed (`_packed_weight`)
             return _packed_product(kernel, x, weight, layer.bias, name, algorithm, residual)
+    product = _TrainedLinear.apply(x, layer.weight, layer.bias) if _trains_on_onednn(layer, x) else layer(x)
     if activation is None:
-        output = layer(x)
+        output = product
     elif _gelu_written_out(activation, x):
-        output = activation._gelu_python(layer(x))
+        output = activation._gelu_python(product)
     else:
-        output = dropout(activation, layer(x))
+        output = dropout(activation, product)
     return output if residual is None else residual + output
+
+
+def _trains_on_onednn(layer: nn.Module, x: Tensor) -> bool:
+    """Whether the layer's call in training takes `_TrainedLinear`: where the CPU's rule says so, for a plain
+    `nn.Linear` in fp32 on CPU with autograd recording, eager, without autocast."""
+    return (RULE.trains_on_onednn and _KERNEL is not None and x.is_cpu and x.dtype == torch.float32
+            and torch.is_grad_enabled() and torch.backends.mkldnn.enabled
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and not torch.is_autocast_enabled("cpu") and _layer_applies(layer, torch.float32))
+
+
+class _TrainedLinear(torch.autograd.Function):
+    """``x @ weight.T + bias`` through oneDNN's GEMM, and its gradients: the input's ``grad @ weight``, the weight's
+    ``grad.T @ x``, each one oneDNN call on the operands as they lie (transposed views), the bias's ``grad``'s sum.
+    A backward pass that is itself recorded (``create_graph=True``, for gradients of gradients) computes them with
+    differentiable ops instead."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return _KERNEL(x, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        rows, inputs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        recorded = torch.is_grad_enabled()
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (rows @ weight if recorded else _KERNEL(rows, weight.t(), None, "none", [], ""))
+            grad_x = grad_x.view(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            grad_weight = rows.t() @ inputs if recorded else _KERNEL(rows.t(), inputs.t(), None, "none", [], "")
+        if ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias
 
 
 def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...]:

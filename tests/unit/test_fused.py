@@ -503,3 +503,74 @@ def test_a_compiler_sees_gelu_written_out_where_the_rule_applies_it_after_the_pr
     gelus = [layer for layer in model.modules() if isinstance(layer, GELUActivation)]
     assert len(gelus) == 3 and all(gelu.act is nn.functional.gelu for gelu in gelus)
 
+
+
+@pytest.fixture
+def trains_on_onednn(monkeypatch):
+    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, trains_on_onednn=True))
+
+
+@pytest.mark.parametrize("leading", [(7,), (2, 9), (1, 1)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("needs", ["all", "frozen weight", "input without grad"])
+def test_training_through_onednn_gives_the_float64_gradients(trains_on_onednn, leading, bias, needs):
+    """Where the rule trains on oneDNN, a plain layer's call records `_TrainedLinear`, whose output and gradients
+    (input, weight, bias, as far as each is asked for) are float64 autograd's through `nn.Linear`."""
+    torch.manual_seed(len(leading) * 10 + bias)
+    layer = nn.Linear(24, 13, bias=bias)
+    layer.weight.requires_grad_(needs != "frozen weight")
+    x = torch.randn(*leading, 24, requires_grad=needs != "input without grad")
+    output = fused_linear(layer, x, ACT2FN["gelu"], None)
+    assert type(output.grad_fn.next_functions[0][0]).__name__ == "_TrainedLinearBackward"
+    grad = torch.randn_like(output)
+    output.backward(grad)
+    reference = nn.Linear(24, 13, bias=bias).double()
+    reference.load_state_dict(layer.state_dict())
+    x64 = x.detach().double().requires_grad_()
+    expected = ACT2FN["gelu"](reference(x64))
+    expected.backward(grad.double())
+    torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+    pairs = [(x.grad, x64.grad), (layer.weight.grad, reference.weight.grad)]
+    if bias:
+        pairs.append((layer.bias.grad, reference.bias.grad))
+    for actual, wanted in pairs:
+        if wanted is not None and (actual is not None or needs == "all"):
+            torch.testing.assert_close(actual.double(), wanted, atol=1e-5, rtol=1e-5)
+    assert (x.grad is None) == (needs == "input without grad")
+    assert (layer.weight.grad is None) == (needs == "frozen weight")
+
+
+def test_gradients_of_gradients_through_onednn_are_autograds(trains_on_onednn):
+    """A recorded backward pass (``create_graph=True``) goes through differentiable ops: a gradient penalty's own
+    gradient is the module path's."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(8, 5), torch.randn(3, 8, requires_grad=True)
+    penalties = []
+    for rule in (fused.RULE, dataclasses.replace(fused.RULE, trains_on_onednn=False)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fused, "RULE", rule)
+            (grad,) = torch.autograd.grad(fused_linear(layer, x, ACT2FN["gelu"]).pow(2).sum(), x, create_graph=True)
+            penalties.append(torch.autograd.grad(grad.pow(2).sum(), layer.weight)[0])
+    torch.testing.assert_close(penalties[0], penalties[1], atol=1e-5, rtol=1e-5)
+
+
+def test_training_through_onednn_only_where_the_module_would_compute_the_same(trains_on_onednn, monkeypatch):
+    """Inference, other dtypes, autocast, hooked or replaced layers, and rules without it take the layer's own call."""
+    layer, x = nn.Linear(8, 4), torch.randn(3, 8, requires_grad=True)
+
+    def recorded(call=lambda: fused_linear(layer, x)):
+        output = call()
+        return output.grad_fn is not None and type(output.grad_fn).__name__ == "_TrainedLinearBackward"
+
+    assert recorded()
+    with torch.no_grad():
+        assert not recorded()
+    assert not recorded(lambda: fused_linear(layer.double(), x.double()))
+    layer.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not recorded()
+    handle = layer.register_forward_hook(lambda *args: None)
+    assert not recorded()
+    handle.remove()
+    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, trains_on_onednn=False))
+    assert not recorded()
