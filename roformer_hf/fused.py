@@ -48,8 +48,8 @@ from torch.nn.modules import module as torch_module
 from transformers.activations import GELUActivation
 
 from . import few_rows
-from .cpu import cpu_family, cpu_vendor, held_below_avx512
 from .blocked_dropout import dropout
+from .cpu import cpu_family, cpu_vendor, held_below_avx512
 from .few_rows import Packed  # also what lets a saved folder's copy of the code carry few_rows.py
 
 _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None

@@ -106,12 +106,18 @@ def test_gelu_is_applied_by_onednn_or_after_its_product_as_the_rule_says(kernel,
     assert kernel.calls == ([] if module else ["gelu" if rule.fuses_gelu else "none"])
 
 
-def test_autograd_takes_the_module(kernel):
-    layer, x = layer_and_input()
-    output = fused_linear(layer, x, ACT2FN["gelu"])
-    output.sum().backward()
-    assert kernel.calls == [] and layer.weight.grad is not None
-    torch.testing.assert_close(output.detach(), reference(layer, x, ACT2FN["gelu"]).float())
+def test_autograd_takes_the_module_where_the_rule_does_not_train_on_onednn(kernel, monkeypatch):
+    """The fused kernel has no backward: with autograd the layer's own call, or `_TrainedLinear` (the activation
+    applied after it) where the CPU's rule trains on oneDNN."""
+    for trains in (False, True):
+        monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, trains_on_onednn=trains))
+        kernel.calls.clear()
+        layer, x = layer_and_input()
+        output = fused_linear(layer, x, ACT2FN["gelu"])
+        output.sum().backward()
+        assert kernel.calls == (["none", "none"] if trains else [])  # the forward, the weight's gradient
+        assert layer.weight.grad is not None
+        torch.testing.assert_close(output.detach(), reference(layer, x, ACT2FN["gelu"]).float())
 
 
 def test_a_bias_that_is_not_a_parameter_leaves_the_layer_its_own_call(kernel):
