@@ -10,7 +10,7 @@ On CPUs with AVX2 only, fp32 inputs of 1 to 256 rows take `few_rows`' GEMM inste
 weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 64
 rows, in its AVX-512 kernel.
 
-In fp32 training, where oneDNN's GEMM outruns MKL's (`DenseRule.trains_on_onednn`: AMD's Zen 5, where MKL runs AVX2
+In fp32 training, where oneDNN's GEMM outruns MKL's (`DenseRule.onednn_training_macs`: AMD's Zen 5, where MKL runs AVX2
 code), a plain `nn.Linear`'s call and its gradients take oneDNN's kernel (`_TrainedLinear`), eager only.
 
 The fused kernel has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it
@@ -78,8 +78,10 @@ class DenseRule:
         compiled_max_tokens: the longest input a server started with ``--compile`` sends to the compiled encoder
             (`serving.compiled`), one input at a time; a longer one runs eagerly, where the compiled graph's GEMMs (the
             packed weight at every row count, query, key and value apart) took longer than this rule's.
-        trains_on_onednn: fp32 training's dense layers take oneDNN's kernel, forward and backward (`_TrainedLinear`),
-            in place of MKL's, where MKL runs code slower than oneDNN's (on AMD CPUs its GEMM is AVX2 code).
+        onednn_training_macs: fp32 training's dense calls of at least this many multiply-adds (rows x in x out)
+            take oneDNN's kernel, forward and backward (`_TrainedLinear`), in place of MKL's, where MKL's GEMM runs
+            slower code (AVX2's on AMD CPUs); smaller ones keep the module's call, cheaper than an autograd
+            function's; infinity: none.
     """
 
     cpu: str
@@ -89,7 +91,7 @@ class DenseRule:
     fuses_gelu: bool
     compiled_max_tokens: float = math.inf
     few_rows_max_rows: int = 0
-    trains_on_onednn: bool = False
+    onednn_training_macs: float = math.inf
 
 
 # Intel Xeon (AVX-512): the packed weight at every row count, 1.05-1.10x up to 2626 rows; MKL's matrix-vector product
@@ -105,9 +107,10 @@ AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", 256, "onednn", "onednn", fuses_gel
 # 4-32, 0.97-1.01x at 64 and even beyond. Past 64 rows the packed weight, which took 0.92x the time of the layer's own
 # at 626 rows.
 # oneDNN's GEMM ran the training step's shapes at 1.9-2.2x MKL's rate forward and for the input's gradient, 1.4-2.0x
-# for the weight's (on its transposed operands as they lie).
+# for the weight's (on its transposed operands as they lie); a layer's forward and backward through it took 0.47-0.54x
+# the module's time from 67M multiply-adds, 0.76x at 8.4M, 0.92x at 4.3M, 1.44x at 1.1M.
 ZEN5_RULE = DenseRule("AMD Zen 5, AVX-512", math.inf, "packed", "onednn", fuses_gelu=True, few_rows_max_rows=64,
-                      trains_on_onednn=True)
+                      onednn_training_macs=4_000_000)
 # AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, with their weights read from memory as a forward
 # reads them, took 0.57-0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626, 1.11x at 2626;
 # oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2. The compiled
@@ -414,12 +417,13 @@ def fused_linear(layer: nn.Linear, x: Tensor, activation: nn.Module | None = Non
 
 
 def _trains_on_onednn(layer: nn.Module, x: Tensor) -> bool:
-    """Whether the layer's call in training takes `_TrainedLinear`: where the CPU's rule says so, for a plain
-    `nn.Linear` in fp32 on CPU with autograd recording, eager, without autocast."""
-    return (RULE.trains_on_onednn and _KERNEL is not None and x.is_cpu and x.dtype == torch.float32
+    """Whether the layer's call in training takes `_TrainedLinear`: where the CPU's rule says so for its size, for a
+    plain `nn.Linear` in fp32 on CPU with autograd recording, eager, without autocast."""
+    return (RULE.onednn_training_macs < math.inf and _KERNEL is not None and x.is_cpu and x.dtype == torch.float32
             and torch.is_grad_enabled() and torch.backends.mkldnn.enabled
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and not torch.is_autocast_enabled("cpu") and _layer_applies(layer, torch.float32))
+            and not torch.is_autocast_enabled("cpu") and _layer_applies(layer, torch.float32)
+            and x.numel() * layer.out_features >= RULE.onednn_training_macs)
 
 
 class _TrainedLinear(torch.autograd.Function):

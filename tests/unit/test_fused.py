@@ -4,6 +4,7 @@ Each rule here is as it is where `few_rows`' kernel is not available (no compile
 The rule with that kernel is tested in test_few_rows.py."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ def test_autograd_takes_the_module_where_the_rule_does_not_train_on_onednn(kerne
     """The fused kernel has no backward: with autograd the layer's own call, or `_TrainedLinear` (the activation
     applied after it) where the CPU's rule trains on oneDNN."""
     for trains in (False, True):
-        monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, trains_on_onednn=trains))
+        monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, onednn_training_macs=0 if trains else math.inf))
         kernel.calls.clear()
         layer, x = layer_and_input()
         output = fused_linear(layer, x, ACT2FN["gelu"])
@@ -513,7 +514,7 @@ def test_a_compiler_sees_gelu_written_out_where_the_rule_applies_it_after_the_pr
 
 @pytest.fixture
 def trains_on_onednn(monkeypatch):
-    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, trains_on_onednn=True))
+    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, onednn_training_macs=0))
 
 
 @pytest.mark.parametrize("leading", [(7,), (2, 9), (1, 1)])
@@ -552,7 +553,7 @@ def test_gradients_of_gradients_through_onednn_are_autograds(trains_on_onednn):
     torch.manual_seed(0)
     layer, x = nn.Linear(8, 5), torch.randn(3, 8, requires_grad=True)
     penalties = []
-    for rule in (fused.RULE, dataclasses.replace(fused.RULE, trains_on_onednn=False)):
+    for rule in (fused.RULE, dataclasses.replace(fused.RULE, onednn_training_macs=math.inf)):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(fused, "RULE", rule)
             (grad,) = torch.autograd.grad(fused_linear(layer, x, ACT2FN["gelu"]).pow(2).sum(), x, create_graph=True)
@@ -561,7 +562,8 @@ def test_gradients_of_gradients_through_onednn_are_autograds(trains_on_onednn):
 
 
 def test_training_through_onednn_only_where_the_module_would_compute_the_same(trains_on_onednn, monkeypatch):
-    """Inference, other dtypes, autocast, hooked or replaced layers, and rules without it take the layer's own call."""
+    """Inference, other dtypes, autocast, hooked layers, calls smaller than the rule's least, and rules without it
+    take the layer's own call."""
     layer, x = nn.Linear(8, 4), torch.randn(3, 8, requires_grad=True)
 
     def recorded(call=lambda: fused_linear(layer, x)):
@@ -578,5 +580,9 @@ def test_training_through_onednn_only_where_the_module_would_compute_the_same(tr
     handle = layer.register_forward_hook(lambda *args: None)
     assert not recorded()
     handle.remove()
-    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, trains_on_onednn=False))
+    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, onednn_training_macs=3 * 8 * 4 + 1))
+    assert not recorded()  # fewer multiply-adds than the rule's least
+    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, onednn_training_macs=3 * 8 * 4))
+    assert recorded()
+    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, onednn_training_macs=math.inf))
     assert not recorded()
