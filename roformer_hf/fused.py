@@ -10,8 +10,8 @@ On CPUs with AVX2 only, fp32 inputs of 1 to 256 rows take `few_rows`' GEMM inste
 weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 64
 rows, in its AVX-512 kernel.
 
-In fp32 training, where oneDNN's GEMM outruns MKL's (`DenseRule.onednn_training_macs`: AMD's Zen 5, where MKL runs AVX2
-code), a plain `nn.Linear`'s call and its gradients take oneDNN's kernel (`_TrainedLinear`), eager only.
+In fp32 training, where oneDNN's GEMM outruns MKL's (`DenseRule.onednn_training_macs`: AMD's Zen 5, where MKL's ran at
+half its rate), a plain `nn.Linear`'s call and its gradients take oneDNN's kernel (`_TrainedLinear`), eager only.
 
 The fused kernel has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it
 only in eager forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
@@ -80,7 +80,7 @@ class DenseRule:
             packed weight at every row count, query, key and value apart) took longer than this rule's.
         onednn_training_macs: fp32 training's dense calls of at least this many multiply-adds (rows x in x out)
             take oneDNN's kernel, forward and backward (`_TrainedLinear`), in place of MKL's, where MKL's GEMM runs
-            slower code (AVX2's on AMD CPUs); smaller ones keep the module's call, cheaper than an autograd
+            slower (at half oneDNN's rate on a Zen 5); smaller ones keep the module's call, cheaper than an autograd
             function's; infinity: none.
     """
 
