@@ -377,7 +377,7 @@ def report(args, size, flops, parity, low_precision, onnx, times, rates, referen
           "with MKL (torch.mm, what nn.Linear runs) and oneDNN (what roformer_hf's fused_linear runs in inference); "
           "the reference rates above are FFN up sampled between the model runs, with the kernel each step runs "
           f"(inference: {reference_gemm['infer'][0]}, by this CPU's dense rule ({fused.RULE.cpu}); training: "
-          "torch.mm):\n")
+          f"{reference_gemm['train'][0]}):\n")
     print(f"| shape | {' | '.join(kernels)} |\n|---|{'---|' * len(kernels)}")
     for name in dict.fromkeys(name for name, _ in rates):
         print(f"| {name} | {' | '.join(f'{rates[name, kernel]:.1f}' for kernel in kernels)} |")
@@ -542,12 +542,15 @@ def main() -> None:
             rates["FFN up again, sampled between the model runs", kernel] = gemm.gflops(gemm_samples[name])
         # Each step against the GEMM kernel it runs: inference through fused_linear (oneDNN where this CPU's dense
         # rule takes it at these rows, MKL's where the rule hands the rows to the layer's own call), training through
-        # autograd's (MKL's).
+        # autograd's (MKL's), or oneDNN's where the rule trains on it (`fused.DenseRule.onednn_training_macs`).
         infer_kernel = kernels[-1]
         if fused._dense_kernel(torch.empty(tokens, h, dtype=dtype)) == "module":
             infer_kernel = GEMM_KERNELS[0]
+        train_kernel = kernels[0]
+        if dtype == torch.float32 and tokens * h * i >= fused.RULE.onednn_training_macs:
+            train_kernel = kernels[-1]
         reference_gemm = {"infer": (infer_kernel, rates["FFN up again, sampled between the model runs", infer_kernel]),
-                          "train": (kernels[0], rates["FFN up again, sampled between the model runs", kernels[0]])}
+                          "train": (train_kernel, rates["FFN up again, sampled between the model runs", train_kernel])}
         del models, sessions, runners  # runners hold the models too
         gc.collect()
 
