@@ -14,12 +14,12 @@ In fp32 training, where oneDNN's GEMM outruns MKL's (`DenseRule.onednn_training_
 half its rate), a plain `nn.Linear`'s call and its gradients take oneDNN's kernel (`_TrainedLinear`), eager only.
 
 The fused kernel has no backward formula and compilers and exporters should see plain ops, so `fused_linear` takes it
-only in eager forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what the module
-would: a plain `nn.Linear` (not an adapter such as LoRA's, not a quantized weight) without hooks, fp32 or bf16
-without autocast, on CPU. A layer class that applies the activation or the addition itself declares it
-(`FusesPostOps`: `quantization.Int8Linear` does; this module does not import it, so saved folders carry no
-quantization code). Everywhere else `fused_linear` calls the module and applies the activation and the addition as
-usual; of any other layer it reads nothing but its type.
+only in eager forwards without autograd (`torch.inference_mode()`, `torch.no_grad()`), and only where it computes what
+the module would: a plain `nn.Linear` (not an adapter such as LoRA's, not a quantized weight) without hooks, fp32 or
+bf16 without autocast, on CPU. A layer class that applies the activation or the addition itself declares it
+(`FusesPostOps`: `quantization.Int8Linear` does; this module does not import it, so saved folders carry no quantization
+code). Everywhere else `fused_linear` calls the module and applies the activation and the addition as usual; of any
+other layer it reads nothing but its type.
 
 Each call decides for itself: what holds for every layer of a forward alike (the device, the dtype, autograd, autocast,
 compiling or tracing, global hooks) is `fusion_applies` (about 2 µs), then the layer's own conditions, then the GEMM

@@ -111,7 +111,8 @@ def test_autograd_takes_the_module_where_the_rule_does_not_train_on_onednn(kerne
     """The fused kernel has no backward: with autograd the layer's own call, or `_TrainedLinear` (the activation
     applied after it) where the CPU's rule trains on oneDNN."""
     for trains in (False, True):
-        monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, onednn_training_macs=0 if trains else math.inf))
+        least = 0 if trains else math.inf
+        monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.RULE, onednn_training_macs=least))
         kernel.calls.clear()
         layer, x = layer_and_input()
         output = fused_linear(layer, x, ACT2FN["gelu"])
