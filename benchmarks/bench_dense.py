@@ -27,7 +27,8 @@ runtime the latency target names. In fp32 roformer_hf's calls also run under eac
 (`fused.DenseRule`), in the same turns: whether this CPU's rule is the fastest of them here. A layer timed alone keeps
 its weight in the caches call after call; in a row, each reads its weight from memory, as a forward does, so the
 rules are judged on the calls in a row. In int8 the chain also runs on each of `Int8Linear`'s kernels at every row
-count, fbgemm's on weights packed once and oneDNN's: the measurements behind `quantization.few_row_limit`.
+count, fbgemm's on weights packed once, oneDNN's and `few_rows`' VNNI kernel where it is available: the
+measurements behind `quantization.few_row_limit` and `quantization.vnni_row_limit`.
 """
 
 from __future__ import annotations
@@ -113,31 +114,35 @@ class DenseChain(torch.nn.Module):
 
 CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after one untimed: its weights as a server keeps them
 CHAIN_PATHS = ("roformer_hf", "nn.Linear (MKL)", "OpenVINO")
+INT8_KERNELS = ("oneDNN", "fbgemm", "VNNI few rows")  # `Int8Linear`'s kernels, timed apart in int8
 # Each CPU kind's `fused.DenseRule`, and those that take `few_rows`' kernel as they are where it cannot be built.
 RULES = (*fused.RULES, *(dataclasses.replace(rule, cpu=f"{rule.cpu}, without few rows", few_rows_max_rows=0)
                          for rule in fused.RULES if rule.few_rows_max_rows))
 
 
-def under_int8_limit(limit: float, call):
-    """`call` with `Int8Linear` taking fbgemm's kernel below `limit` rows (`quantization.SMALL_BATCH_ROWS`) and oneDNN's
-    from it on, in place of this CPU's limit; the layers must hold fbgemm's copies (`int8_with_fbgemm`)."""
+def under_int8_limit(limit: float, call, vnni_rows: float = 0):
+    """`call` with `Int8Linear` taking `few_rows`' VNNI kernel up to `vnni_rows` rows (`quantization.VNNI_ROWS`),
+    fbgemm's kernel below `limit` rows past those (`quantization.SMALL_BATCH_ROWS`) and oneDNN's beyond, in place of
+    this CPU's limits; the layers must hold every kernel's copies (`int8_with_fbgemm`)."""
     def run():
-        mine, quantization.SMALL_BATCH_ROWS = quantization.SMALL_BATCH_ROWS, limit
+        mine = quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS
+        quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS = limit, vnni_rows
         try:
             return call()
         finally:
-            quantization.SMALL_BATCH_ROWS = mine
+            quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS = mine
     return run
 
 
 def int8_with_fbgemm(chain: DenseChain) -> DenseChain:
-    """`chain` quantized by `quantize_int8` with fbgemm's packed copies of the weights beside oneDNN's, whatever this
-    CPU's limit: either kernel at any row count (`under_int8_limit`)."""
-    mine, quantization.SMALL_BATCH_ROWS = quantization.SMALL_BATCH_ROWS, math.inf
+    """`chain` quantized by `quantize_int8` with fbgemm's packed copies of the weights (and the VNNI kernel's, where
+    it is available) beside oneDNN's, whatever this CPU's limits: any kernel at any row count (`under_int8_limit`)."""
+    mine = quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS
+    quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS = math.inf, 1
     try:
         return quantize_int8(copy.deepcopy(chain))
     finally:
-        quantization.SMALL_BATCH_ROWS = mine
+        quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS = mine
 
 
 def under_rule(rule: fused.DenseRule, call):
@@ -187,6 +192,8 @@ def chain_times(size, layers: int, rows: int, precision: str, repeats: int,
         calls["roformer_hf"] = lambda: quantized(x)
         calls.update({f"int8: {name}": under_int8_limit(limit, lambda: both(x))
                       for name, limit in (("oneDNN", 0), ("fbgemm", math.inf))})
+        if few_rows.int8_available():
+            calls["int8: VNNI few rows"] = under_int8_limit(0, lambda: both(x), vnni_rows=math.inf)
     elif precision == "bf16":  # plain `nn.Linear` in bf16 is oneDNN's kernel already: no MKL path to time
         cast, x_bf16 = copy.deepcopy(chain).to(torch.bfloat16), x.bfloat16()
         calls["roformer_hf"] = lambda: cast(x_bf16).float()
@@ -284,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
                     by_rule[rows] = [times["roformer_hf" if rule == fused.RULE else f"rule: {rule.cpu}"]
                                      for rule in RULES]
                 if precision == "int8":
-                    by_int8[rows] = times["int8: oneDNN"], times["int8: fbgemm"]
+                    by_int8[rows] = [times.get(f"int8: {kernel}", math.nan) for kernel in INT8_KERNELS]
         if by_rule:
             print(f"\nThe fp32 calls in a row under each CPU kind's rule (ms, from the same turns; this CPU's: "
                   f"{fused.RULE.cpu}), each over the fastest:\n")
@@ -293,11 +300,15 @@ def main(argv: list[str] | None = None) -> None:
             for rows, times in by_rule.items():
                 print(f"| {rows} | " + " | ".join(f"{time:.3f} ({time / min(times):.2f}x)" for time in times) + " |")
         if by_int8:
-            print(f"\nThe int8 calls in a row on each kernel (ms, from the same turns); this CPU gives fbgemm's the "
-                  f"calls of fewer than {quantization.SMALL_BATCH_ROWS} rows (`quantization.few_row_limit`):\n")
-            print("| rows | oneDNN | fbgemm | oneDNN / fbgemm |\n|---|---|---|---|")
-            for rows, (onednn, fbgemm) in by_int8.items():
-                print(f"| {rows} | {onednn:.3f} | {fbgemm:.3f} | {onednn / fbgemm:.2f}x |")
+            print(f"\nThe int8 calls in a row on each kernel (ms, from the same turns), each over the fastest; this CPU "
+                  f"gives `few_rows`' VNNI kernel the calls of up to {quantization.VNNI_ROWS} rows "
+                  f"(`quantization.vnni_row_limit`), fbgemm's those of fewer than {quantization.SMALL_BATCH_ROWS} "
+                  "past them (`quantization.few_row_limit`), oneDNN's the rest:\n")
+            print("| rows | " + " | ".join(INT8_KERNELS) + " |\n|---|" + "---|" * len(INT8_KERNELS))
+            for rows, times in by_int8.items():
+                fastest = min(time for time in times if not math.isnan(time))
+                print(f"| {rows} | " + " | ".join("–" if math.isnan(time) else f"{time:.3f} ({time / fastest:.2f}x)"
+                                                  for time in times) + " |")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""A GEMM for fp32 inputs of few rows on CPUs with AVX2 and FMA or with AVX-512: `linear`, on a weight laid out by
-`pack`.
+"""GEMMs for inputs of few rows: fp32 on CPUs with AVX2 and FMA or with AVX-512 (`linear`, on a weight laid out by
+`pack`), and int8 on CPUs with AVX-512 VNNI (`int8_linear`, on an int8 weight laid out by `pack_int8`).
 
 A short input's dense layers wait on their weights: on an AMD EPYC with AVX2 only, oneDNN's GEMM on a packed weight
 ran the 16 dense calls of a 16-token forward (4 layers of base width) at 70-82 GFLOP/s where a large product runs at
@@ -11,7 +11,13 @@ against it, 8 rows at a time, so that no lane idles at few rows. Either way each
 features in order, whatever the number of rows from 2 up: the same bits in both, and a row's result does not depend
 on the rows beside it. One row alone (a decoding step) is summed in interleaved runs, an order of its own.
 
-It is built at first use with the system's C++ compiler (``$CXX``, else ``c++``; about a second) into
+`int8_linear` (`csrc/few_rows_int8_vnni.cpp`) does in one call what `quantization.Int8Linear` does in four on
+oneDNN's path: the input's range, its quantization to uint8 (the same bytes as `quantization.quantize_activations`),
+the integer product (exact: the same sums as oneDNN's and fbgemm's kernels), and the rescaling with the bias, the
+residual or ReLU. Its weight lies as the AVX-512 fp32 kernel's does, in panels of 48 output features, in groups of 4
+input features (what one ``vpdpbusd`` sums).
+
+Each kernel is built at first use with the system's C++ compiler (``$CXX``, else ``c++``; about a second) into
 ``$ROFORMER_HF_CACHE/kernels``, else ``$XDG_CACHE_HOME/roformer_hf/kernels``, else ``~/.cache/roformer_hf/kernels``,
 and linked against the OpenMP runtime torch itself runs on, so its threads are torch's (``torch.set_num_threads``).
 Where it cannot be (no compiler, no AVX2 or FMA, not Linux, torch without GNU OpenMP), `available` is False, `why_not`
@@ -44,13 +50,16 @@ logger = logging.getLogger(__name__)
 
 # Each instruction set's source (`isa`) and the output features a tile of its packed weight holds (its `kTile`).
 SOURCES = {"AVX2": Path(__file__).with_name("csrc") / "few_rows_avx2.cpp",
-           "AVX-512": Path(__file__).with_name("csrc") / "few_rows_avx512.cpp"}
-TILES = {"AVX2": 6, "AVX-512": 48}
+           "AVX-512": Path(__file__).with_name("csrc") / "few_rows_avx512.cpp",
+           "int8 VNNI": Path(__file__).with_name("csrc") / "few_rows_int8_vnni.cpp"}
+TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48}
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
-AVX512_FLAGS = ("-mavx512f",)  # added for the AVX-512 source
+EXTRA_FLAGS = {"AVX2": (), "AVX-512": ("-mavx512f",), "int8 VNNI": ("-mavx512f", "-mavx512vnni")}
+INT8_GROUP = 4  # input features one `vpdpbusd` sums per output feature: `pack_int8`'s groups
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "library" (ctypes.CDLL or None) and "why_not" (str), once decided
+# By kernel ("fp32", "int8"), once decided: (ctypes.CDLL or None, why not: "" where it loaded)
+_state: dict[str, tuple[ctypes.CDLL | None, str]] = {}
 
 
 def cache_root() -> Path:
@@ -64,15 +73,26 @@ def cache_root() -> Path:
 
 def available() -> bool:
     """Whether `linear` runs here: the kernel built (at the first call, which builds it) and loaded."""
-    if "library" not in _state:
+    return _loaded("fp32")[0] is not None
+
+
+def int8_available() -> bool:
+    """Whether `int8_linear` runs here: a CPU with AVX-512 VNNI (and the environment not holding oneDNN below
+    AVX-512), the kernel built and loaded."""
+    return _loaded("int8")[0] is not None
+
+
+def _loaded(kernel: str) -> tuple[ctypes.CDLL | None, str]:
+    """`kernel`'s library (``"fp32"``: `isa`'s build; ``"int8"``) and why not, loaded at the first call."""
+    if kernel not in _state:
         with _lock:
-            if "library" not in _state:
-                library, why_not = _load()
-                if library is None and not _turned_off():
+            if kernel not in _state:
+                library, why_not = _load(isa() if kernel == "fp32" else "int8 VNNI")
+                if library is None and not _turned_off() and kernel == "fp32":
                     logger.warning("roformer_hf's few-row GEMM is not available (%s): dense layers of few rows take "
                                    "oneDNN's kernel instead", why_not)
-                _state.update(library=library, why_not=why_not)
-    return _state["library"] is not None
+                _state[kernel] = (library, why_not)
+    return _state[kernel]
 
 
 def isa() -> str:
@@ -82,10 +102,9 @@ def isa() -> str:
     return "AVX-512" if cpu_has("avx512f") and not held_below_avx512() else "AVX2"
 
 
-def why_not() -> str:
-    """Why `available` is False (``""`` where it is True)."""
-    available()
-    return str(_state["why_not"])
+def why_not(kernel: str = "fp32") -> str:
+    """Why `available` (``"fp32"``) or `int8_available` (``"int8"``) is False (``""`` where it is True)."""
+    return _loaded(kernel)[1]
 
 
 @dataclass(frozen=True)
@@ -151,27 +170,96 @@ def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | No
     return output
 
 
-def _library() -> ctypes.CDLL:
-    """The loaded kernel (`RuntimeError` where it is not `available`)."""
-    library = _state.get("library") if available() else None
+@dataclass(frozen=True)
+class PackedInt8:
+    """An int8 weight ``(out_features, in_features)`` laid out for `int8_linear` (`pack_int8`)."""
+
+    tiles: Tensor  # int8 (ceil(out_features / 48), ceil(in_features / 4), 48, 4), contiguous; missing entries zero
+    sums: Tensor  # int32 (out_features,): each output feature's sum of weights, for the input's zero point
+    out_features: int
+    in_features: int
+
+
+def pack_int8(weight: Tensor) -> PackedInt8:
+    """The int8 `weight` ``(out_features, in_features)`` laid out for `int8_linear` (a copy)."""
+    if weight.dim() != 2 or weight.dtype != torch.int8:
+        raise ValueError(f"few_rows.pack_int8: weight must be a 2-d int8 tensor, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    tile = TILES["int8 VNNI"]
+    out_features, in_features = weight.shape
+    tiles, groups = -(-out_features // tile), -(-in_features // INT8_GROUP)
+    padded = weight.new_zeros(tiles * tile, groups * INT8_GROUP)
+    padded[:out_features, :in_features] = weight
+    layout = padded.view(tiles, tile, groups, INT8_GROUP).transpose(1, 2).contiguous()
+    return PackedInt8(layout, weight.sum(1, dtype=torch.int32), out_features, in_features)
+
+
+def int8_linear(x: Tensor, packed: PackedInt8, weight_scale: Tensor, bias: Tensor | None,
+                residual: Tensor | None = None, relu: bool = False) -> Tensor:
+    """``residual + dequantized(quantized(x) @ weight.T) + bias`` (ReLU after, with `relu`; `residual` and `bias`
+    optional): `x` quantized to uint8 as `quantization.quantize_activations` does, `packed` being
+    ``pack_int8(weight)`` of an int8 weight whose output features have the scales `weight_scale`.
+
+    Args:
+        x: ``(*, in_features)`` float32 on CPU; every value finite (`ValueError` otherwise).
+        packed: `pack_int8`'s layout of the weight.
+        weight_scale: ``(out_features,)`` float32.
+        bias: ``(out_features,)`` float32, or None.
+        residual: ``(*, out_features)`` float32, or None.
+    """
+    library = _library("int8")
+    out_features, in_features = packed.out_features, packed.in_features
+    if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != in_features:
+        raise ValueError(f"few_rows.int8_linear: x must be float32 on CPU with {in_features} features (the packed "
+                         f"weight's), got {tuple(x.shape)} {x.dtype} on {x.device}")
+    for name, tensor, shape in (("weight_scale", weight_scale, (out_features,)), ("bias", bias, (out_features,)),
+                                ("residual", residual, (*x.shape[:-1], out_features))):
+        if tensor is not None and (tensor.shape != shape or tensor.dtype != torch.float32 or not tensor.is_cpu):
+            raise ValueError(f"few_rows.int8_linear: {name} must be float32 {shape} on CPU, got "
+                             f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}")
+    if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in (x, bias, residual)):
+        raise RuntimeError("few_rows.int8_linear has no backward: call it under torch.no_grad() or "
+                           "torch.inference_mode()")
+    x = x.contiguous()
+    rows = math.prod(x.shape[:-1])
+    output = x.new_empty(*x.shape[:-1], out_features)
+    scratch = torch.empty(rows * packed.tiles.shape[1] * INT8_GROUP, dtype=torch.uint8)
+    found = (ctypes.c_float * 2)()
+    quantization = (ctypes.c_double * 2)()
+    pointers = [None if tensor is None else tensor.contiguous().data_ptr()
+                for tensor in (weight_scale, bias, residual)]
+    if library.few_row_int8_linear(x.data_ptr(), packed.tiles.data_ptr(), packed.sums.data_ptr(), *pointers,
+                                   output.data_ptr(), scratch.data_ptr(), rows, out_features, in_features, int(relu),
+                                   torch.get_num_threads(), found, quantization):
+        raise ValueError(f"Int8Linear got an input with non-finite values (between {found[0]} and {found[1]}): int8 "
+                         "cannot represent them")
+    return output
+
+
+def _library(kernel: str = "fp32") -> ctypes.CDLL:
+    """The loaded kernel (`RuntimeError` where it is not available)."""
+    library, why = _loaded(kernel)
     if library is None:
-        raise RuntimeError(f"roformer_hf's few-row GEMM is not available here: {why_not()}")
+        name = "few-row GEMM" if kernel == "fp32" else "few-row int8 GEMM"
+        raise RuntimeError(f"roformer_hf's {name} is not available here: {why}")
     return library
 
 
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    """The built kernel, or None and why not."""
+def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
+    """The kernel built for `kind` (a key of `SOURCES`), or None and why not."""
     if _turned_off():
         return None, "turned off by ROFORMER_HF_FEW_ROWS=0"
     if not sys.platform.startswith("linux"):
         return None, f"built on Linux only, not {sys.platform}"
     if not cpu_has("avx2", "fma"):
         return None, "the CPU has no AVX2 and FMA"
+    if kind == "int8 VNNI" and not (cpu_has("avx512f", "avx512_vnni") and not held_below_avx512()):
+        return None, ("the CPU has no AVX-512 VNNI" if not cpu_has("avx512f", "avx512_vnni")
+                      else "the environment holds oneDNN below AVX-512 (ONEDNN_MAX_CPU_ISA)")
     runtimes = _openmp_runtimes()
     if len(runtimes) != 1:
         return None, f"not one GNU OpenMP runtime (libgomp.so.1) loaded to share torch's threads: {runtimes or 'none'}"
     openmp = runtimes[0]
-    kind = isa()
     source_path = SOURCES[kind]
     if not source_path.is_file():
         return None, f"its source {source_path} is missing (a saved folder's copy of roformer_hf's code carries none)"
@@ -179,7 +267,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if not compiler:
         return None, "no C++ compiler (set CXX)"
     source = source_path.read_bytes()
-    flags = FLAGS + (AVX512_FLAGS if kind == "AVX-512" else ())
+    flags = FLAGS + EXTRA_FLAGS[kind]
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), str(openmp).encode(),
                                      torch.__version__.encode()])).hexdigest()[:16]
     try:
@@ -193,12 +281,17 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, str(error)
     if _openmp_runtimes() != runtimes:
         return None, f"the kernel brought a second OpenMP runtime beside torch's ({openmp})"
-    function = library.few_row_linear
-    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    function.restype = None
-    library.few_row_tile.argtypes, library.few_row_tile.restype = [], ctypes.c_int
-    if library.few_row_tile() != TILES[kind]:
-        return None, f"{path} holds tiles of {library.few_row_tile()} features, expected {TILES[kind]} for {kind}"
+    if kind == "int8 VNNI":
+        function, tile = library.few_row_int8_linear, library.few_row_int8_tile
+        function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2
+        function.restype = ctypes.c_int
+    else:
+        function, tile = library.few_row_linear, library.few_row_tile
+        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        function.restype = None
+    tile.argtypes, tile.restype = [], ctypes.c_int
+    if tile() != TILES[kind]:
+        return None, f"{path} holds tiles of {tile()} features, expected {TILES[kind]} for {kind}"
     return library, ""
 
 

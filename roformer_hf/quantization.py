@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import few_rows
 from .cpu import cpu_family, cpu_vendor
 
 __all__ = ["Int8Linear", "quantize_int8", "int8_kernel_available", "static_int8"]
@@ -117,6 +118,25 @@ def few_row_limit() -> int:
 SMALL_BATCH_ROWS = few_row_limit()
 
 
+def vnni_row_limit() -> int:
+    """The row count up to which `Int8Linear` calls `few_rows.int8_linear` (AVX-512 VNNI: the input's range, its
+    quantization, the product and the rescaling in one call) rather than fbgemm's or oneDNN's kernel, by CPU kind, as
+    measured (`benchmarks/RESULTS.md`, "int8 kernels for few rows"):
+
+    - AMD's Zen 5 (family 26 on) with VNNI: 128. Four layers' dense calls of base width in a row on an AMD EPYC
+      (Zen 5): 0.77-0.88x the time of the faster of the other two at 1 to 64 rows, 0.95-1.01x at 128 and 192,
+      1.04x at 256.
+    - elsewhere: 0, not measured there (an Intel Xeon's oneDNN takes AMX from 16 rows or so; a Zen 4 runs 512-bit
+      VNNI at half width).
+    """
+    if not _cpu_has_vnni():
+        return 0
+    return 128 if cpu_vendor() == "AuthenticAMD" and cpu_family() >= 26 else 0
+
+
+VNNI_ROWS = vnni_row_limit()
+
+
 class Int8Linear(nn.Module):
     """A dense layer with int8 weights for CPU inference, built from an `nn.Linear` (fp32 or bf16).
 
@@ -162,8 +182,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
         self._weight_zero_point = torch.zeros(self.out_features, dtype=torch.int32)
         self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)  # oneDNN's blocked layout
-        # For calls of fewer than SMALL_BATCH_ROWS rows; None where no call takes fbgemm, or without it.
-        self._packed_small = _fbgemm_prepack(self.weight_int8, scale, self.bias) if SMALL_BATCH_ROWS > 0 else None
+        # For calls of up to VNNI_ROWS rows; None where none takes `few_rows`' kernel, or it is not available.
+        self._packed_vnni = (few_rows.pack_int8(self.weight_int8) if VNNI_ROWS > 0 and few_rows.int8_available()
+                             else None)
+        # For calls of fewer than SMALL_BATCH_ROWS rows that the VNNI kernel leaves; None where none takes fbgemm, or
+        # without it.
+        takes_fbgemm = SMALL_BATCH_ROWS > (VNNI_ROWS if self._packed_vnni is not None else 0) + 1
+        self._packed_small = _fbgemm_prepack(self.weight_int8, scale, self.bias) if takes_fbgemm else None
         self._packed_from = self._buffers_state()
 
     @classmethod
@@ -274,6 +299,12 @@ class Int8Linear(nn.Module):
         if rows.shape[0] == 0:
             return rows.new_empty(*x.shape[:-1], self.out_features)
         other = None if residual is None else residual.reshape(-1, self.out_features).float().contiguous()
+        if rows.shape[0] <= VNNI_ROWS and self._packed_vnni is not None:
+            output = few_rows.int8_linear(rows, self._packed_vnni, self.weight_scale, self.bias, other,
+                                          relu=activation == "relu")
+            if activation == "gelu":
+                output = torch.ops.aten.gelu_(output, approximate=algorithm)
+            return output.view(*x.shape[:-1], self.out_features)
         low, high = input_range(rows)
         if (rows.shape[0] < SMALL_BATCH_ROWS and self._packed_small is not None
                 and max(high, 0.0) - min(low, 0.0) >= _FBGEMM_SMALLEST_RANGE):

@@ -187,20 +187,18 @@ def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_re
     precisions = ["fp32", *(["bf16"] if fused._BF16_GEMMS else []), "int8"]
     assert [(row[0], row[1]) for row in chain] == [(precision, rows) for precision in precisions
                                                    for rows in ("16", "300")]
-    rules = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
-             if re.match(r"\| (16|300) \| [0-9.]+ \(", line)]
+    by_rule, _, by_int8_kernel = result.stdout.partition("The int8 calls in a row on each kernel")
+    rules, int8_kernels = ([[cell.strip() for cell in line.split("|")[1:-1]] for line in text.splitlines()
+                            if re.match(r"\| (16|300) \| ([0-9.]+ \(|–)", line)] for text in (by_rule, by_int8_kernel))
     assert [row[0] for row in rules] == ["16", "300"]  # fp32, each CPU kind's rule: its time and over the fastest
+    assert [row[0] for row in int8_kernels] == ["16", "300"]  # int8, each of `Int8Linear`'s kernels
     for row in rules:
-        times = [float(cell.split()[0]) for cell in row[1:]]
         # each rule, and those with few rows without them
-        assert len(times) == len(fused.RULES) + sum(1 for rule in fused.RULES if rule.few_rows_max_rows)
-        assert all(time > 0 for time in times)
-        ratios = [float(cell.split()[1].strip("()x")) for cell in row[1:]]
-        # each ratio printed to 0.01 from times printed to 0.001 ms: both roundings bound the difference
-        for ratio, time in zip(ratios, times):
-            tolerance = 0.0051 + time / min(times) * (0.0005 / time + 0.0005 / min(times))
-            assert ratio == pytest.approx(time / min(times), abs=tolerance)
-        assert min(ratios) == 1.0
+        assert len(row) - 1 == len(fused.RULES) + sum(1 for rule in fused.RULES if rule.few_rows_max_rows)
+        assert_times_over_the_fastest(row[1:])
+    for row in int8_kernels:
+        assert len(row) - 1 == 3 and (row[3] == "–") == (not few_rows.int8_available())
+        assert_times_over_the_fastest([cell for cell in row[1:] if cell != "–"])
     for precision, _, ours, plain, openvino, ratio, kernels in chain:
         assert float(ours) > 0 and (float(plain) > 0 if precision == "fp32" else plain == "–")
         if has_openvino and (precision != "int8" or importlib.util.find_spec("nncf")):
@@ -208,6 +206,18 @@ def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_re
             assert re.fullmatch(r"\w+ x\d+(, \w+ x\d+)*", kernels)
         else:
             assert openvino == ratio == "–" and "not installed" in kernels
+
+def assert_times_over_the_fastest(cells: list[str]) -> None:
+    """Cells "time (ratio x)": every time positive, each ratio its time over the smallest, the smallest's 1.00."""
+    times = [float(cell.split()[0]) for cell in cells]
+    assert all(time > 0 for time in times)
+    ratios = [float(cell.split()[1].strip("()x")) for cell in cells]
+    # each ratio printed to 0.01 from times printed to 0.001 ms: both roundings bound the difference
+    for ratio, time in zip(ratios, times):
+        tolerance = 0.0051 + time / min(times) * (0.0005 / time + 0.0005 / min(times))
+        assert ratio == pytest.approx(time / min(times), abs=tolerance)
+    assert min(ratios) == 1.0
+
 
 def test_cpu_benchmark_times_each_dtype_only_with_kernels_that_compute_it():
     """`bench_cpu.gemm_kernels`: MKL's GEMM for every dtype, oneDNN's where it computes the dtype on this CPU (bf16

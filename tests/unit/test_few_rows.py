@@ -1,5 +1,5 @@
 """`few_rows`: the GEMM for fp32 inputs of few rows, against float64 products, and the AVX2 rule that hands it the
-dense layers of short inputs."""
+dense layers of short inputs; the int8 GEMM, against exact integer products."""
 
 import dataclasses
 import logging
@@ -11,6 +11,7 @@ from transformers.activations import ACT2FN
 
 from roformer_hf import few_rows, fused
 from roformer_hf.fused import fused_linear, fused_linears
+from roformer_hf.quantization import quantize_activations
 
 needs_kernel = pytest.mark.skipif(not few_rows.available(), reason=f"no few-row kernel here: {few_rows.why_not()}")
 
@@ -267,3 +268,121 @@ def test_wrong_inputs_are_named():
     empty = few_rows.pack(torch.randn(7, 0))  # no input features: the bias alone
     bias = torch.randn(7)
     assert torch.equal(few_rows.linear(torch.randn(3, 0), empty, bias), bias.expand(3, 7))
+
+
+needs_int8_kernel = pytest.mark.skipif(not few_rows.int8_available(),
+                                       reason=f"no few-row int8 kernel here: {few_rows.why_not('int8')}")
+
+
+def exact_int8(x, weight, scale, bias=None, residual=None, relu=False):
+    """The integer product of `x` quantized as `quantize_activations` does and the int8 `weight`, in int64,
+    rescaled in float64, then the bias, the residual and ReLU."""
+    rows = x.reshape(-1, x.shape[-1])
+    quantized, input_scale, zero_point = quantize_activations(rows)
+    output = ((quantized.long() - zero_point) @ weight.long().T).double() * input_scale * scale.double()
+    output = output.view(*x.shape[:-1], weight.shape[0])
+    output = output if bias is None else output + bias.double()
+    output = output if residual is None else output + residual.double()
+    return output.clamp(min=0) if relu else output
+
+
+def random_int8_layer(out_features, in_features, generator):
+    weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+    return weight, torch.rand(out_features, generator=generator) / 100 + 1e-4
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [
+    (1, 1, 1), (1, 67, 19), (1, 768, 100), (2, 5, 50), (7, 33, 7), (8, 64, 48), (9, 17, 97), (16, 130, 13),
+    (17, 8, 49), (40, 301, 31), (100, 3, 6)])
+@pytest.mark.parametrize("after", ["bias", "nothing", "residual", "relu"])
+def test_the_int8_product_is_the_exact_integer_product_at_any_shape(rows, in_features, out_features, after):
+    """Any count of rows (one alone sums in runs of its own), input features not a multiple of 4 (the last group is
+    padded), output features not a multiple of 48 (the last panel's lanes masked): the integer product of the
+    quantized input, exact, then rescaled; an input quantized one step off anywhere would be far outside the
+    tolerance."""
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
+    leading = (rows,) if rows % 2 else (2, rows // 2)
+    x = torch.randn(*leading, in_features, generator=generator) * 3 + 0.5
+    weight, scale = random_int8_layer(out_features, in_features, generator)
+    bias = torch.randn(out_features, generator=generator) if after != "nothing" else None
+    residual = torch.randn(*leading, out_features, generator=generator) if after == "residual" else None
+    given = x.clone()
+    output = few_rows.int8_linear(x, few_rows.pack_int8(weight), scale, bias, residual, relu=after == "relu")
+    expected = exact_int8(x, weight, scale, bias, residual, relu=after == "relu")
+    assert output.shape == (*leading, out_features) and torch.equal(x, given)
+    torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@needs_int8_kernel
+def test_the_int8_input_is_quantized_as_torch_quantizes_it_ties_included():
+    """Through an identity weight each output is ``(q - zero_point) * scale`` of its own input: the bytes
+    `quantize_activations` (`torch.quantize_per_tensor`) gives, on random values and on values at half steps, where
+    the rounding decides."""
+    generator = torch.Generator().manual_seed(0)
+    features = 512
+    x = torch.randn(8, features, generator=generator) * 2 + 0.3
+    _, scale, zero_point = quantize_activations(x)
+    halves = ((torch.arange(8 * features) % 255 - zero_point + 0.5) * scale).float()  # between two steps, in range
+    near = [halves]  # and the floats within 16 ulps of them, which round either way
+    for direction in (float("inf"), -float("inf")):
+        value = halves
+        for _ in range(16):
+            near.append(value := torch.nextafter(value, torch.tensor(direction)))
+    ties = torch.cat(near).view(-1, features)
+    ties[:, 0], ties[:, 1] = x.min(), x.max()  # the same range, so the same scale and zero point
+    identity = torch.eye(features, dtype=torch.int8)
+    packed = few_rows.pack_int8(identity)
+    for inputs in (x, ties):
+        quantized, input_scale, point = quantize_activations(inputs)
+        expected = (quantized.int() - point).float() * torch.tensor(input_scale, dtype=torch.float32)
+        output = few_rows.int8_linear(inputs, packed, torch.ones(features), None)
+        assert torch.equal(output, expected)
+
+
+@needs_int8_kernel
+def test_the_int8_product_does_not_depend_on_the_threads():
+    """Integer sums: the same bits on one thread, two or three, for one row and many."""
+    generator = torch.Generator().manual_seed(1)
+    x, (weight, scale) = torch.randn(37, 200, generator=generator), random_int8_layer(150, 200, generator)
+    packed = few_rows.pack_int8(weight)
+    outputs = {}
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs[count] = few_rows.int8_linear(x, packed, scale, None), few_rows.int8_linear(x[:1], packed, scale, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for count in (2, 3) for a, b in zip(outputs[count], outputs[1]))
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_int8_input_is_refused(value):
+    x = torch.randn(3, 8)
+    x[1, 6] = value
+    with pytest.raises(ValueError, match="non-finite values"):
+        few_rows.int8_linear(x, few_rows.pack_int8(torch.ones(4, 8, dtype=torch.int8)), torch.ones(4), None)
+
+
+@needs_int8_kernel
+def test_wrong_int8_inputs_are_named():
+    weight, x, scale = torch.ones(7, 5, dtype=torch.int8), torch.randn(3, 5), torch.ones(7)
+    packed = few_rows.pack_int8(weight)
+    with pytest.raises(ValueError, match="pack_int8: weight must be a 2-d int8"):
+        few_rows.pack_int8(weight.float())
+    for args, match in [((x.double(), packed, scale, None), "x must be float32 on CPU with 5 features"),
+                        ((torch.randn(3, 4), packed, scale, None), "with 5 features"),
+                        ((x, packed, torch.ones(6), None), "weight_scale must be float32 \\(7,\\)"),
+                        ((x, packed, scale, torch.randn(7).double()), "bias must be float32 \\(7,\\)"),
+                        ((x, packed, scale, None, torch.randn(3, 6)), "residual must be float32 \\(3, 7\\)")]:
+        with pytest.raises(ValueError, match=match):
+            few_rows.int8_linear(*args)
+    with pytest.raises(RuntimeError, match="no backward"):
+        few_rows.int8_linear(x.requires_grad_(), packed, scale, None)
+    bias = torch.randn(7)
+    no_features = few_rows.int8_linear(torch.randn(3, 0), few_rows.pack_int8(torch.ones(7, 0, dtype=torch.int8)),
+                                       scale, bias)
+    assert torch.equal(no_features, bias.expand(3, 7))
+    assert few_rows.int8_linear(torch.randn(0, 5), packed, scale, bias).shape == (0, 7)

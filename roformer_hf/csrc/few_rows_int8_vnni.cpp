@@ -1,0 +1,216 @@
+// y = dequantized(quantized(x) w^T) + bias (+ residual, or ReLU) for fp32 inputs of few rows and int8 weights, with
+// AVX-512 VNNI: `roformer_hf/few_rows.py` builds it and `quantization.Int8Linear` calls it, in one call where
+// oneDNN's path takes four (the input's range, its quantization, the product, the dequantization).
+//
+// The input is quantized as `quantization.quantize_activations` does: uint8 with one scale and zero point for the
+// whole input, from its range widened to hold 0 (in double precision, as Python computes it), each value multiplied
+// by the float reciprocal of the scale and shifted by the zero point in one rounding (a fused multiply-add), rounded
+// half to even and clamped, as `torch.quantize_per_tensor` does (fbgemm's kernel). The weight (int8, one scale per output feature) lies in panels of `kTile` output
+// features, three vectors wide, each panel's entries in groups of 4 input features (`few_rows.pack_int8`): one
+// `vpdpbusd` multiplies 4 uint8 inputs, broadcast, by the 4 weights of 16 output features and adds them to int32
+// sums, exactly. Up to 8 rows go against a panel at once (24 vectors of sums); one row alone keeps four runs of sums
+// (integer sums: their order does not change the result). Each output is then
+// ``(sum - zero_point * sum of the feature's weights) * (input scale * weight scale) + bias``, in float.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kTile = 48;        // output features a panel holds: three vectors of 16 int32 sums
+constexpr int64_t kGroup = 4;        // input features a `vpdpbusd` sums per output feature
+constexpr int64_t kPrefetch = 4096;  // how far ahead (in bytes) the weight is fetched into the caches
+constexpr int kRows = 8;             // rows against a panel at once
+
+struct Epilogue {
+  const int32_t* weight_sums;  // (N): each output feature's sum of weights, for the zero point
+  const float* weight_scales;  // (N)
+  const float* bias;           // (N) or null
+  const float* residual;       // (M, N) or null
+  float input_scale;
+  int32_t zero_point;
+  bool relu;
+};
+
+inline __mmask16 columns_mask(int64_t columns, int v) {
+  const int64_t left = std::min<int64_t>(16, columns - 16 * v);
+  return left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+}
+
+// y[offset + lane] from the int32 sums of output features [column, column + 16), for the lanes in `mask`.
+inline void store(__m512i sums, const Epilogue& e, float* y, int64_t offset, int64_t column, __mmask16 mask) {
+  const __m512i shift = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, e.weight_sums + column),
+                                           _mm512_set1_epi32(e.zero_point));
+  const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(e.input_scale), _mm512_maskz_loadu_ps(mask, e.weight_scales + column));
+  __m512 out = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, shift)), scale);
+  if (e.bias != nullptr) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, e.bias + column));
+  if (e.residual != nullptr) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, e.residual + offset));
+  if (e.relu) out = _mm512_max_ps(out, _mm512_setzero_ps());
+  _mm512_mask_storeu_ps(y + offset, mask, out);
+}
+
+// 16 int32 sums. Kept in this type rather than `__m512i` (8 int64), and with the loops over rows and vectors
+// unrolled by pragma, so that GCC keeps panel_rows' 24 of them in registers: it moved them through the stack at every
+// step otherwise (3x the time at 8 rows).
+typedef int32_t Sums __attribute__((vector_size(64)));
+
+// sum += the products of a's uint8 and w's int8 entries, 4 by 4 (`vpdpbusd`).
+inline void add_products(Sums& sum, __m512i a, __m512i w) { sum = Sums(_mm512_dpbusd_epi32(__m512i(sum), a, w)); }
+
+inline __m512i broadcast_group(const uint8_t* x) {
+  int32_t group;
+  std::memcpy(&group, x, sizeof(group));
+  return _mm512_set1_epi32(group);
+}
+
+// Rows [m0, m0 + R) of the quantized input (`groups` groups of 4 per row) against the panel for output features
+// [n0, n0 + kTile). `first`: the first rows against it, which fetch the panel ahead.
+template <int R>
+void panel_rows(const uint8_t* xq, const int8_t* panel, const Epilogue& e, float* y, int64_t N, int64_t groups,
+                int64_t m0, int64_t n0, bool first) {
+  Sums sums[R][3] = {};
+  const uint8_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = xq + (m0 + r) * groups * kGroup;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* w = panel + g * kTile * kGroup;
+    if (first)
+      for (int line = 0; line < 3; ++line) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + 64 * line), _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64), w2 = _mm512_loadu_si512(w + 128);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = broadcast_group(rows[r] + g * kGroup);
+      add_products(sums[r][0], a, w0);
+      add_products(sums[r][1], a, w1);
+      add_products(sums[r][2], a, w2);
+    }
+  }
+  const int64_t columns = std::min(kTile, N - n0);
+#pragma GCC unroll 3
+  for (int v = 0; v < 3; ++v) {
+    const __mmask16 mask = columns_mask(columns, v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) store(__m512i(sums[r][v]), e, y, (m0 + r) * N + n0 + 16 * v, n0 + 16 * v, mask);
+  }
+}
+
+// One row against the panel, in four runs of sums (groups modulo 4), so that its additions do not wait on each other.
+void panel_row(const uint8_t* xq, const int8_t* panel, const Epilogue& e, float* y, int64_t N, int64_t groups,
+               int64_t n0) {
+  Sums runs[4][3] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* w = panel + g * kTile * kGroup;
+    for (int line = 0; line < 3; ++line) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + 64 * line), _MM_HINT_T0);
+    const __m512i a = broadcast_group(xq + g * kGroup);
+    Sums* run = runs[g % 4];
+    add_products(run[0], a, _mm512_loadu_si512(w));
+    add_products(run[1], a, _mm512_loadu_si512(w + 64));
+    add_products(run[2], a, _mm512_loadu_si512(w + 128));
+  }
+  const int64_t columns = std::min(kTile, N - n0);
+  for (int v = 0; v < 3; ++v) {
+    store(__m512i(runs[0][v] + runs[1][v] + runs[2][v] + runs[3][v]), e, y, n0 + 16 * v, n0 + 16 * v, columns_mask(columns, v));
+  }
+}
+
+void panels(const uint8_t* xq, const int8_t* w, const Epilogue& e, float* y, int64_t M, int64_t N, int64_t groups,
+            int64_t first, int64_t last) {
+  for (int64_t p = first; p < last; ++p) {
+    const int8_t* panel = w + p * groups * kTile * kGroup;
+    const int64_t n0 = p * kTile;
+    if (M == 1) {
+      panel_row(xq, panel, e, y, N, groups, n0);
+      continue;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const bool first_rows = m0 == 0;
+      switch (std::min<int64_t>(kRows, M - m0)) {
+        case 8: panel_rows<8>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
+        case 7: panel_rows<7>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
+        case 6: panel_rows<6>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
+        case 5: panel_rows<5>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
+        case 4: panel_rows<4>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
+        case 3: panel_rows<3>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
+        case 2: panel_rows<2>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
+        default: panel_rows<1>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
+      }
+    }
+  }
+}
+
+// The smallest and largest of x's `count` values (NaN where one is NaN); false where they are not finite.
+bool input_range(const float* x, int64_t count, float* low, float* high) {
+  if (count == 0) {  // no values (no rows, or no input features): the range of 0 alone
+    *low = *high = 0.0f;
+    return true;
+  }
+  __m512 lows = _mm512_set1_ps(INFINITY), highs = _mm512_set1_ps(-INFINITY);
+  __mmask16 unordered = 0;
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 mask = count - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(mask, x + i);
+    unordered |= _mm512_mask_cmp_ps_mask(mask, v, v, _CMP_UNORD_Q);
+    lows = _mm512_mask_min_ps(lows, mask, lows, v);
+    highs = _mm512_mask_max_ps(highs, mask, highs, v);
+  }
+  *low = unordered != 0 ? NAN : _mm512_reduce_min_ps(lows);  // a NaN, as `torch.aminmax` gives
+  *high = unordered != 0 ? NAN : _mm512_reduce_max_ps(highs);
+  return std::isfinite(*low) && std::isfinite(*high);
+}
+
+// Row m of x (K values) as uint8 into xq's row of `groups` * 4 bytes, the bytes past K set to the zero point (their
+// weights are 0).
+void quantize_row(const float* x, uint8_t* xq, int64_t K, int64_t groups, float inverse_scale, int32_t zero_point) {
+  const __m512 inverse = _mm512_set1_ps(inverse_scale), zero = _mm512_set1_ps(static_cast<float>(zero_point));
+  const __m512i low = _mm512_setzero_si512(), high = _mm512_set1_epi32(255);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
+    const __m512 shifted = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + k), inverse, zero);
+    __m512i q = _mm512_cvt_roundps_epi32(shifted, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_epi32(_mm512_max_epi32(q, low), high);
+    _mm512_mask_cvtepi32_storeu_epi8(xq + k, mask, q);
+  }
+  for (int64_t k = K; k < groups * kGroup; ++k) xq[k] = static_cast<uint8_t>(zero_point);
+}
+
+}  // namespace
+
+extern "C" int few_row_int8_tile() { return kTile; }
+
+// x (M, K) fp32, contiguous; w: the int8 weight (N, K) packed by `few_rows.pack_int8`, `weight_sums` its rows' sums,
+// `weight_scales` (N); bias (N) or null; residual (M, N), contiguous, or null; y (M, N); scratch: M * ceil(K / 4) * 4
+// bytes for the quantized input. `relu`: applied last. The panels are shared out among `threads` threads of the
+// OpenMP runtime torch runs on. Returns 0, or 1 where x holds a value that is not finite (nothing is written then);
+// `range` receives x's smallest and largest value, `quantization` the input's scale and zero point.
+extern "C" int few_row_int8_linear(const float* x, const int8_t* w, const int32_t* weight_sums,
+                                   const float* weight_scales, const float* bias, const float* residual, float* y,
+                                   uint8_t* scratch, int64_t M, int64_t N, int64_t K, int relu, int threads,
+                                   float* range, double* quantization) {
+  float low, high;
+  const bool finite = input_range(x, M * K, &low, &high);
+  range[0] = low;
+  range[1] = high;
+  if (!finite) return 1;
+  // `quantization.quantize_activations`: Python's floats are doubles, its round() halves to even as nearbyint does
+  const double lowest = std::min<double>(low, 0.0), highest = std::max<double>(high, 0.0);
+  const double scale = std::max((highest - lowest) / 255.0, static_cast<double>(FLT_MIN));
+  const int32_t zero_point = static_cast<int32_t>(std::min(std::max(std::nearbyint(-lowest / scale), 0.0), 255.0));
+  quantization[0] = scale;
+  quantization[1] = zero_point;
+  const float inverse_scale = 1.0f / static_cast<float>(scale);  // torch.quantize_per_tensor's float arithmetic
+  const int64_t groups = (K + kGroup - 1) / kGroup;
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, scratch + m * groups * kGroup, K, groups, inverse_scale, zero_point);
+  // oneDNN's int8 path rescales by the float product of the two scales, the input's taken as float
+  const Epilogue e{weight_sums, weight_scales, bias, residual, static_cast<float>(scale), zero_point, relu != 0};
+  const int64_t count = (N + kTile - 1) / kTile;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    panels(scratch, w, e, y, M, N, groups, count * part / parts, count * (part + 1) / parts);
+  }
+  return 0;
+}
