@@ -52,7 +52,8 @@ from roformer_hf.fused import fused_linear, fused_linears
 from roformer_hf.quantization import quantize_int8
 
 KERNELS = ("MKL", "oneDNN", "oneDNN packed", "few rows")
-CHOSEN = {"module": "MKL", "onednn": "oneDNN", "packed": "oneDNN packed", "few_rows": "few rows"}  # `_dense_kernel`'s
+CHOSEN = {"module": "MKL", "onednn": "oneDNN", "packed": "oneDNN packed", "few_rows": "few rows",
+          "few_rows_bf16": "few rows"}  # `_dense_kernel`'s
 
 
 def time_call(call, repeats: int) -> float:
@@ -85,6 +86,9 @@ def measure(dtype: torch.dtype, rows: int, in_features: int, out_features: int, 
     if dtype == torch.float32 and few_rows.available():
         tiles = few_rows.pack(weight)
         calls["few rows"] = lambda: few_rows.linear(x, tiles, bias)
+    if dtype == torch.bfloat16 and few_rows.bf16_available():
+        bf16_tiles = few_rows.pack_bf16(weight)
+        calls["few rows"] = lambda: few_rows.bf16_linear(x, bf16_tiles, bias)
     with torch.inference_mode():
         same_bits = torch.equal(calls["oneDNN"](), calls["oneDNN packed"]())
         return {name: 1e6 * time_call(call, repeats) for name, call in calls.items()}, same_bits
@@ -115,6 +119,7 @@ class DenseChain(torch.nn.Module):
 CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after one untimed: its weights as a server keeps them
 CHAIN_PATHS = ("roformer_hf", "nn.Linear (MKL)", "OpenVINO")
 INT8_KERNELS = ("oneDNN", "fbgemm", "VNNI few rows")  # `Int8Linear`'s kernels, timed apart in int8
+BF16_KERNELS = ("oneDNN packed", "few rows")  # bf16's, where `few_rows`' bf16 kernel is available
 # Each CPU kind's `fused.DenseRule`, and those that take `few_rows`' kernel as they are where it cannot be built.
 RULES = (*fused.RULES, *(dataclasses.replace(rule, cpu=f"{rule.cpu}, without few rows", few_rows_max_rows=0)
                          for rule in fused.RULES if rule.few_rows_max_rows))
@@ -197,6 +202,10 @@ def chain_times(size, layers: int, rows: int, precision: str, repeats: int,
     elif precision == "bf16":  # plain `nn.Linear` in bf16 is oneDNN's kernel already: no MKL path to time
         cast, x_bf16 = copy.deepcopy(chain).to(torch.bfloat16), x.bfloat16()
         calls["roformer_hf"] = lambda: cast(x_bf16).float()
+        if few_rows.bf16_available():
+            calls.update({f"bf16: {name}": under_rule(dataclasses.replace(fused.RULE, bf16_few_rows_max_rows=limit),
+                                                      calls["roformer_hf"])
+                          for name, limit in (("oneDNN packed", 0), ("few rows", 10 ** 9))})
     else:
         calls["roformer_hf"] = lambda: chain(x)
         calls.update({f"rule: {rule.cpu}": under_rule(rule, calls["roformer_hf"]) for rule in RULES
@@ -280,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
               f"turns, each the mean of {CHAIN_BLOCK} calls in a row)\n")
         print("| precision | rows | " + " | ".join(CHAIN_PATHS) + " | roformer_hf / OpenVINO | OpenVINO's kernels |")
         print("|---|---|" + "---|" * (len(CHAIN_PATHS) + 2))
-        by_rule, by_int8 = {}, {}
+        by_rule, by_int8, by_bf16 = {}, {}, {}
         for precision in args.chain_precisions:
             for rows in args.chain_rows:
                 times, kernels = chain_times(size, args.layers, rows, precision, args.repeats, torch.get_num_threads())
@@ -292,12 +301,21 @@ def main(argv: list[str] | None = None) -> None:
                                      for rule in RULES]
                 if precision == "int8":
                     by_int8[rows] = [times.get(f"int8: {kernel}", math.nan) for kernel in INT8_KERNELS]
+                if precision == "bf16" and "bf16: few rows" in times:
+                    by_bf16[rows] = [times[f"bf16: {kernel}"] for kernel in BF16_KERNELS]
         if by_rule:
             print(f"\nThe fp32 calls in a row under each CPU kind's rule (ms, from the same turns; this CPU's: "
                   f"{fused.RULE.cpu}), each over the fastest:\n")
             print("| rows | " + " | ".join(rule.cpu for rule in RULES) + " |")
             print("|---|" + "---|" * len(RULES))
             for rows, times in by_rule.items():
+                print(f"| {rows} | " + " | ".join(f"{time:.3f} ({time / min(times):.2f}x)" for time in times) + " |")
+        if by_bf16:
+            print(f"\nThe bf16 calls in a row on each kernel (ms, from the same turns), each over the fastest; this CPU's "
+                  f"rule gives `few_rows`' bf16 kernel the calls of up to {fused.RULE.bf16_few_rows_max_rows} rows "
+                  "(`DenseRule.bf16_few_rows_max_rows`), oneDNN's on the packed weight the rest:\n")
+            print("| rows | " + " | ".join(BF16_KERNELS) + " |\n|---|" + "---|" * len(BF16_KERNELS))
+            for rows, times in by_bf16.items():
                 print(f"| {rows} | " + " | ".join(f"{time:.3f} ({time / min(times):.2f}x)" for time in times) + " |")
         if by_int8:
             print(f"\nThe int8 calls in a row on each kernel (ms, from the same turns), each over the fastest; this CPU "

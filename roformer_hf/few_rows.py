@@ -51,10 +51,17 @@ logger = logging.getLogger(__name__)
 # Each instruction set's source (`isa`) and the output features a tile of its packed weight holds (its `kTile`).
 SOURCES = {"AVX2": Path(__file__).with_name("csrc") / "few_rows_avx2.cpp",
            "AVX-512": Path(__file__).with_name("csrc") / "few_rows_avx512.cpp",
-           "int8 VNNI": Path(__file__).with_name("csrc") / "few_rows_int8_vnni.cpp"}
-TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48}
+           "int8 VNNI": Path(__file__).with_name("csrc") / "few_rows_int8_vnni.cpp",
+           "bf16 AVX-512": Path(__file__).with_name("csrc") / "few_rows_bf16_avx512.cpp"}
+TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48, "bf16 AVX-512": 48}
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
-EXTRA_FLAGS = {"AVX2": (), "AVX-512": ("-mavx512f",), "int8 VNNI": ("-mavx512f", "-mavx512vnni")}
+EXTRA_FLAGS = {"AVX2": (), "AVX-512": ("-mavx512f",), "int8 VNNI": ("-mavx512f", "-mavx512vnni"),
+               "bf16 AVX-512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")}
+# What each kind needs of the CPU beyond AVX2 and FMA (/proc/cpuinfo's flags), and of the environment: not holding
+# oneDNN below AVX-512 (`ONEDNN_MAX_CPU_ISA`), as one does to run an AVX2-only CPU's paths on an AVX-512 one.
+NEEDS = {"AVX2": (), "AVX-512": ("avx512f",), "int8 VNNI": ("avx512f", "avx512_vnni"),
+         "bf16 AVX-512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")}
+KERNELS = {"fp32": None, "int8": "int8 VNNI", "bf16": "bf16 AVX-512"}  # `_loaded`'s names: fp32's kind is `isa`'s
 INT8_GROUP = 4  # input features one `vpdpbusd` sums per output feature: `pack_int8`'s groups
 
 _lock = threading.Lock()
@@ -82,12 +89,18 @@ def int8_available() -> bool:
     return _loaded("int8")[0] is not None
 
 
+def bf16_available() -> bool:
+    """Whether `bf16_linear` runs here: a CPU with AVX-512 bf16 (and the environment not holding oneDNN below
+    AVX-512), the kernel built and loaded."""
+    return _loaded("bf16")[0] is not None
+
+
 def _loaded(kernel: str) -> tuple[ctypes.CDLL | None, str]:
-    """`kernel`'s library (``"fp32"``: `isa`'s build; ``"int8"``) and why not, loaded at the first call."""
+    """`kernel`'s library (a key of `KERNELS`) and why not, loaded at the first call."""
     if kernel not in _state:
         with _lock:
             if kernel not in _state:
-                library, why_not = _load(isa() if kernel == "fp32" else "int8 VNNI")
+                library, why_not = _load(KERNELS[kernel] or isa())
                 if library is None and not _turned_off() and kernel == "fp32":
                     logger.warning("roformer_hf's few-row GEMM is not available (%s): dense layers of few rows take "
                                    "oneDNN's kernel instead", why_not)
@@ -103,7 +116,8 @@ def isa() -> str:
 
 
 def why_not(kernel: str = "fp32") -> str:
-    """Why `available` (``"fp32"``) or `int8_available` (``"int8"``) is False (``""`` where it is True)."""
+    """Why `available` (``"fp32"``), `int8_available` (``"int8"``) or `bf16_available` (``"bf16"``) is False (``""``
+    where it is True)."""
     return _loaded(kernel)[1]
 
 
@@ -236,11 +250,66 @@ def int8_linear(x: Tensor, packed: PackedInt8, weight_scale: Tensor, bias: Tenso
     return output
 
 
+@dataclass(frozen=True)
+class PackedBF16:
+    """A bf16 weight ``(out_features, in_features)`` laid out for `bf16_linear` (`pack_bf16`)."""
+
+    tiles: Tensor  # bf16 (ceil(out_features / 48), ceil(in_features / 2), 48, 2), contiguous; missing entries zero
+    out_features: int
+    in_features: int
+
+
+def pack_bf16(weight: Tensor) -> PackedBF16:
+    """The bf16 `weight` ``(out_features, in_features)`` laid out for `bf16_linear` (a copy)."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"few_rows.pack_bf16: weight must be a 2-d bfloat16 tensor, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    tile = TILES["bf16 AVX-512"]
+    out_features, in_features = weight.shape
+    tiles, pairs = -(-out_features // tile), -(-in_features // 2)
+    padded = weight.new_zeros(tiles * tile, pairs * 2)
+    padded[:out_features, :in_features] = weight
+    return PackedBF16(padded.view(tiles, tile, pairs, 2).transpose(1, 2).contiguous(), out_features, in_features)
+
+
+def bf16_linear(x: Tensor, packed: PackedBF16, bias: Tensor | None, residual: Tensor | None = None) -> Tensor:
+    """``residual + x @ weight.T + bias`` in bf16 (`residual` and `bias` optional), `packed` being
+    ``pack_bf16(weight)``: the products summed in float32, the bias and the residual added to the sums, rounded to
+    bf16 once.
+
+    Args:
+        x: ``(*, in_features)`` bfloat16 on CPU.
+        packed: `pack_bf16`'s layout of the weight.
+        bias: ``(out_features,)`` bfloat16, or None.
+        residual: ``(*, out_features)`` bfloat16, or None.
+    """
+    library = _library("bf16")
+    out_features, in_features = packed.out_features, packed.in_features
+    if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != in_features:
+        raise ValueError(f"few_rows.bf16_linear: x must be bfloat16 on CPU with {in_features} features (the packed "
+                         f"weight's), got {tuple(x.shape)} {x.dtype} on {x.device}")
+    for name, tensor, shape in (("bias", bias, (out_features,)), ("residual", residual, (*x.shape[:-1], out_features))):
+        if tensor is not None and (tensor.shape != shape or tensor.dtype != torch.bfloat16 or not tensor.is_cpu):
+            raise ValueError(f"few_rows.bf16_linear: {name} must be bfloat16 {shape} on CPU, got "
+                             f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}")
+    if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in (x, bias, residual)):
+        raise RuntimeError("few_rows.bf16_linear has no backward: call it under torch.no_grad() or "
+                           "torch.inference_mode()")
+    x = x.contiguous()
+    output = x.new_empty(*x.shape[:-1], out_features)
+    bias = None if bias is None else bias.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    library.few_row_bf16_linear(x.data_ptr(), packed.tiles.data_ptr(), None if bias is None else bias.data_ptr(),
+                                None if residual is None else residual.data_ptr(), output.data_ptr(),
+                                math.prod(x.shape[:-1]), out_features, in_features, torch.get_num_threads())
+    return output
+
+
 def _library(kernel: str = "fp32") -> ctypes.CDLL:
     """The loaded kernel (`RuntimeError` where it is not available)."""
     library, why = _loaded(kernel)
     if library is None:
-        name = "few-row GEMM" if kernel == "fp32" else "few-row int8 GEMM"
+        name = "few-row GEMM" if kernel == "fp32" else f"few-row {kernel} GEMM"
         raise RuntimeError(f"roformer_hf's {name} is not available here: {why}")
     return library
 
@@ -253,9 +322,10 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"built on Linux only, not {sys.platform}"
     if not cpu_has("avx2", "fma"):
         return None, "the CPU has no AVX2 and FMA"
-    if kind == "int8 VNNI" and not (cpu_has("avx512f", "avx512_vnni") and not held_below_avx512()):
-        return None, ("the CPU has no AVX-512 VNNI" if not cpu_has("avx512f", "avx512_vnni")
-                      else "the environment holds oneDNN below AVX-512 (ONEDNN_MAX_CPU_ISA)")
+    if kind not in ("AVX2", "AVX-512") and not cpu_has(*NEEDS[kind]):
+        return None, f"the CPU lacks {' or '.join(NEEDS[kind])}, which the {kind} kernel needs"
+    if kind not in ("AVX2", "AVX-512") and held_below_avx512():
+        return None, "the environment holds oneDNN below AVX-512 (ONEDNN_MAX_CPU_ISA)"
     runtimes = _openmp_runtimes()
     if len(runtimes) != 1:
         return None, f"not one GNU OpenMP runtime (libgomp.so.1) loaded to share torch's threads: {runtimes or 'none'}"
@@ -285,6 +355,10 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
         function, tile = library.few_row_int8_linear, library.few_row_int8_tile
         function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2
         function.restype = ctypes.c_int
+    elif kind == "bf16 AVX-512":
+        function, tile = library.few_row_bf16_linear, library.few_row_bf16_tile
+        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        function.restype = None
     else:
         function, tile = library.few_row_linear, library.few_row_tile
         function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]

@@ -8,7 +8,7 @@ CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (
 
 On CPUs with AVX2 only, fp32 inputs of 1 to 256 rows take `few_rows`' GEMM instead, which reads a short input's
 weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 64
-rows, in its AVX-512 kernel.
+rows, in its AVX-512 kernel, and bf16 inputs of 1 to 128 rows in its bf16 kernel (`DenseRule.bf16_few_rows_max_rows`).
 
 In fp32 training, where oneDNN's GEMM outruns MKL's (`DenseRule.onednn_training_macs`: AMD's Zen 5, where MKL's ran at
 half its rate), a plain `nn.Linear`'s call and its gradients take oneDNN's kernel (`_TrainedLinear`), eager only.
@@ -50,7 +50,7 @@ from transformers.activations import GELUActivation
 from . import few_rows
 from .blocked_dropout import dropout
 from .cpu import cpu_family, cpu_vendor, held_below_avx512
-from .few_rows import Packed  # also what lets a saved folder's copy of the code carry few_rows.py
+from .few_rows import Packed, PackedBF16  # also what lets a saved folder's copy of the code carry few_rows.py
 
 _KERNEL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 # oneDNN has bf16 GEMMs only on CPUs with AVX-512 (or AMX); elsewhere it cannot build the primitive at all.
@@ -82,6 +82,8 @@ class DenseRule:
             take oneDNN's kernel, forward and backward (`_TrainedLinear`), in place of MKL's, where MKL's GEMM runs
             slower (at half oneDNN's rate on a Zen 5); smaller ones keep the module's call, cheaper than an autograd
             function's; infinity: none.
+        bf16_few_rows_max_rows: bf16 inputs of 1 up to this many rows take `few_rows`' bf16 kernel where it is
+            available (`few_rows.bf16_available`), in place of the packed weight; 0: never.
     """
 
     cpu: str
@@ -92,6 +94,7 @@ class DenseRule:
     compiled_max_tokens: float = math.inf
     few_rows_max_rows: int = 0
     onednn_training_macs: float = math.inf
+    bf16_few_rows_max_rows: int = 0
 
 
 # Intel Xeon (AVX-512): the packed weight at every row count, 1.05-1.10x up to 2626 rows; MKL's matrix-vector product
@@ -109,8 +112,10 @@ AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", 256, "onednn", "onednn", fuses_gel
 # oneDNN's GEMM ran the training step's shapes at 1.9-2.2x MKL's rate forward and for the input's gradient, 1.4-2.0x
 # for the weight's (on its transposed operands as they lie); a layer's forward and backward through it took 0.47-0.54x
 # the module's time from 67M multiply-adds, 0.76x at 8.4M, 0.92x at 4.3M, 1.44x at 1.1M.
+# In bf16 `few_rows`' bf16 kernel ran the dense calls in a row in 0.72-0.93x the time of oneDNN's on the packed weight
+# at 1-128 rows (0.79x at 16), 0.96x at 256.
 ZEN5_RULE = DenseRule("AMD Zen 5, AVX-512", math.inf, "packed", "onednn", fuses_gelu=True, few_rows_max_rows=64,
-                      onednn_training_macs=4_000_000)
+                      onednn_training_macs=4_000_000, bf16_few_rows_max_rows=128)
 # AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, with their weights read from memory as a forward
 # reads them, took 0.57-0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626, 1.11x at 2626;
 # oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2. The compiled
@@ -152,13 +157,13 @@ RULE = dense_rule()
 # Each layer's packed weight, with what it was packed from (`_source`) and the kernel it is laid out for
 # (`_PACKING_KERNELS`): made at the layer's first call that `_dense_kernel` packs for, made again once the weight
 # changes or another packing kernel calls for it, dropped with the layer.
-_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor | Packed, str]] = \
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor | Packed | PackedBF16, str]] = \
     weakref.WeakKeyDictionary()
 # Layers that read the same input (attention's query, key and value), packed side by side, by their first layer.
 _PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[
-    nn.Linear, tuple[tuple, Tensor | Packed, Tensor | None, str]] = weakref.WeakKeyDictionary()
+    nn.Linear, tuple[tuple, Tensor | Packed | PackedBF16, Tensor | None, str]] = weakref.WeakKeyDictionary()
 # The kernels (`_dense_kernel`) that run on a packed copy of the weight: oneDNN's blocked layout, `few_rows`' tiles.
-_PACKING_KERNELS = ("packed", "few_rows")
+_PACKING_KERNELS = ("packed", "few_rows", "few_rows_bf16")
 
 
 @runtime_checkable
@@ -318,7 +323,7 @@ def _check(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bo
                     kernel)
 
 
-def _packed_call(kernel: str, weight: Tensor | Packed, bias: Tensor | None, post_op: tuple[str, str],
+def _packed_call(kernel: str, weight: Tensor | Packed | PackedBF16, bias: Tensor | None, post_op: tuple[str, str],
                  adds: bool, sizes: list[int] | None) -> Callable[..., Tensor | tuple[Tensor, ...]]:
     """The packing `kernel` on its packed weight, every argument but the input bound: ``run(x)``, ``run(x, residual)``
     where it adds one; layers side by side (their `sizes`): their outputs, as views of the one product."""
@@ -478,13 +483,15 @@ def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...
     return _packed_product(_dense_kernel(x), x, *packed, "none", "").split(sizes, dim=-1)
 
 
-def _packed_product(kernel: str, x: Tensor, weight: Tensor | Packed, bias: Tensor | None, name: str,
+def _packed_product(kernel: str, x: Tensor, weight: Tensor | Packed | PackedBF16, bias: Tensor | None, name: str,
                     algorithm: str, residual: Tensor | None = None) -> Tensor:
     """`kernel`'s product (``"few_rows"``; else oneDNN's, on a packed weight or the layer's own) with the activation
     `name` or the `residual` applied: `few_rows` adds the residual itself and the activation after it; oneDNN applies
     either itself, but GELU after its product where the rule says so (`DenseRule.fuses_gelu`)."""
     if kernel == "few_rows":
         return _applied_in_place(few_rows.linear(x, weight, bias, residual), name, None)
+    if kernel == "few_rows_bf16":
+        return _applied_in_place(few_rows.bf16_linear(x, weight, bias, residual), name, None)
     if residual is not None:
         return _KERNEL.binary(x, residual, weight, bias, "add")
     if name == "gelu" and not RULE.fuses_gelu:
@@ -546,10 +553,14 @@ def _dense_kernel(x: Tensor) -> str:
     - ``"few_rows"``: `few_rows`' kernel on the weight packed in its tiles, for fp32 inputs of 1 up to
       `DenseRule.few_rows_max_rows` rows where it is available (AVX2 only; AMD Zen 5), in place of the packed weight
       and the rule's `one_row`; past them the rule's `beyond`.
+    - ``"few_rows_bf16"``: `few_rows`' bf16 kernel on the weight packed in its tiles, for bf16 inputs of 1 up to
+      `DenseRule.bf16_few_rows_max_rows` rows where it is available (AMD Zen 5), in place of the packed weight.
     """
     rows = x.numel() // x.shape[-1]
     if RULE.few_rows_max_rows and x.dtype == torch.float32 and rows > 0 and few_rows.available():
         return "few_rows" if rows <= RULE.few_rows_max_rows else RULE.beyond
+    if 0 < rows <= RULE.bf16_few_rows_max_rows and x.dtype == torch.bfloat16 and few_rows.bf16_available():
+        return "few_rows_bf16"
     if _PACK is not None and (x.dtype == torch.bfloat16 or 1 < rows <= RULE.packed_max_rows):
         return "packed"
     if rows == 1:
@@ -557,7 +568,7 @@ def _dense_kernel(x: Tensor) -> str:
     return RULE.beyond if rows > RULE.packed_max_rows else "onednn"  # past the packed rows, or none at all
 
 
-def _packed_weight(layer: nn.Linear, x: Tensor, kernel: str) -> Tensor | Packed:
+def _packed_weight(layer: nn.Linear, x: Tensor, kernel: str) -> Tensor | Packed | PackedBF16:
     """The weight `fused_linear` hands oneDNN: packed (a copy kept beside the layer, as much memory again as its
     weight) where `_dense_kernel` says so, from the first such input on, and made anew when the weight changes (as
     `_source` tells); the layer's own weight otherwise. A weight made under `torch.inference_mode()` keeps no count of
@@ -571,9 +582,11 @@ def _packed_weight(layer: nn.Linear, x: Tensor, kernel: str) -> Tensor | Packed:
     return cached[1]
 
 
-def _pack(weight: Tensor, kernel: str) -> Tensor | Packed:
-    """`weight` laid out for the packing `kernel`: `few_rows`' tiles, or oneDNN's blocked layout."""
-    return few_rows.pack(weight) if kernel == "few_rows" else _PACK(weight, PACKING_HINT)
+def _pack(weight: Tensor, kernel: str) -> Tensor | Packed | PackedBF16:
+    """`weight` laid out for the packing `kernel`: `few_rows`' tiles (fp32 or bf16), or oneDNN's blocked layout."""
+    if kernel == "few_rows":
+        return few_rows.pack(weight)
+    return few_rows.pack_bf16(weight) if kernel == "few_rows_bf16" else _PACK(weight, PACKING_HINT)
 
 
 # Entries of a weight compared at each call with those it was packed from (`_sample`): runs of adjacent entries, each

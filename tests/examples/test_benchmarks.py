@@ -150,8 +150,8 @@ def test_attention_benchmark_reports_both_kernels_in_both_dtypes(script_result):
 
 
 def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_result):
-    """`bench_dense.py --quick`: MKL, oneDNN, oneDNN on the packed weight and, in fp32 where it is built, `few_rows`'
-    GEMM, on each dense layer of an encoder layer
+    """`bench_dense.py --quick`: MKL, oneDNN, oneDNN on the packed weight and, where they are built, `few_rows`' fp32
+    and bf16 GEMMs, on each dense layer of an encoder layer
     at each row count, the packed weight giving the bits of the unpacked one wherever the rule packs, and the rule's
     choice against the fastest of the three; then the dense calls in a row through each path (OpenVINO's where it is
     installed, with the kernels it chose)."""
@@ -167,7 +167,8 @@ def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_re
         (dtype, count, layer) for dtype in dtypes for count in ("1", "16", "300") for layer in layers]
     for dtype, count, _, mkl, onednn, packed, few, same_bits, chosen, ratio in rows:
         times = {"MKL": float(mkl), "oneDNN": float(onednn), "oneDNN packed": float(packed)}
-        if dtype == "fp32" and few_rows.available():
+        few_rows_here = few_rows.available() if dtype == "fp32" else few_rows.bf16_available()
+        if few_rows_here:
             times["few rows"] = float(few)
         else:
             assert few == "–" and chosen != "few rows"
@@ -178,7 +179,8 @@ def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_re
         assert chosen != "MKL" or (dtype == "fp32" and mkl == "module"
                                    and (count == "1" or int(count) > fused.RULE.packed_max_rows
                                         or "few rows" in times and int(count) > fused.RULE.few_rows_max_rows))
-        assert (chosen == "few rows") == ("few rows" in times and int(count) <= fused.RULE.few_rows_max_rows)
+        limit = fused.RULE.few_rows_max_rows if dtype == "fp32" else fused.RULE.bf16_few_rows_max_rows
+        assert (chosen == "few rows") == ("few rows" in times and int(count) <= limit)
     assert re.search(r"The rule's choice at most [0-9.]+x the fastest", result.stdout)
     # the dense calls in a row: each path at each precision and row count, and roformer_hf's time over OpenVINO's
     has_openvino = importlib.util.find_spec("openvino") is not None
@@ -187,16 +189,21 @@ def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_re
     precisions = ["fp32", *(["bf16"] if fused._BF16_GEMMS else []), "int8"]
     assert [(row[0], row[1]) for row in chain] == [(precision, rows) for precision in precisions
                                                    for rows in ("16", "300")]
-    by_rule, _, by_int8_kernel = result.stdout.partition("The int8 calls in a row on each kernel")
-    rules, int8_kernels = ([[cell.strip() for cell in line.split("|")[1:-1]] for line in text.splitlines()
-                            if re.match(r"\| (16|300) \| ([0-9.]+ \(|–)", line)] for text in (by_rule, by_int8_kernel))
-    assert [row[0] for row in rules] == ["16", "300"]  # fp32, each CPU kind's rule: its time and over the fastest
-    assert [row[0] for row in int8_kernels] == ["16", "300"]  # int8, each of `Int8Linear`'s kernels
-    for row in rules:
+    # the tables of each path's calls in a row, one after the other: fp32 under each rule, bf16 and int8 by kernel
+    tables = {title: [[cell.strip() for cell in line.split("|")[1:-1]] for line in text.splitlines()
+                      if re.match(r"\| (16|300) \| ([0-9.]+ \(|–)", line)]
+              for title, text in re.findall(r"\nThe (fp32|bf16|int8) calls in a row (.*?)(?=\nThe |\Z)", result.stdout,
+                                            re.DOTALL)}
+    assert list(tables) == ["fp32", *(["bf16"] if fused._BF16_GEMMS and few_rows.bf16_available() else []), "int8"]
+    assert all([row[0] for row in table] == ["16", "300"] for table in tables.values())
+    for row in tables["fp32"]:
         # each rule, and those with few rows without them
         assert len(row) - 1 == len(fused.RULES) + sum(1 for rule in fused.RULES if rule.few_rows_max_rows)
         assert_times_over_the_fastest(row[1:])
-    for row in int8_kernels:
+    for row in tables.get("bf16", []):  # oneDNN on the packed weight, `few_rows`' bf16 kernel
+        assert len(row) - 1 == 2
+        assert_times_over_the_fastest(row[1:])
+    for row in tables["int8"]:
         assert len(row) - 1 == 3 and (row[3] == "–") == (not few_rows.int8_available())
         assert_times_over_the_fastest([cell for cell in row[1:] if cell != "–"])
     for precision, _, ours, plain, openvino, ratio, kernels in chain:

@@ -386,3 +386,106 @@ def test_wrong_int8_inputs_are_named():
                                        scale, bias)
     assert torch.equal(no_features, bias.expand(3, 7))
     assert few_rows.int8_linear(torch.randn(0, 5), packed, scale, bias).shape == (0, 7)
+
+
+needs_bf16_kernel = pytest.mark.skipif(not few_rows.bf16_available(),
+                                       reason=f"no few-row bf16 kernel here: {few_rows.why_not('bf16')}")
+
+
+@pytest.fixture
+def bf16_rule(monkeypatch):
+    """A rule that gives bf16 inputs of up to 8 rows to the bf16 kernel, whatever this CPU's."""
+    rule = dataclasses.replace(fused.RULE, bf16_few_rows_max_rows=8)
+    monkeypatch.setattr(fused, "RULE", rule)
+    return rule
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [
+    (1, 1, 1), (1, 67, 19), (1, 768, 100), (2, 5, 50), (7, 33, 7), (8, 64, 48), (9, 17, 97), (16, 130, 13),
+    (17, 8, 49), (40, 301, 31)])
+@pytest.mark.parametrize(("bias", "residual"), [(True, False), (False, False), (True, True)])
+def test_the_bf16_product_is_the_float64_product_rounded_once(rows, in_features, out_features, bias, residual):
+    """Any count of rows (one alone sums in runs of its own), an odd count of input features (the last pairs with 0),
+    output features not a multiple of 48: within one bf16 rounding of the float64 product of the same bf16 operands
+    (plus float32's summing error), the bias and the residual added before that rounding."""
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
+    leading = (rows,) if rows % 2 else (2, rows // 2)
+    x = torch.randn(*leading, in_features, generator=generator).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    residual = torch.randn(*leading, out_features, generator=generator).bfloat16() if residual else None
+    given = x.clone()
+    output = few_rows.bf16_linear(x, few_rows.pack_bf16(weight), bias, residual)
+    expected = reference(x, weight, bias, residual)
+    assert output.dtype == torch.bfloat16 and output.shape == (*leading, out_features) and torch.equal(x, given)
+    error = (output.double() - expected).abs()
+    assert (error <= expected.abs() * 2 ** -8 + 1e-5 * in_features ** 0.5).all()  # half a bf16 step, and summing
+    assert (output == expected.bfloat16()).double().mean() > 0.95  # most entries the float64 product's rounding
+
+
+@needs_bf16_kernel
+def test_the_bf16_kernel_reads_nothing_past_a_row_of_odd_length():
+    """The last input of a row of odd length pairs with 0: a NaN right after the row (the next row's first input, or
+    whatever follows the tensor) must not reach the output."""
+    weight = torch.randn(16, 3).bfloat16()
+    x = torch.tensor([[1.0, 2.0, 3.0, float("nan")]]).bfloat16()[:, :3]  # contiguous; the next entry is a NaN
+    assert torch.isfinite(few_rows.bf16_linear(x, few_rows.pack_bf16(weight), None)).all()
+    rows = torch.tensor([[1.0, 2.0, 3.0], [float("nan"), 1.0, 1.0]]).bfloat16()
+    assert torch.isfinite(few_rows.bf16_linear(rows, few_rows.pack_bf16(weight), None)[0]).all()
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows", [1, 8, 9])
+@pytest.mark.parametrize("after", ["none", "gelu", "residual"])
+def test_the_rule_takes_the_bf16_kernel_up_to_its_rows_and_the_packed_weight_beyond(bf16_rule, rows, after):
+    torch.manual_seed(rows)
+    layer, x = nn.Linear(32, 48).bfloat16(), torch.randn(rows, 32).bfloat16()
+    activation = ACT2FN["gelu"] if after == "gelu" else None
+    residual = torch.randn(rows, 48).bfloat16() if after == "residual" else None
+    with torch.inference_mode():
+        output = fused_linear(layer, x, activation, residual)
+        product = few_rows.bf16_linear(x, few_rows.pack_bf16(layer.weight), layer.bias, residual)
+    takes_it = rows <= bf16_rule.bf16_few_rows_max_rows
+    assert fused._PACKED[layer][2] == ("few_rows_bf16" if takes_it else "packed")
+    if takes_it:
+        assert torch.equal(output, activation(product) if activation is not None else product)
+    expected = reference(x, layer.weight, layer.bias, residual)
+    expected = activation(expected) if activation is not None else expected
+    torch.testing.assert_close(output.double(), expected, atol=0.02, rtol=0.02)
+
+
+@needs_bf16_kernel
+def test_a_bf16_models_forwards_take_the_kernel_and_agree_with_the_packed_path(bf16_rule, monkeypatch):
+    """A short bf16 input: every dense call takes the bf16 kernel (query, key and value side by side), later forwards
+    give the same bits, and the output is oneDNN's packed path's within bf16's error."""
+    model = tiny_model().bfloat16()
+    input_ids = torch.randint(1, 50, (1, 7))
+    calls = []
+    bf16_linear = few_rows.bf16_linear
+    with torch.inference_mode():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(few_rows, "bf16_linear", lambda *args: calls.append(1) or bf16_linear(*args))
+            first = model(input_ids).last_hidden_state
+            second = model(input_ids).last_hidden_state
+        assert len(calls) == 2 * 2 * 4 and torch.equal(first, second)
+        monkeypatch.setattr(fused, "RULE", dataclasses.replace(bf16_rule, bf16_few_rows_max_rows=0))
+        packed = model(input_ids).last_hidden_state
+    torch.testing.assert_close(first.float(), packed.float(), atol=0.05, rtol=0.05)
+    assert torch.nn.functional.cosine_similarity(first.float().flatten(), packed.float().flatten(), dim=0) > 0.999
+
+
+@needs_bf16_kernel
+def test_wrong_bf16_inputs_are_named():
+    weight, x = torch.randn(7, 5).bfloat16(), torch.randn(3, 5).bfloat16()
+    packed = few_rows.pack_bf16(weight)
+    with pytest.raises(ValueError, match="pack_bf16: weight must be a 2-d bfloat16"):
+        few_rows.pack_bf16(weight.float())
+    for args, match in [((x.float(), packed, None), "x must be bfloat16 on CPU with 5 features"),
+                        ((torch.randn(3, 4).bfloat16(), packed, None), "with 5 features"),
+                        ((x, packed, torch.randn(7)), "bias must be bfloat16 \\(7,\\)"),
+                        ((x, packed, None, torch.randn(3, 6).bfloat16()), "residual must be bfloat16 \\(3, 7\\)")]:
+        with pytest.raises(ValueError, match=match):
+            few_rows.bf16_linear(*args)
+    with pytest.raises(RuntimeError, match="no backward"):
+        few_rows.bf16_linear(x.requires_grad_(), packed, None)

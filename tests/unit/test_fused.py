@@ -1,7 +1,7 @@
 """`fused_linear`: oneDNN's fused kernel in CPU inference, the module's own call everywhere else, the same result.
 
-Each rule here is as it is where `few_rows`' kernel is not available (no compiler): the paths through oneDNN and MKL.
-The rule with that kernel is tested in test_few_rows.py."""
+Each rule here is as it is where `few_rows`' kernels are not available (no compiler): the paths through oneDNN and
+MKL. The rules with those kernels are tested in test_few_rows.py."""
 
 import dataclasses
 import math
@@ -33,7 +33,7 @@ class CountingKernel:
 
 
 def without_few_rows(rule):
-    return dataclasses.replace(rule, few_rows_max_rows=0)
+    return dataclasses.replace(rule, few_rows_max_rows=0, bf16_few_rows_max_rows=0)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,151 @@
+// y = x w^T + bias (+ residual) in bf16 for inputs of few rows, with AVX-512 bf16: `roformer_hf/few_rows.py` builds
+// it and `fused` calls it on CPUs with avx512_bf16.
+//
+// The weight lies as the fp32 AVX-512 kernel's does, in panels of `kTile` output features, three vectors wide, but
+// in pairs of input features (`few_rows.pack_bf16`): one `vdpbf16ps` multiplies a pair of inputs, broadcast, by the
+// pair of weights of 16 output features and adds both products to float32 sums. Up to 8 rows go against a panel at
+// once (24 vectors of sums); one row alone keeps four runs of sums, added at the end. The bias and the residual are
+// added to the float32 sums, which are then rounded to bf16 (to nearest, ties to even), as oneDNN's bf16 kernel does
+// with its post-ops.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kTile = 48;        // output features a panel holds: three vectors of 16 float32 sums
+constexpr int64_t kPrefetch = 8192;  // how far ahead (in bytes) the weight is fetched into the caches
+constexpr int kRows = 8;             // rows against a panel at once
+
+// 16 float32 sums, kept in this type and with the loops over rows unrolled by pragma so that GCC keeps panel_rows'
+// 24 of them in registers (as in `few_rows_int8_vnni.cpp`).
+typedef float Sums __attribute__((vector_size(64)));
+
+// sum += a's pairs of bf16 times w's, pair by pair (`vdpbf16ps`).
+inline void add_products(Sums& sum, __m512i a, __m512i w) {
+  sum = Sums(_mm512_dpbf16_ps(__m512(sum), (__m512bh)a, (__m512bh)w));
+}
+
+// Inputs k and k + 1 of a row, as one 32-bit pair broadcast to every lane; `alone`: input k is the row's last, of an
+// odd count, and pairs with 0 (its weights' pair is 0 too, but a value read past the row could be a NaN).
+inline __m512i broadcast_pair(const uint16_t* row, int64_t k, bool alone) {
+  uint32_t pair = row[k];
+  if (!alone) std::memcpy(&pair, row + k, sizeof(pair));
+  return _mm512_set1_epi32(static_cast<int32_t>(pair));
+}
+
+inline __mmask16 columns_mask(int64_t columns, int v) {
+  const int64_t left = std::min<int64_t>(16, columns - 16 * v);
+  return left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+}
+
+// bf16 entries as float32: their bits in the upper half.
+inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
+
+// y[offset + lane] = round_bf16(sum + bias + residual) for the lanes in `mask`.
+inline void store(Sums sums, const uint16_t* bias, const uint16_t* residual, uint16_t* y, int64_t offset,
+                  int64_t column, __mmask16 mask) {
+  __m512 out = __m512(sums);
+  if (bias != nullptr) out = _mm512_add_ps(out, widen(_mm256_maskz_loadu_epi16(mask, bias + column)));
+  if (residual != nullptr) out = _mm512_add_ps(out, widen(_mm256_maskz_loadu_epi16(mask, residual + offset)));
+  _mm256_mask_storeu_epi16(y + offset, mask, (__m256i)_mm512_cvtneps_pbh(out));
+}
+
+// Rows [m0, m0 + R) of x against the panel for output features [n0, n0 + kTile). `first`: the first rows against
+// it, which fetch the panel ahead.
+template <int R>
+void panel_rows(const uint16_t* x, const uint16_t* panel, const uint16_t* bias, const uint16_t* residual, uint16_t* y,
+                int64_t N, int64_t K, int64_t m0, int64_t n0, bool first) {
+  Sums sums[R][3] = {};
+  const uint16_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = x + (m0 + r) * K;
+  const auto step = [&](int64_t p, bool alone) {
+    const char* w = reinterpret_cast<const char*>(panel + p * kTile * 2);
+    if (first)
+      for (int line = 0; line < 3; ++line) _mm_prefetch(w + kPrefetch + 64 * line, _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64), w2 = _mm512_loadu_si512(w + 128);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = broadcast_pair(rows[r], 2 * p, alone);
+      add_products(sums[r][0], a, w0);
+      add_products(sums[r][1], a, w1);
+      add_products(sums[r][2], a, w2);
+    }
+  };
+  for (int64_t p = 0; p < K / 2; ++p) step(p, false);
+  if (K % 2) step(K / 2, true);
+  const int64_t columns = std::min(kTile, N - n0);
+#pragma GCC unroll 3
+  for (int v = 0; v < 3; ++v) {
+    const __mmask16 mask = columns_mask(columns, v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) store(sums[r][v], bias, residual, y, (m0 + r) * N + n0 + 16 * v, n0 + 16 * v, mask);
+  }
+}
+
+// One row against the panel, in four runs of sums (pairs modulo 4), so that its additions do not wait on each other.
+void panel_row(const uint16_t* x, const uint16_t* panel, const uint16_t* bias, const uint16_t* residual, uint16_t* y,
+               int64_t N, int64_t K, int64_t n0) {
+  Sums runs[4][3] = {};
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const char* w = reinterpret_cast<const char*>(panel + p * kTile * 2);
+    for (int line = 0; line < 3; ++line) _mm_prefetch(w + kPrefetch + 64 * line, _MM_HINT_T0);
+    const __m512i a = broadcast_pair(x, 2 * p, 2 * p + 1 == K);
+    Sums* run = runs[p % 4];
+    add_products(run[0], a, _mm512_loadu_si512(w));
+    add_products(run[1], a, _mm512_loadu_si512(w + 64));
+    add_products(run[2], a, _mm512_loadu_si512(w + 128));
+  }
+  const int64_t columns = std::min(kTile, N - n0);
+  for (int v = 0; v < 3; ++v)
+    store((runs[0][v] + runs[1][v]) + (runs[2][v] + runs[3][v]), bias, residual, y, n0 + 16 * v, n0 + 16 * v,
+          columns_mask(columns, v));
+}
+
+void panels(const uint16_t* x, const uint16_t* w, const uint16_t* bias, const uint16_t* residual, uint16_t* y,
+            int64_t M, int64_t N, int64_t K, int64_t first, int64_t last) {
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t p = first; p < last; ++p) {
+    const uint16_t* panel = w + p * pairs * kTile * 2;
+    const int64_t n0 = p * kTile;
+    if (M == 1) {
+      panel_row(x, panel, bias, residual, y, N, K, n0);
+      continue;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const bool first_rows = m0 == 0;
+      switch (std::min<int64_t>(kRows, M - m0)) {
+        case 8: panel_rows<8>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
+        case 7: panel_rows<7>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
+        case 6: panel_rows<6>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
+        case 5: panel_rows<5>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
+        case 4: panel_rows<4>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
+        case 3: panel_rows<3>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
+        case 2: panel_rows<2>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
+        default: panel_rows<1>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int few_row_bf16_tile() { return kTile; }
+
+// x (M, K) bf16, contiguous; w: the weight (N, K) packed by `few_rows.pack_bf16`; bias (N) or null; residual (M, N),
+// contiguous, or null; y (M, N); all bf16. The panels are shared out among `threads` threads of the OpenMP runtime
+// torch runs on.
+extern "C" void few_row_bf16_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                                    const uint16_t* residual, uint16_t* y, int64_t M, int64_t N, int64_t K,
+                                    int threads) {
+  const int64_t count = (N + kTile - 1) / kTile;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    panels(x, w, bias, residual, y, M, N, K, count * part / parts, count * (part + 1) / parts);
+  }
+}
