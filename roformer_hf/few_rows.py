@@ -63,6 +63,9 @@ NEEDS = {"AVX2": (), "AVX-512": ("avx512f",), "int8 VNNI": ("avx512f", "avx512_v
          "bf16 AVX-512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")}
 KERNELS = {"fp32": None, "int8": "int8 VNNI", "bf16": "bf16 AVX-512"}  # `_loaded`'s names: fp32's kind is `isa`'s
 INT8_GROUP = 4  # input features one `vpdpbusd` sums per output feature: `pack_int8`'s groups
+# The activations the int8 and bf16 kernels apply to their sums before storing them (`csrc/gelu_avx512.h`: GELU's erf
+# form, within 7.5e-8 |x| of the exact value), by their codes.
+ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2}
 
 _lock = threading.Lock()
 # By kernel ("fp32", "int8"), once decided: (ctypes.CDLL or None, why not: "" where it loaded)
@@ -143,8 +146,11 @@ def pack(weight: Tensor) -> Packed:
     return Packed(padded.view(tiles, tile, in_features).transpose(1, 2).contiguous(), out_features)
 
 
-def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | None = None) -> Tensor:
-    """``residual + x @ weight.T + bias`` (`residual` and `bias` optional), `packed` being ``pack(weight)``.
+def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | None = None,
+           activation: str = "none") -> Tensor:
+    """``activation(residual + x @ weight.T + bias)`` (`residual` and `bias` optional), `packed` being
+    ``pack(weight)``, `activation` a key of `ACTIVATIONS`: applied by the AVX-512 kernel before it stores its sums
+    (GELU: `csrc/gelu_avx512.h`), in place after the AVX2 kernel (GELU: torch's).
 
     Args:
         x: ``(*, in_features)`` float32 on CPU.
@@ -155,6 +161,7 @@ def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | No
     It has no backward: with autograd recording, inputs that require grad are refused.
     """
     library = _library()
+    code = _activation_code(activation)
     tiles, out_features = packed.tiles, packed.out_features
     in_features = tiles.shape[1]
     if tiles.shape[2] != library.few_row_tile():
@@ -178,10 +185,17 @@ def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | No
     bias = None if bias is None else bias.contiguous()
     residual = None if residual is None else residual.contiguous()
     output = x.new_empty(*leading, out_features)
-    library.few_row_linear(x.data_ptr(), tiles.data_ptr(), None if bias is None else bias.data_ptr(),
-                           None if residual is None else residual.data_ptr(), output.data_ptr(),
-                           math.prod(leading), out_features, in_features, torch.get_num_threads())
-    return output
+    arguments = (x.data_ptr(), tiles.data_ptr(), None if bias is None else bias.data_ptr(),
+                 None if residual is None else residual.data_ptr(), output.data_ptr(), math.prod(leading), out_features,
+                 in_features, torch.get_num_threads())
+    activated = getattr(library, "few_row_linear_activated", None)  # the AVX-512 build's
+    if activated is not None:
+        activated(*arguments, code)
+        return output
+    library.few_row_linear(*arguments)
+    if activation == "gelu":
+        return torch._C._nn.gelu_(output)
+    return output.relu_() if activation == "relu" else output
 
 
 @dataclass(frozen=True)
@@ -209,10 +223,10 @@ def pack_int8(weight: Tensor) -> PackedInt8:
 
 
 def int8_linear(x: Tensor, packed: PackedInt8, weight_scale: Tensor, bias: Tensor | None,
-                residual: Tensor | None = None, relu: bool = False) -> Tensor:
-    """``residual + dequantized(quantized(x) @ weight.T) + bias`` (ReLU after, with `relu`; `residual` and `bias`
-    optional): `x` quantized to uint8 as `quantization.quantize_activations` does, `packed` being
-    ``pack_int8(weight)`` of an int8 weight whose output features have the scales `weight_scale`.
+                residual: Tensor | None = None, activation: str = "none") -> Tensor:
+    """``activation(residual + dequantized(quantized(x) @ weight.T) + bias)`` (`residual` and `bias` optional): `x`
+    quantized to uint8 as `quantization.quantize_activations` does, `packed` being ``pack_int8(weight)`` of an int8
+    weight whose output features have the scales `weight_scale`; `activation` a key of `ACTIVATIONS`.
 
     Args:
         x: ``(*, in_features)`` float32 on CPU; every value finite (`ValueError` otherwise).
@@ -222,6 +236,7 @@ def int8_linear(x: Tensor, packed: PackedInt8, weight_scale: Tensor, bias: Tenso
         residual: ``(*, out_features)`` float32, or None.
     """
     library = _library("int8")
+    code = _activation_code(activation)
     out_features, in_features = packed.out_features, packed.in_features
     if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != in_features:
         raise ValueError(f"few_rows.int8_linear: x must be float32 on CPU with {in_features} features (the packed "
@@ -243,7 +258,7 @@ def int8_linear(x: Tensor, packed: PackedInt8, weight_scale: Tensor, bias: Tenso
     pointers = [None if tensor is None else tensor.contiguous().data_ptr()
                 for tensor in (weight_scale, bias, residual)]
     if library.few_row_int8_linear(x.data_ptr(), packed.tiles.data_ptr(), packed.sums.data_ptr(), *pointers,
-                                   output.data_ptr(), scratch.data_ptr(), rows, out_features, in_features, int(relu),
+                                   output.data_ptr(), scratch.data_ptr(), rows, out_features, in_features, code,
                                    torch.get_num_threads(), found, quantization):
         raise ValueError(f"Int8Linear got an input with non-finite values (between {found[0]} and {found[1]}): int8 "
                          "cannot represent them")
@@ -272,10 +287,11 @@ def pack_bf16(weight: Tensor) -> PackedBF16:
     return PackedBF16(padded.view(tiles, tile, pairs, 2).transpose(1, 2).contiguous(), out_features, in_features)
 
 
-def bf16_linear(x: Tensor, packed: PackedBF16, bias: Tensor | None, residual: Tensor | None = None) -> Tensor:
-    """``residual + x @ weight.T + bias`` in bf16 (`residual` and `bias` optional), `packed` being
-    ``pack_bf16(weight)``: the products summed in float32, the bias and the residual added to the sums, rounded to
-    bf16 once.
+def bf16_linear(x: Tensor, packed: PackedBF16, bias: Tensor | None, residual: Tensor | None = None,
+                activation: str = "none") -> Tensor:
+    """``activation(residual + x @ weight.T + bias)`` in bf16 (`residual` and `bias` optional), `packed` being
+    ``pack_bf16(weight)``: the products summed in float32, the bias, the residual and `activation` (a key of
+    `ACTIVATIONS`) applied to the sums, rounded to bf16 once.
 
     Args:
         x: ``(*, in_features)`` bfloat16 on CPU.
@@ -284,6 +300,7 @@ def bf16_linear(x: Tensor, packed: PackedBF16, bias: Tensor | None, residual: Te
         residual: ``(*, out_features)`` bfloat16, or None.
     """
     library = _library("bf16")
+    code = _activation_code(activation)
     out_features, in_features = packed.out_features, packed.in_features
     if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != in_features:
         raise ValueError(f"few_rows.bf16_linear: x must be bfloat16 on CPU with {in_features} features (the packed "
@@ -301,8 +318,14 @@ def bf16_linear(x: Tensor, packed: PackedBF16, bias: Tensor | None, residual: Te
     residual = None if residual is None else residual.contiguous()
     library.few_row_bf16_linear(x.data_ptr(), packed.tiles.data_ptr(), None if bias is None else bias.data_ptr(),
                                 None if residual is None else residual.data_ptr(), output.data_ptr(),
-                                math.prod(x.shape[:-1]), out_features, in_features, torch.get_num_threads())
+                                math.prod(x.shape[:-1]), out_features, in_features, code, torch.get_num_threads())
     return output
+
+
+def _activation_code(activation: str) -> int:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"few_rows: activation={activation!r}; expected one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[activation]
 
 
 def _library(kernel: str = "fp32") -> ctypes.CDLL:
@@ -336,7 +359,8 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         return None, "no C++ compiler (set CXX)"
-    source = source_path.read_bytes()
+    source = source_path.read_bytes() + b"".join(header.read_bytes()  # what it includes
+                                                 for header in sorted(source_path.parent.glob("*.h")))
     flags = FLAGS + EXTRA_FLAGS[kind]
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), str(openmp).encode(),
                                      torch.__version__.encode()])).hexdigest()[:16]
@@ -357,12 +381,15 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
         function.restype = ctypes.c_int
     elif kind == "bf16 AVX-512":
         function, tile = library.few_row_bf16_linear, library.few_row_bf16_tile
-        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         function.restype = None
     else:
         function, tile = library.few_row_linear, library.few_row_tile
         function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         function.restype = None
+        if kind == "AVX-512":
+            activated = library.few_row_linear_activated
+            activated.argtypes, activated.restype = function.argtypes + [ctypes.c_int], None
     tile.argtypes, tile.restype = [], ctypes.c_int
     if tile() != TILES[kind]:
         return None, f"{path} holds tiles of {tile()} features, expected {TILES[kind]} for {kind}"

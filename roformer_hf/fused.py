@@ -488,10 +488,10 @@ def _packed_product(kernel: str, x: Tensor, weight: Tensor | Packed | PackedBF16
     """`kernel`'s product (``"few_rows"``; else oneDNN's, on a packed weight or the layer's own) with the activation
     `name` or the `residual` applied: `few_rows` adds the residual itself and the activation after it; oneDNN applies
     either itself, but GELU after its product where the rule says so (`DenseRule.fuses_gelu`)."""
-    if kernel == "few_rows":
-        return _applied_in_place(few_rows.linear(x, weight, bias, residual), name, None)
+    if kernel == "few_rows":  # the activation applied by the kernel: `_fused_activation`'s names are its own
+        return few_rows.linear(x, weight, bias, residual, name)
     if kernel == "few_rows_bf16":
-        return _applied_in_place(few_rows.bf16_linear(x, weight, bias, residual), name, None)
+        return few_rows.bf16_linear(x, weight, bias, residual, name)
     if residual is not None:
         return _KERNEL.binary(x, residual, weight, bias, "add")
     if name == "gelu" and not RULE.fuses_gelu:

@@ -261,9 +261,12 @@ class Int8Linear(nn.Module):
         return state
 
     def _buffers_state(self) -> tuple:
-        """What tells that the buffers were replaced or edited in place (inference tensors keep no version)."""
-        return tuple((t.data_ptr(), t.dtype, None if t.is_inference() else t._version)
-                     for t in (self.weight_int8, self.weight_scale, self.bias) if t is not None)
+        """What tells that the buffers were replaced or edited in place (inference tensors keep no version). Read
+        from the buffers' dict, without `nn.Module.__getattr__`: every forward of a quantized model reads it for each
+        layer (`checked_call`), where a list is cheaper than a generator too."""
+        buffers = self._buffers
+        return tuple([(t.data_ptr(), t.dtype, None if t.is_inference() else t._version)
+                      for t in (buffers["weight_int8"], buffers["weight_scale"], buffers["bias"]) if t is not None])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -300,9 +303,9 @@ class Int8Linear(nn.Module):
             return rows.new_empty(*x.shape[:-1], self.out_features)
         other = None if residual is None else residual.reshape(-1, self.out_features).float().contiguous()
         if rows.shape[0] <= VNNI_ROWS and self._packed_vnni is not None:
-            output = few_rows.int8_linear(rows, self._packed_vnni, self.weight_scale, self.bias, other,
-                                          relu=activation == "relu")
-            if activation == "gelu":
+            in_kernel = activation if activation != "gelu" or algorithm == "none" else "none"  # GELU's erf form
+            output = few_rows.int8_linear(rows, self._packed_vnni, self.weight_scale, self.bias, other, in_kernel)
+            if in_kernel != activation:
                 output = torch.ops.aten.gelu_(output, approximate=algorithm)
             return output.view(*x.shape[:-1], self.out_features)
         low, high = input_range(rows)

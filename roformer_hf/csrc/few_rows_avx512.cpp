@@ -1,5 +1,5 @@
-// y = x w^T + bias (+ residual) in fp32 for inputs of few rows, with AVX-512: `roformer_hf/few_rows.py` builds and
-// calls it on CPUs with AVX-512F (`few_rows_avx2.cpp` on the others).
+// y = activation(x w^T + bias (+ residual)) in fp32 for inputs of few rows, with AVX-512: `roformer_hf/few_rows.py`
+// builds and calls it on CPUs with AVX-512F (`few_rows_avx2.cpp` on the others).
 //
 // The weight lies in panels of `kTile` output columns, three vectors wide, each panel's entries column-block by
 // column-block along k (`few_rows.pack`), so a step of k reads three whole vectors of it. Each input entry is
@@ -10,6 +10,8 @@
 // beside it. One row alone sums k in four interleaved runs (k modulo 4), so that its FMAs do not wait on each other.
 #include <immintrin.h>
 #include <omp.h>
+
+#include "gelu_avx512.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -26,11 +28,18 @@ inline __mmask16 columns_mask(int64_t columns, int v) {
   return left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
 }
 
-// y[m][n0 + 16 v + lane] = sum + bias + residual for the lanes in `mask`.
-inline void store(__m512 sum, const float* bias, const float* residual, float* y, int64_t offset, int64_t column,
-                  __mmask16 mask) {
-  if (bias != nullptr) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias + column));
-  if (residual != nullptr) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, residual + offset));
+struct Epilogue {
+  const float* bias;      // (N) or null
+  const float* residual;  // (M, N) or null
+  int activation;         // 0: none, 1: ReLU, 2: GELU (the erf form)
+};
+
+// y[m][n0 + 16 v + lane] = activation(sum + bias + residual) for the lanes in `mask`.
+inline void store(__m512 sum, const Epilogue& e, float* y, int64_t offset, int64_t column, __mmask16 mask) {
+  if (e.bias != nullptr) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, e.bias + column));
+  if (e.residual != nullptr) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, e.residual + offset));
+  if (e.activation == 1) sum = _mm512_max_ps(sum, _mm512_setzero_ps());
+  if (e.activation == 2) sum = roformer_hf::gelu(sum);
   _mm512_mask_storeu_ps(y + offset, mask, sum);
 }
 
@@ -43,7 +52,7 @@ inline void fetch(const float* w) {
 // Rows [m0, m0 + R) of x against the panel at `panel` (output columns [n0, n0 + kTile)). `first`: the first rows
 // against it, which fetch the panel ahead.
 template <int R>
-void panel_rows(const float* x, const float* panel, const float* bias, const float* residual, float* y, int64_t N,
+void panel_rows(const float* x, const float* panel, const Epilogue& e, float* y, int64_t N,
                 int64_t K, int64_t m0, int64_t n0, bool first) {
   __m512 sums[R][3];
   for (auto& row : sums)
@@ -64,13 +73,13 @@ void panel_rows(const float* x, const float* panel, const float* bias, const flo
   const int64_t columns = std::min(kTile, N - n0);
   for (int v = 0; v < 3; ++v) {
     const __mmask16 mask = columns_mask(columns, v);
-    for (int r = 0; r < R; ++r) store(sums[r][v], bias, residual, y, (m0 + r) * N + n0 + 16 * v, n0 + 16 * v, mask);
+    for (int r = 0; r < R; ++r) store(sums[r][v], e, y, (m0 + r) * N + n0 + 16 * v, n0 + 16 * v, mask);
   }
 }
 
 // One row against the panel: k in four interleaved runs of sums, added in order at the end, then the steps past the
 // last multiple of 4 one by one.
-void panel_row(const float* x, const float* panel, const float* bias, const float* residual, float* y, int64_t N,
+void panel_row(const float* x, const float* panel, const Epilogue& e, float* y, int64_t N,
                int64_t K, int64_t n0) {
   __m512 runs[4][3];
   for (auto& run : runs)
@@ -91,31 +100,31 @@ void panel_row(const float* x, const float* panel, const float* bias, const floa
     __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(runs[0][v], runs[1][v]), runs[2][v]), runs[3][v]);
     for (int64_t k = whole; k < K; ++k)
       sum = _mm512_fmadd_ps(_mm512_loadu_ps(panel + k * kTile + 16 * v), _mm512_set1_ps(x[k]), sum);
-    store(sum, bias, residual, y, n0 + 16 * v, n0 + 16 * v, columns_mask(columns, v));
+    store(sum, e, y, n0 + 16 * v, n0 + 16 * v, columns_mask(columns, v));
   }
 }
 
 // Panels [first, last) against every row of x, `kRows` rows at a time.
-void panels(const float* x, const float* w, const float* bias, const float* residual, float* y, int64_t M, int64_t N,
+void panels(const float* x, const float* w, const Epilogue& e, float* y, int64_t M, int64_t N,
             int64_t K, int64_t first, int64_t last) {
   for (int64_t p = first; p < last; ++p) {
     const float* panel = w + p * K * kTile;
     const int64_t n0 = p * kTile;
     if (M == 1) {
-      panel_row(x, panel, bias, residual, y, N, K, n0);
+      panel_row(x, panel, e, y, N, K, n0);
       continue;
     }
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const bool first_rows = m0 == 0;
       switch (std::min<int64_t>(kRows, M - m0)) {
-        case 8: panel_rows<8>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 7: panel_rows<7>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 6: panel_rows<6>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 5: panel_rows<5>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 4: panel_rows<4>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 3: panel_rows<3>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 2: panel_rows<2>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        default: panel_rows<1>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
+        case 8: panel_rows<8>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 7: panel_rows<7>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 6: panel_rows<6>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 5: panel_rows<5>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 4: panel_rows<4>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 3: panel_rows<3>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 2: panel_rows<2>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        default: panel_rows<1>(x, panel, e, y, N, K, m0, n0, first_rows); break;
       }
     }
   }
@@ -127,13 +136,21 @@ void panels(const float* x, const float* w, const float* bias, const float* resi
 extern "C" int few_row_tile() { return kTile; }
 
 // x (M, K), contiguous; w: (N, K) packed by `few_rows.pack`; bias (N) or null; residual (M, N), contiguous, or null;
-// y (M, N), contiguous. The panels are shared out among `threads` threads of the OpenMP runtime torch runs on.
-extern "C" void few_row_linear(const float* x, const float* w, const float* bias, const float* residual, float* y,
-                               int64_t M, int64_t N, int64_t K, int threads) {
+// y (M, N), contiguous. `activation`: applied last, 0 none, 1 ReLU, 2 GELU (`gelu_avx512.h`). The panels are shared
+// out among `threads` threads of the OpenMP runtime torch runs on.
+extern "C" void few_row_linear_activated(const float* x, const float* w, const float* bias, const float* residual,
+                                         float* y, int64_t M, int64_t N, int64_t K, int threads, int activation) {
+  const Epilogue e{bias, residual, activation};
   const int64_t count = (N + kTile - 1) / kTile;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-    panels(x, w, bias, residual, y, M, N, K, count * part / parts, count * (part + 1) / parts);
+    panels(x, w, e, y, M, N, K, count * part / parts, count * (part + 1) / parts);
   }
+}
+
+// `few_row_linear_activated` without an activation: the AVX2 kernel's call.
+extern "C" void few_row_linear(const float* x, const float* w, const float* bias, const float* residual, float* y,
+                               int64_t M, int64_t N, int64_t K, int threads) {
+  few_row_linear_activated(x, w, bias, residual, y, M, N, K, threads, 0);
 }

@@ -1,14 +1,16 @@
-// y = x w^T + bias (+ residual) in bf16 for inputs of few rows, with AVX-512 bf16: `roformer_hf/few_rows.py` builds
-// it and `fused` calls it on CPUs with avx512_bf16.
+// y = activation(x w^T + bias (+ residual)) in bf16 for inputs of few rows, with AVX-512 bf16:
+// `roformer_hf/few_rows.py` builds it and `fused` calls it on CPUs with avx512_bf16.
 //
 // The weight lies as the fp32 AVX-512 kernel's does, in panels of `kTile` output features, three vectors wide, but
 // in pairs of input features (`few_rows.pack_bf16`): one `vdpbf16ps` multiplies a pair of inputs, broadcast, by the
 // pair of weights of 16 output features and adds both products to float32 sums. Up to 8 rows go against a panel at
 // once (24 vectors of sums); one row alone keeps four runs of sums, added at the end. The bias and the residual are
-// added to the float32 sums, which are then rounded to bf16 (to nearest, ties to even), as oneDNN's bf16 kernel does
-// with its post-ops.
+// added to the float32 sums, then the activation (ReLU, or GELU: `gelu_avx512.h`), and the result is rounded to bf16
+// (to nearest, ties to even), as oneDNN's bf16 kernel does with its post-ops.
 #include <immintrin.h>
 #include <omp.h>
+
+#include "gelu_avx512.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -45,19 +47,26 @@ inline __mmask16 columns_mask(int64_t columns, int v) {
 // bf16 entries as float32: their bits in the upper half.
 inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
 
-// y[offset + lane] = round_bf16(sum + bias + residual) for the lanes in `mask`.
-inline void store(Sums sums, const uint16_t* bias, const uint16_t* residual, uint16_t* y, int64_t offset,
-                  int64_t column, __mmask16 mask) {
+struct Epilogue {
+  const uint16_t* bias;      // (N) or null
+  const uint16_t* residual;  // (M, N) or null
+  int activation;            // 0: none, 1: ReLU, 2: GELU (the erf form)
+};
+
+// y[offset + lane] = round_bf16(activation(sum + bias + residual)) for the lanes in `mask`.
+inline void store(Sums sums, const Epilogue& e, uint16_t* y, int64_t offset, int64_t column, __mmask16 mask) {
   __m512 out = __m512(sums);
-  if (bias != nullptr) out = _mm512_add_ps(out, widen(_mm256_maskz_loadu_epi16(mask, bias + column)));
-  if (residual != nullptr) out = _mm512_add_ps(out, widen(_mm256_maskz_loadu_epi16(mask, residual + offset)));
+  if (e.bias != nullptr) out = _mm512_add_ps(out, widen(_mm256_maskz_loadu_epi16(mask, e.bias + column)));
+  if (e.residual != nullptr) out = _mm512_add_ps(out, widen(_mm256_maskz_loadu_epi16(mask, e.residual + offset)));
+  if (e.activation == 1) out = _mm512_max_ps(out, _mm512_setzero_ps());
+  if (e.activation == 2) out = roformer_hf::gelu(out);
   _mm256_mask_storeu_epi16(y + offset, mask, (__m256i)_mm512_cvtneps_pbh(out));
 }
 
 // Rows [m0, m0 + R) of x against the panel for output features [n0, n0 + kTile). `first`: the first rows against
 // it, which fetch the panel ahead.
 template <int R>
-void panel_rows(const uint16_t* x, const uint16_t* panel, const uint16_t* bias, const uint16_t* residual, uint16_t* y,
+void panel_rows(const uint16_t* x, const uint16_t* panel, const Epilogue& e, uint16_t* y,
                 int64_t N, int64_t K, int64_t m0, int64_t n0, bool first) {
   Sums sums[R][3] = {};
   const uint16_t* rows[R];
@@ -82,12 +91,12 @@ void panel_rows(const uint16_t* x, const uint16_t* panel, const uint16_t* bias, 
   for (int v = 0; v < 3; ++v) {
     const __mmask16 mask = columns_mask(columns, v);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) store(sums[r][v], bias, residual, y, (m0 + r) * N + n0 + 16 * v, n0 + 16 * v, mask);
+    for (int r = 0; r < R; ++r) store(sums[r][v], e, y, (m0 + r) * N + n0 + 16 * v, n0 + 16 * v, mask);
   }
 }
 
 // One row against the panel, in four runs of sums (pairs modulo 4), so that its additions do not wait on each other.
-void panel_row(const uint16_t* x, const uint16_t* panel, const uint16_t* bias, const uint16_t* residual, uint16_t* y,
+void panel_row(const uint16_t* x, const uint16_t* panel, const Epilogue& e, uint16_t* y,
                int64_t N, int64_t K, int64_t n0) {
   Sums runs[4][3] = {};
   const int64_t pairs = (K + 1) / 2;
@@ -102,31 +111,31 @@ void panel_row(const uint16_t* x, const uint16_t* panel, const uint16_t* bias, c
   }
   const int64_t columns = std::min(kTile, N - n0);
   for (int v = 0; v < 3; ++v)
-    store((runs[0][v] + runs[1][v]) + (runs[2][v] + runs[3][v]), bias, residual, y, n0 + 16 * v, n0 + 16 * v,
+    store((runs[0][v] + runs[1][v]) + (runs[2][v] + runs[3][v]), e, y, n0 + 16 * v, n0 + 16 * v,
           columns_mask(columns, v));
 }
 
-void panels(const uint16_t* x, const uint16_t* w, const uint16_t* bias, const uint16_t* residual, uint16_t* y,
+void panels(const uint16_t* x, const uint16_t* w, const Epilogue& e, uint16_t* y,
             int64_t M, int64_t N, int64_t K, int64_t first, int64_t last) {
   const int64_t pairs = (K + 1) / 2;
   for (int64_t p = first; p < last; ++p) {
     const uint16_t* panel = w + p * pairs * kTile * 2;
     const int64_t n0 = p * kTile;
     if (M == 1) {
-      panel_row(x, panel, bias, residual, y, N, K, n0);
+      panel_row(x, panel, e, y, N, K, n0);
       continue;
     }
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const bool first_rows = m0 == 0;
       switch (std::min<int64_t>(kRows, M - m0)) {
-        case 8: panel_rows<8>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 7: panel_rows<7>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 6: panel_rows<6>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 5: panel_rows<5>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 4: panel_rows<4>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 3: panel_rows<3>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        case 2: panel_rows<2>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
-        default: panel_rows<1>(x, panel, bias, residual, y, N, K, m0, n0, first_rows); break;
+        case 8: panel_rows<8>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 7: panel_rows<7>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 6: panel_rows<6>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 5: panel_rows<5>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 4: panel_rows<4>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 3: panel_rows<3>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        case 2: panel_rows<2>(x, panel, e, y, N, K, m0, n0, first_rows); break;
+        default: panel_rows<1>(x, panel, e, y, N, K, m0, n0, first_rows); break;
       }
     }
   }
@@ -137,15 +146,17 @@ void panels(const uint16_t* x, const uint16_t* w, const uint16_t* bias, const ui
 extern "C" int few_row_bf16_tile() { return kTile; }
 
 // x (M, K) bf16, contiguous; w: the weight (N, K) packed by `few_rows.pack_bf16`; bias (N) or null; residual (M, N),
-// contiguous, or null; y (M, N); all bf16. The panels are shared out among `threads` threads of the OpenMP runtime
+// contiguous, or null; y (M, N); all bf16. `activation`: applied last, 0 none, 1 ReLU, 2 GELU (`gelu_avx512.h`).
+// The panels are shared out among `threads` threads of the OpenMP runtime
 // torch runs on.
 extern "C" void few_row_bf16_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
                                     const uint16_t* residual, uint16_t* y, int64_t M, int64_t N, int64_t K,
-                                    int threads) {
+                                    int activation, int threads) {
+  const Epilogue e{bias, residual, activation};
   const int64_t count = (N + kTile - 1) / kTile;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-    panels(x, w, bias, residual, y, M, N, K, count * part / parts, count * (part + 1) / parts);
+    panels(x, w, e, y, M, N, K, count * part / parts, count * (part + 1) / parts);
   }
 }

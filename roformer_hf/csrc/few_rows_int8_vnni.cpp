@@ -1,4 +1,4 @@
-// y = dequantized(quantized(x) w^T) + bias (+ residual, or ReLU) for fp32 inputs of few rows and int8 weights, with
+// y = dequantized(quantized(x) w^T) + bias (+ residual, or ReLU or GELU) for fp32 inputs of few rows and int8 weights, with
 // AVX-512 VNNI: `roformer_hf/few_rows.py` builds it and `quantization.Int8Linear` calls it, in one call where
 // oneDNN's path takes four (the input's range, its quantization, the product, the dequantization).
 //
@@ -13,6 +13,8 @@
 // ``(sum - zero_point * sum of the feature's weights) * (input scale * weight scale) + bias``, in float.
 #include <immintrin.h>
 #include <omp.h>
+
+#include "gelu_avx512.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -34,7 +36,7 @@ struct Epilogue {
   const float* residual;       // (M, N) or null
   float input_scale;
   int32_t zero_point;
-  bool relu;
+  int activation;  // 0: none, 1: ReLU, 2: GELU (the erf form)
 };
 
 inline __mmask16 columns_mask(int64_t columns, int v) {
@@ -50,7 +52,8 @@ inline void store(__m512i sums, const Epilogue& e, float* y, int64_t offset, int
   __m512 out = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, shift)), scale);
   if (e.bias != nullptr) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, e.bias + column));
   if (e.residual != nullptr) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, e.residual + offset));
-  if (e.relu) out = _mm512_max_ps(out, _mm512_setzero_ps());
+  if (e.activation == 1) out = _mm512_max_ps(out, _mm512_setzero_ps());
+  if (e.activation == 2) out = roformer_hf::gelu(out);
   _mm512_mask_storeu_ps(y + offset, mask, out);
 }
 
@@ -183,12 +186,12 @@ extern "C" int few_row_int8_tile() { return kTile; }
 
 // x (M, K) fp32, contiguous; w: the int8 weight (N, K) packed by `few_rows.pack_int8`, `weight_sums` its rows' sums,
 // `weight_scales` (N); bias (N) or null; residual (M, N), contiguous, or null; y (M, N); scratch: M * ceil(K / 4) * 4
-// bytes for the quantized input. `relu`: applied last. The panels are shared out among `threads` threads of the
+// bytes for the quantized input. `activation`: applied last, 0 none, 1 ReLU, 2 GELU (`gelu_avx512.h`). The panels are shared out among `threads` threads of the
 // OpenMP runtime torch runs on. Returns 0, or 1 where x holds a value that is not finite (nothing is written then);
 // `range` receives x's smallest and largest value, `quantization` the input's scale and zero point.
 extern "C" int few_row_int8_linear(const float* x, const int8_t* w, const int32_t* weight_sums,
                                    const float* weight_scales, const float* bias, const float* residual, float* y,
-                                   uint8_t* scratch, int64_t M, int64_t N, int64_t K, int relu, int threads,
+                                   uint8_t* scratch, int64_t M, int64_t N, int64_t K, int activation, int threads,
                                    float* range, double* quantization) {
   float low, high;
   const bool finite = input_range(x, M * K, &low, &high);
@@ -205,7 +208,7 @@ extern "C" int few_row_int8_linear(const float* x, const int8_t* w, const int32_
   const int64_t groups = (K + kGroup - 1) / kGroup;
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, scratch + m * groups * kGroup, K, groups, inverse_scale, zero_point);
   // oneDNN's int8 path rescales by the float product of the two scales, the input's taken as float
-  const Epilogue e{weight_sums, weight_scales, bias, residual, static_cast<float>(scale), zero_point, relu != 0};
+  const Epilogue e{weight_sums, weight_scales, bias, residual, static_cast<float>(scale), zero_point, activation};
   const int64_t count = (N + kTile - 1) / kTile;
 #pragma omp parallel num_threads(threads)
   {
