@@ -250,18 +250,14 @@ def int8_linear(x: Tensor, packed: PackedInt8, weight_scale: Tensor, bias: Tenso
         raise RuntimeError("few_rows.int8_linear has no backward: call it under torch.no_grad() or "
                            "torch.inference_mode()")
     x = x.contiguous()
-    rows = math.prod(x.shape[:-1])
     output = x.new_empty(*x.shape[:-1], out_features)
-    scratch = torch.empty(rows * packed.tiles.shape[1] * INT8_GROUP, dtype=torch.uint8)
-    found = (ctypes.c_float * 2)()
-    quantization = (ctypes.c_double * 2)()
-    pointers = [None if tensor is None else tensor.contiguous().data_ptr()
-                for tensor in (weight_scale, bias, residual)]
+    pointers = [None if tensor is None else tensor.contiguous().data_ptr() for tensor in (weight_scale, bias, residual)]
     if library.few_row_int8_linear(x.data_ptr(), packed.tiles.data_ptr(), packed.sums.data_ptr(), *pointers,
-                                   output.data_ptr(), scratch.data_ptr(), rows, out_features, in_features, code,
-                                   torch.get_num_threads(), found, quantization):
-        raise ValueError(f"Int8Linear got an input with non-finite values (between {found[0]} and {found[1]}): int8 "
-                         "cannot represent them")
+                                   output.data_ptr(), math.prod(x.shape[:-1]), out_features, in_features, code,
+                                   torch.get_num_threads()):
+        low, high = (float(value) for value in x.aminmax())
+        raise ValueError(f"Int8Linear got an input with non-finite values (between {low} and {high}): int8 cannot "
+                         "represent them")
     return output
 
 
@@ -377,7 +373,7 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"the kernel brought a second OpenMP runtime beside torch's ({openmp})"
     if kind == "int8 VNNI":
         function, tile = library.few_row_int8_linear, library.few_row_int8_tile
-        function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2
+        function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         function.restype = ctypes.c_int
     elif kind == "bf16 AVX-512":
         function, tile = library.few_row_bf16_linear, library.few_row_bf16_tile

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -145,7 +146,7 @@ void panels(const uint8_t* xq, const int8_t* w, const Epilogue& e, float* y, int
   }
 }
 
-// The smallest and largest of x's `count` values (NaN where one is NaN); false where they are not finite.
+// The smallest and largest of x's `count` values; false where they are not finite (or one is NaN).
 bool input_range(const float* x, int64_t count, float* low, float* high) {
   if (count == 0) {  // no values (no rows, or no input features): the range of 0 alone
     *low = *high = 0.0f;
@@ -160,9 +161,9 @@ bool input_range(const float* x, int64_t count, float* low, float* high) {
     lows = _mm512_mask_min_ps(lows, mask, lows, v);
     highs = _mm512_mask_max_ps(highs, mask, highs, v);
   }
-  *low = unordered != 0 ? NAN : _mm512_reduce_min_ps(lows);  // a NaN, as `torch.aminmax` gives
-  *high = unordered != 0 ? NAN : _mm512_reduce_max_ps(highs);
-  return std::isfinite(*low) && std::isfinite(*high);
+  *low = _mm512_reduce_min_ps(lows);
+  *high = _mm512_reduce_max_ps(highs);
+  return unordered == 0 && std::isfinite(*low) && std::isfinite(*high);
 }
 
 // Row m of x (K values) as uint8 into xq's row of `groups` * 4 bytes, the bytes past K set to the zero point (their
@@ -185,35 +186,31 @@ void quantize_row(const float* x, uint8_t* xq, int64_t K, int64_t groups, float 
 extern "C" int few_row_int8_tile() { return kTile; }
 
 // x (M, K) fp32, contiguous; w: the int8 weight (N, K) packed by `few_rows.pack_int8`, `weight_sums` its rows' sums,
-// `weight_scales` (N); bias (N) or null; residual (M, N), contiguous, or null; y (M, N); scratch: M * ceil(K / 4) * 4
-// bytes for the quantized input. `activation`: applied last, 0 none, 1 ReLU, 2 GELU (`gelu_avx512.h`). The panels are shared out among `threads` threads of the
-// OpenMP runtime torch runs on. Returns 0, or 1 where x holds a value that is not finite (nothing is written then);
-// `range` receives x's smallest and largest value, `quantization` the input's scale and zero point.
+// `weight_scales` (N); bias (N) or null; residual (M, N), contiguous, or null; y (M, N). `activation`: applied last,
+// 0 none, 1 ReLU, 2 GELU (`gelu_avx512.h`). The panels are shared out among `threads` threads of the OpenMP runtime
+// torch runs on. Returns 0, or 1 where x holds a value that is not finite (nothing is written then).
 extern "C" int few_row_int8_linear(const float* x, const int8_t* w, const int32_t* weight_sums,
                                    const float* weight_scales, const float* bias, const float* residual, float* y,
-                                   uint8_t* scratch, int64_t M, int64_t N, int64_t K, int activation, int threads,
-                                   float* range, double* quantization) {
+                                   int64_t M, int64_t N, int64_t K, int activation, int threads) {
   float low, high;
-  const bool finite = input_range(x, M * K, &low, &high);
-  range[0] = low;
-  range[1] = high;
-  if (!finite) return 1;
+  if (!input_range(x, M * K, &low, &high)) return 1;
   // `quantization.quantize_activations`: Python's floats are doubles, its round() halves to even as nearbyint does
   const double lowest = std::min<double>(low, 0.0), highest = std::max<double>(high, 0.0);
   const double scale = std::max((highest - lowest) / 255.0, static_cast<double>(FLT_MIN));
   const int32_t zero_point = static_cast<int32_t>(std::min(std::max(std::nearbyint(-lowest / scale), 0.0), 255.0));
-  quantization[0] = scale;
-  quantization[1] = zero_point;
   const float inverse_scale = 1.0f / static_cast<float>(scale);  // torch.quantize_per_tensor's float arithmetic
   const int64_t groups = (K + kGroup - 1) / kGroup;
-  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, scratch + m * groups * kGroup, K, groups, inverse_scale, zero_point);
+  thread_local std::vector<uint8_t> quantized;  // the calling thread's, kept for its next call
+  quantized.resize(static_cast<size_t>(M * groups * kGroup));
+  uint8_t* const xq = quantized.data();
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, xq + m * groups * kGroup, K, groups, inverse_scale, zero_point);
   // oneDNN's int8 path rescales by the float product of the two scales, the input's taken as float
   const Epilogue e{weight_sums, weight_scales, bias, residual, static_cast<float>(scale), zero_point, activation};
   const int64_t count = (N + kTile - 1) / kTile;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-    panels(scratch, w, e, y, M, N, groups, count * part / parts, count * (part + 1) / parts);
+    panels(xq, w, e, y, M, N, groups, count * part / parts, count * (part + 1) / parts);
   }
   return 0;
 }
