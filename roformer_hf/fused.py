@@ -112,8 +112,8 @@ AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", 256, "onednn", "onednn", fuses_gel
 # oneDNN's GEMM ran the training step's shapes at 1.9-2.2x MKL's rate forward and for the input's gradient, 1.4-2.0x
 # for the weight's (on its transposed operands as they lie); a layer's forward and backward through it took 0.47-0.54x
 # the module's time from 67M multiply-adds, 0.76x at 8.4M, 0.92x at 4.3M, 1.44x at 1.1M.
-# In bf16 `few_rows`' bf16 kernel ran the dense calls in a row in 0.72-0.93x the time of oneDNN's on the packed weight
-# at 1-128 rows (0.79x at 16), 0.96x at 256.
+# In bf16 `few_rows`' bf16 kernel ran the dense calls in a row in 0.66-0.93x the time of oneDNN's on the packed weight
+# at 1-128 rows (0.75-0.79x at 16), 0.96-0.97x at 256.
 ZEN5_RULE = DenseRule("AMD Zen 5, AVX-512", math.inf, "packed", "onednn", fuses_gelu=True, few_rows_max_rows=64,
                       onednn_training_macs=4_000_000, bf16_few_rows_max_rows=128)
 # AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, with their weights read from memory as a forward

@@ -11,9 +11,11 @@ Calls with fewer than `SMALL_BATCH_ROWS` rows (a generation step, a short reques
 `quantized::linear_dynamic` instead, on weights packed once, where that was measured faster (`few_row_limit`). On CPUs
 without VNNI oneDNN's kernel packs the weights at every call, which costs more than the product itself at a few rows
 (8 rows through a 768 x 3072 layer: 0.27 ms against 0.99 ms); on an Intel Xeon with VNNI fbgemm's one call (it
-quantizes, multiplies and rescales) still costs less than the separate steps here below 32 rows. Both compute the same
-integer product of the same quantized inputs; inputs whose range is too small for fbgemm's smallest scale
-(``_FBGEMM_SMALLEST_RANGE``) stay on oneDNN's path.
+quantizes, multiplies and rescales) still costs less than the separate steps here below 32 rows. Where it was measured
+faster still (`vnni_row_limit`: AMD's Zen 5, up to 128 rows), calls take `few_rows.int8_linear`, roformer_hf's own
+AVX-512 VNNI kernel, which does the four steps in one call and applies GELU itself. All three compute the same integer
+product of the same quantized inputs; inputs whose range is too small for fbgemm's smallest scale
+(``_FBGEMM_SMALLEST_RANGE``) stay off fbgemm's path.
 
 On CPUs without VNNI (plain AVX2/AVX-512), the kernel multiplies uint8 by int8 with ``vpmaddubsw``, which adds the
 products of neighbouring input features (``2i`` and ``2i + 1``) into an int16 that saturates: 255 * 127 * 2 > 32767.
@@ -124,8 +126,8 @@ def vnni_row_limit() -> int:
     measured (`benchmarks/RESULTS.md`, "int8 kernels for few rows"):
 
     - AMD's Zen 5 (family 26 on) with VNNI: 128. Four layers' dense calls of base width in a row on an AMD EPYC
-      (Zen 5): 0.77-0.88x the time of the faster of the other two at 1 to 64 rows, 0.95-1.01x at 128 and 192,
-      1.04x at 256.
+      (Zen 5), two runs: 0.69-0.89x the time of the faster of the other two at 1 to 64 rows, 0.98-1.01x at 128,
+      0.95x at 192, 1.04-1.07x at 256.
     - elsewhere: 0, not measured there (an Intel Xeon's oneDNN takes AMX from 16 rows or so; a Zen 4 runs 512-bit
       VNNI at half width).
     """
