@@ -189,7 +189,8 @@ class Int8Linear(nn.Module):
                              else None)
         # For calls of fewer than SMALL_BATCH_ROWS rows that the VNNI kernel leaves; None where none takes fbgemm, or
         # without it.
-        takes_fbgemm = SMALL_BATCH_ROWS > (VNNI_ROWS if self._packed_vnni is not None else 0) + 1
+        vnni_rows = VNNI_ROWS if self._packed_vnni is not None else 0
+        takes_fbgemm = vnni_rows + 1 < SMALL_BATCH_ROWS  # a row count past the VNNI kernel's and below the limit
         self._packed_small = _fbgemm_prepack(self.weight_int8, scale, self.bias) if takes_fbgemm else None
         self._packed_from = self._buffers_state()
 
@@ -265,10 +266,10 @@ class Int8Linear(nn.Module):
     def _buffers_state(self) -> tuple:
         """What tells that the buffers were replaced or edited in place (inference tensors keep no version). Read
         from the buffers' dict, without `nn.Module.__getattr__`: every forward of a quantized model reads it for each
-        layer (`checked_call`), where a list is cheaper than a generator too."""
+        layer (`checked_call`)."""
         buffers = self._buffers
-        return tuple([(t.data_ptr(), t.dtype, None if t.is_inference() else t._version)
-                      for t in (buffers["weight_int8"], buffers["weight_scale"], buffers["bias"]) if t is not None])
+        return tuple((t.data_ptr(), t.dtype, None if t.is_inference() else t._version)
+                     for t in (buffers["weight_int8"], buffers["weight_scale"], buffers["bias"]) if t is not None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
