@@ -135,15 +135,26 @@ class Packed:
 def pack(weight: Tensor) -> Packed:
     """`weight` ``(out_features, in_features)`` laid out for `linear` (a copy), in tiles of the kernel's width
     (`TILES`)."""
-    if weight.dim() != 2 or weight.dtype != torch.float32:
-        raise ValueError(f"few_rows.pack: weight must be a 2-d float32 tensor, got {tuple(weight.shape)} "
-                         f"{weight.dtype}")
+    _check_weight("pack", weight, torch.float32)
     tile = _library().few_row_tile()
+    return Packed(_tiled(weight, tile, 1).squeeze(-1), weight.shape[0])
+
+
+def _check_weight(function: str, weight: Tensor, dtype: torch.dtype) -> None:
+    if weight.dim() != 2 or weight.dtype != dtype:
+        raise ValueError(f"few_rows.{function}: weight must be a 2-d {str(dtype).removeprefix('torch.')} tensor, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+
+
+def _tiled(weight: Tensor, tile: int, group: int) -> Tensor:
+    """`weight` ``(out_features, in_features)`` in tiles of `tile` output features, each tile's entries group by group
+    of `group` input features: ``(ceil(out_features / tile), ceil(in_features / group), tile, group)``, contiguous,
+    the entries past the weight's zero."""
     out_features, in_features = weight.shape
-    tiles = -(-out_features // tile)
-    padded = weight.new_zeros(tiles * tile, in_features)
-    padded[:out_features] = weight
-    return Packed(padded.view(tiles, tile, in_features).transpose(1, 2).contiguous(), out_features)
+    tiles, groups = -(-out_features // tile), -(-in_features // group)
+    padded = weight.new_zeros(tiles * tile, groups * group)
+    padded[:out_features, :in_features] = weight
+    return padded.view(tiles, tile, groups, group).transpose(1, 2).contiguous()
 
 
 def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | None = None,
@@ -167,20 +178,9 @@ def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | No
     if tiles.shape[2] != library.few_row_tile():
         raise ValueError(f"few_rows.linear: packed holds tiles of {tiles.shape[2]} features, this kernel's are "
                          f"{library.few_row_tile()} wide: pack the weight again with few_rows.pack")
-    if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != in_features:
-        raise ValueError(f"few_rows.linear: x must be float32 on CPU with {in_features} features (the packed "
-                         f"weight's), got {tuple(x.shape)} {x.dtype} on {x.device}")
-    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_cpu):
-        raise ValueError(f"few_rows.linear: bias must be float32 ({out_features},) on CPU, got {tuple(bias.shape)} "
-                         f"{bias.dtype} on {bias.device}")
+    _check_operands("linear", torch.float32, x, in_features, bias=(bias, (out_features,)),
+                    residual=(residual, (*x.shape[:-1], out_features)))
     leading = x.shape[:-1]
-    if residual is not None and (residual.shape != (*leading, out_features) or residual.dtype != torch.float32
-                                 or not residual.is_cpu):
-        raise ValueError(f"few_rows.linear: residual must be float32 {(*leading, out_features)} on CPU, got "
-                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
-    if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in (x, bias, residual)):
-        raise RuntimeError("few_rows.linear has no backward: call it under torch.no_grad() or "
-                           "torch.inference_mode(), or use nn.functional.linear where gradients are needed")
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
     residual = None if residual is None else residual.contiguous()
@@ -210,15 +210,9 @@ class PackedInt8:
 
 def pack_int8(weight: Tensor) -> PackedInt8:
     """The int8 `weight` ``(out_features, in_features)`` laid out for `int8_linear` (a copy)."""
-    if weight.dim() != 2 or weight.dtype != torch.int8:
-        raise ValueError(f"few_rows.pack_int8: weight must be a 2-d int8 tensor, got {tuple(weight.shape)} "
-                         f"{weight.dtype}")
-    tile = TILES["int8 VNNI"]
+    _check_weight("pack_int8", weight, torch.int8)
     out_features, in_features = weight.shape
-    tiles, groups = -(-out_features // tile), -(-in_features // INT8_GROUP)
-    padded = weight.new_zeros(tiles * tile, groups * INT8_GROUP)
-    padded[:out_features, :in_features] = weight
-    layout = padded.view(tiles, tile, groups, INT8_GROUP).transpose(1, 2).contiguous()
+    layout = _tiled(weight, TILES["int8 VNNI"], INT8_GROUP)
     return PackedInt8(layout, weight.sum(1, dtype=torch.int32), out_features, in_features)
 
 
@@ -238,17 +232,8 @@ def int8_linear(x: Tensor, packed: PackedInt8, weight_scale: Tensor, bias: Tenso
     library = _library("int8")
     code = _activation_code(activation)
     out_features, in_features = packed.out_features, packed.in_features
-    if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != in_features:
-        raise ValueError(f"few_rows.int8_linear: x must be float32 on CPU with {in_features} features (the packed "
-                         f"weight's), got {tuple(x.shape)} {x.dtype} on {x.device}")
-    for name, tensor, shape in (("weight_scale", weight_scale, (out_features,)), ("bias", bias, (out_features,)),
-                                ("residual", residual, (*x.shape[:-1], out_features))):
-        if tensor is not None and (tensor.shape != shape or tensor.dtype != torch.float32 or not tensor.is_cpu):
-            raise ValueError(f"few_rows.int8_linear: {name} must be float32 {shape} on CPU, got "
-                             f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}")
-    if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in (x, bias, residual)):
-        raise RuntimeError("few_rows.int8_linear has no backward: call it under torch.no_grad() or "
-                           "torch.inference_mode()")
+    _check_operands("int8_linear", torch.float32, x, in_features, weight_scale=(weight_scale, (out_features,)),
+                    bias=(bias, (out_features,)), residual=(residual, (*x.shape[:-1], out_features)))
     x = x.contiguous()
     output = x.new_empty(*x.shape[:-1], out_features)
     pointers = [None if tensor is None else tensor.contiguous().data_ptr() for tensor in (weight_scale, bias, residual)]
@@ -272,15 +257,8 @@ class PackedBF16:
 
 def pack_bf16(weight: Tensor) -> PackedBF16:
     """The bf16 `weight` ``(out_features, in_features)`` laid out for `bf16_linear` (a copy)."""
-    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
-        raise ValueError(f"few_rows.pack_bf16: weight must be a 2-d bfloat16 tensor, got {tuple(weight.shape)} "
-                         f"{weight.dtype}")
-    tile = TILES["bf16 AVX-512"]
-    out_features, in_features = weight.shape
-    tiles, pairs = -(-out_features // tile), -(-in_features // 2)
-    padded = weight.new_zeros(tiles * tile, pairs * 2)
-    padded[:out_features, :in_features] = weight
-    return PackedBF16(padded.view(tiles, tile, pairs, 2).transpose(1, 2).contiguous(), out_features, in_features)
+    _check_weight("pack_bf16", weight, torch.bfloat16)
+    return PackedBF16(_tiled(weight, TILES["bf16 AVX-512"], 2), *weight.shape)
 
 
 def bf16_linear(x: Tensor, packed: PackedBF16, bias: Tensor | None, residual: Tensor | None = None,
@@ -298,16 +276,8 @@ def bf16_linear(x: Tensor, packed: PackedBF16, bias: Tensor | None, residual: Te
     library = _library("bf16")
     code = _activation_code(activation)
     out_features, in_features = packed.out_features, packed.in_features
-    if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != in_features:
-        raise ValueError(f"few_rows.bf16_linear: x must be bfloat16 on CPU with {in_features} features (the packed "
-                         f"weight's), got {tuple(x.shape)} {x.dtype} on {x.device}")
-    for name, tensor, shape in (("bias", bias, (out_features,)), ("residual", residual, (*x.shape[:-1], out_features))):
-        if tensor is not None and (tensor.shape != shape or tensor.dtype != torch.bfloat16 or not tensor.is_cpu):
-            raise ValueError(f"few_rows.bf16_linear: {name} must be bfloat16 {shape} on CPU, got "
-                             f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}")
-    if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in (x, bias, residual)):
-        raise RuntimeError("few_rows.bf16_linear has no backward: call it under torch.no_grad() or "
-                           "torch.inference_mode()")
+    _check_operands("bf16_linear", torch.bfloat16, x, in_features, bias=(bias, (out_features,)),
+                    residual=(residual, (*x.shape[:-1], out_features)))
     x = x.contiguous()
     output = x.new_empty(*x.shape[:-1], out_features)
     bias = None if bias is None else bias.contiguous()
@@ -316,6 +286,25 @@ def bf16_linear(x: Tensor, packed: PackedBF16, bias: Tensor | None, residual: Te
                                 None if residual is None else residual.data_ptr(), output.data_ptr(),
                                 math.prod(x.shape[:-1]), out_features, in_features, code, torch.get_num_threads())
     return output
+
+
+def _check_operands(function: str, dtype: torch.dtype, x: Tensor, in_features: int,
+                    **others: tuple[Tensor | None, tuple[int, ...]]) -> None:
+    """Refuses, naming it, an operand `function` cannot take: `x` other than `dtype` on CPU with `in_features`
+    features, another (``name=(tensor or None, shape)``) other than `dtype` of its shape on CPU, or any that requires
+    grad where autograd records (the kernels have no backward)."""
+    kind = str(dtype).removeprefix("torch.")
+    if x.dtype != dtype or not x.is_cpu or x.shape[-1] != in_features:
+        raise ValueError(f"few_rows.{function}: x must be {kind} on CPU with {in_features} features (the packed "
+                         f"weight's), got {tuple(x.shape)} {x.dtype} on {x.device}")
+    for name, (tensor, shape) in others.items():
+        if tensor is not None and (tensor.shape != shape or tensor.dtype != dtype or not tensor.is_cpu):
+            raise ValueError(f"few_rows.{function}: {name} must be {kind} {shape} on CPU, got {tuple(tensor.shape)} "
+                             f"{tensor.dtype} on {tensor.device}")
+    if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad
+                                       for tensor in (x, *(tensor for tensor, _ in others.values()))):
+        raise RuntimeError(f"few_rows.{function} has no backward: call it under torch.no_grad() or "
+                           "torch.inference_mode(), or use nn.functional.linear where gradients are needed")
 
 
 def _activation_code(activation: str) -> int:

@@ -9,24 +9,19 @@
 // of rows from 2 up, as in the AVX2 kernel: the same bits in either, and a row's result does not depend on the rows
 // beside it. One row alone sums k in four interleaved runs (k modulo 4), so that its FMAs do not wait on each other.
 #include <immintrin.h>
-#include <omp.h>
 
 #include "gelu_avx512.h"
+#include "panels_avx512.h"
 
 #include <algorithm>
 #include <cstdint>
 
 namespace {
 
-constexpr int64_t kTile = 48;        // output columns a panel holds: three vectors of 16
-constexpr int64_t kPrefetch = 1024;  // how far ahead (in floats) the weight is fetched into the caches
-constexpr int kRows = 8;             // rows against a panel at once: 24 vectors of sums of AVX-512's 32
+using roformer_hf::columns_mask;
+using roformer_hf::kTile;
 
-// The lanes of the panel's vector `v` that hold output columns (the last panel's may hold fewer than 16).
-inline __mmask16 columns_mask(int64_t columns, int v) {
-  const int64_t left = std::min<int64_t>(16, columns - 16 * v);
-  return left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-}
+constexpr int64_t kPrefetch = 1024;  // how far ahead (in floats) the weight is fetched into the caches
 
 struct Epilogue {
   const float* bias;      // (N) or null
@@ -114,19 +109,9 @@ void panels(const float* x, const float* w, const Epilogue& e, float* y, int64_t
       panel_row(x, panel, e, y, N, K, n0);
       continue;
     }
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const bool first_rows = m0 == 0;
-      switch (std::min<int64_t>(kRows, M - m0)) {
-        case 8: panel_rows<8>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 7: panel_rows<7>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 6: panel_rows<6>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 5: panel_rows<5>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 4: panel_rows<4>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 3: panel_rows<3>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 2: panel_rows<2>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        default: panel_rows<1>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-      }
-    }
+    roformer_hf::row_blocks(M, [&](auto rows, int64_t m0, bool first_rows) {
+      panel_rows<decltype(rows)::value>(x, panel, e, y, N, K, m0, n0, first_rows);
+    });
   }
 }
 
@@ -141,12 +126,7 @@ extern "C" int few_row_tile() { return kTile; }
 extern "C" void few_row_linear_activated(const float* x, const float* w, const float* bias, const float* residual,
                                          float* y, int64_t M, int64_t N, int64_t K, int threads, int activation) {
   const Epilogue e{bias, residual, activation};
-  const int64_t count = (N + kTile - 1) / kTile;
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-    panels(x, w, e, y, M, N, K, count * part / parts, count * (part + 1) / parts);
-  }
+  roformer_hf::share_panels(N, threads, [&](int64_t first, int64_t last) { panels(x, w, e, y, M, N, K, first, last); });
 }
 
 // `few_row_linear_activated` without an activation: the AVX2 kernel's call.

@@ -8,9 +8,9 @@
 // added to the float32 sums, then the activation (ReLU, or GELU: `gelu_avx512.h`), and the result is rounded to bf16
 // (to nearest, ties to even), as oneDNN's bf16 kernel does with its post-ops.
 #include <immintrin.h>
-#include <omp.h>
 
 #include "gelu_avx512.h"
+#include "panels_avx512.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -18,9 +18,10 @@
 
 namespace {
 
-constexpr int64_t kTile = 48;        // output features a panel holds: three vectors of 16 float32 sums
+using roformer_hf::columns_mask;
+using roformer_hf::kTile;
+
 constexpr int64_t kPrefetch = 8192;  // how far ahead (in bytes) the weight is fetched into the caches
-constexpr int kRows = 8;             // rows against a panel at once
 
 // 16 float32 sums, kept in this type and with the loops over rows unrolled by pragma so that GCC keeps panel_rows'
 // 24 of them in registers (as in `few_rows_int8_vnni.cpp`).
@@ -37,11 +38,6 @@ inline __m512i broadcast_pair(const uint16_t* row, int64_t k, bool alone) {
   uint32_t pair = row[k];
   if (!alone) std::memcpy(&pair, row + k, sizeof(pair));
   return _mm512_set1_epi32(static_cast<int32_t>(pair));
-}
-
-inline __mmask16 columns_mask(int64_t columns, int v) {
-  const int64_t left = std::min<int64_t>(16, columns - 16 * v);
-  return left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
 }
 
 // bf16 entries as float32: their bits in the upper half.
@@ -125,19 +121,9 @@ void panels(const uint16_t* x, const uint16_t* w, const Epilogue& e, uint16_t* y
       panel_row(x, panel, e, y, N, K, n0);
       continue;
     }
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const bool first_rows = m0 == 0;
-      switch (std::min<int64_t>(kRows, M - m0)) {
-        case 8: panel_rows<8>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 7: panel_rows<7>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 6: panel_rows<6>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 5: panel_rows<5>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 4: panel_rows<4>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 3: panel_rows<3>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        case 2: panel_rows<2>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-        default: panel_rows<1>(x, panel, e, y, N, K, m0, n0, first_rows); break;
-      }
-    }
+    roformer_hf::row_blocks(M, [&](auto rows, int64_t m0, bool first_rows) {
+      panel_rows<decltype(rows)::value>(x, panel, e, y, N, K, m0, n0, first_rows);
+    });
   }
 }
 
@@ -153,10 +139,5 @@ extern "C" void few_row_bf16_linear(const uint16_t* x, const uint16_t* w, const 
                                     const uint16_t* residual, uint16_t* y, int64_t M, int64_t N, int64_t K,
                                     int activation, int threads) {
   const Epilogue e{bias, residual, activation};
-  const int64_t count = (N + kTile - 1) / kTile;
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-    panels(x, w, e, y, M, N, K, count * part / parts, count * (part + 1) / parts);
-  }
+  roformer_hf::share_panels(N, threads, [&](int64_t first, int64_t last) { panels(x, w, e, y, M, N, K, first, last); });
 }

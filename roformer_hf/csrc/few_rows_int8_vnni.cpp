@@ -1,20 +1,20 @@
-// y = dequantized(quantized(x) w^T) + bias (+ residual, or ReLU or GELU) for fp32 inputs of few rows and int8 weights, with
-// AVX-512 VNNI: `roformer_hf/few_rows.py` builds it and `quantization.Int8Linear` calls it, in one call where
-// oneDNN's path takes four (the input's range, its quantization, the product, the dequantization).
+// y = dequantized(quantized(x) w^T) + bias (+ residual, or ReLU or GELU) for fp32 inputs of few rows and int8
+// weights, with AVX-512 VNNI: `roformer_hf/few_rows.py` builds it and `quantization.Int8Linear` calls it, in one call
+// where oneDNN's path takes four (the input's range, its quantization, the product, the dequantization).
 //
 // The input is quantized as `quantization.quantize_activations` does: uint8 with one scale and zero point for the
 // whole input, from its range widened to hold 0 (in double precision, as Python computes it), each value multiplied
 // by the float reciprocal of the scale and shifted by the zero point in one rounding (a fused multiply-add), rounded
-// half to even and clamped, as `torch.quantize_per_tensor` does (fbgemm's kernel). The weight (int8, one scale per output feature) lies in panels of `kTile` output
-// features, three vectors wide, each panel's entries in groups of 4 input features (`few_rows.pack_int8`): one
-// `vpdpbusd` multiplies 4 uint8 inputs, broadcast, by the 4 weights of 16 output features and adds them to int32
-// sums, exactly. Up to 8 rows go against a panel at once (24 vectors of sums); one row alone keeps four runs of sums
-// (integer sums: their order does not change the result). Each output is then
+// half to even and clamped, as `torch.quantize_per_tensor` does (fbgemm's kernel). The weight (int8, one scale per
+// output feature) lies in panels of `kTile` output features, three vectors wide, each panel's entries in groups of 4
+// input features (`few_rows.pack_int8`): one `vpdpbusd` multiplies 4 uint8 inputs, broadcast, by the 4 weights of 16
+// output features and adds them to int32 sums, exactly. Up to 8 rows go against a panel at once (24 vectors of sums);
+// one row alone keeps four runs of sums (integer sums: their order does not change the result). Each output is then
 // ``(sum - zero_point * sum of the feature's weights) * (input scale * weight scale) + bias``, in float.
 #include <immintrin.h>
-#include <omp.h>
 
 #include "gelu_avx512.h"
+#include "panels_avx512.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -25,10 +25,11 @@
 
 namespace {
 
-constexpr int64_t kTile = 48;        // output features a panel holds: three vectors of 16 int32 sums
+using roformer_hf::columns_mask;
+using roformer_hf::kTile;
+
 constexpr int64_t kGroup = 4;        // input features a `vpdpbusd` sums per output feature
 constexpr int64_t kPrefetch = 4096;  // how far ahead (in bytes) the weight is fetched into the caches
-constexpr int kRows = 8;             // rows against a panel at once
 
 struct Epilogue {
   const int32_t* weight_sums;  // (N): each output feature's sum of weights, for the zero point
@@ -40,16 +41,12 @@ struct Epilogue {
   int activation;  // 0: none, 1: ReLU, 2: GELU (the erf form)
 };
 
-inline __mmask16 columns_mask(int64_t columns, int v) {
-  const int64_t left = std::min<int64_t>(16, columns - 16 * v);
-  return left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-}
-
 // y[offset + lane] from the int32 sums of output features [column, column + 16), for the lanes in `mask`.
 inline void store(__m512i sums, const Epilogue& e, float* y, int64_t offset, int64_t column, __mmask16 mask) {
   const __m512i shift = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, e.weight_sums + column),
                                            _mm512_set1_epi32(e.zero_point));
-  const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(e.input_scale), _mm512_maskz_loadu_ps(mask, e.weight_scales + column));
+  const __m512 scale =
+      _mm512_mul_ps(_mm512_set1_ps(e.input_scale), _mm512_maskz_loadu_ps(mask, e.weight_scales + column));
   __m512 out = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, shift)), scale);
   if (e.bias != nullptr) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, e.bias + column));
   if (e.residual != nullptr) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, e.residual + offset));
@@ -65,6 +62,12 @@ typedef int32_t Sums __attribute__((vector_size(64)));
 
 // sum += the products of a's uint8 and w's int8 entries, 4 by 4 (`vpdpbusd`).
 inline void add_products(Sums& sum, __m512i a, __m512i w) { sum = Sums(_mm512_dpbusd_epi32(__m512i(sum), a, w)); }
+
+// The panel's three lines `kPrefetch` bytes ahead of `w`, into the caches.
+inline void fetch(const int8_t* w) {
+  const char* ahead = reinterpret_cast<const char*>(w + kPrefetch);
+  for (int line = 0; line < 3; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+}
 
 inline __m512i broadcast_group(const uint8_t* x) {
   int32_t group;
@@ -82,8 +85,7 @@ void panel_rows(const uint8_t* xq, const int8_t* panel, const Epilogue& e, float
   for (int r = 0; r < R; ++r) rows[r] = xq + (m0 + r) * groups * kGroup;
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* w = panel + g * kTile * kGroup;
-    if (first)
-      for (int line = 0; line < 3; ++line) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + 64 * line), _MM_HINT_T0);
+    if (first) fetch(w);
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64), w2 = _mm512_loadu_si512(w + 128);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -108,7 +110,7 @@ void panel_row(const uint8_t* xq, const int8_t* panel, const Epilogue& e, float*
   Sums runs[4][3] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* w = panel + g * kTile * kGroup;
-    for (int line = 0; line < 3; ++line) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + 64 * line), _MM_HINT_T0);
+    fetch(w);
     const __m512i a = broadcast_group(xq + g * kGroup);
     Sums* run = runs[g % 4];
     add_products(run[0], a, _mm512_loadu_si512(w));
@@ -117,7 +119,8 @@ void panel_row(const uint8_t* xq, const int8_t* panel, const Epilogue& e, float*
   }
   const int64_t columns = std::min(kTile, N - n0);
   for (int v = 0; v < 3; ++v) {
-    store(__m512i(runs[0][v] + runs[1][v] + runs[2][v] + runs[3][v]), e, y, n0 + 16 * v, n0 + 16 * v, columns_mask(columns, v));
+    const Sums sum = runs[0][v] + runs[1][v] + runs[2][v] + runs[3][v];
+    store(__m512i(sum), e, y, n0 + 16 * v, n0 + 16 * v, columns_mask(columns, v));
   }
 }
 
@@ -130,19 +133,9 @@ void panels(const uint8_t* xq, const int8_t* w, const Epilogue& e, float* y, int
       panel_row(xq, panel, e, y, N, groups, n0);
       continue;
     }
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const bool first_rows = m0 == 0;
-      switch (std::min<int64_t>(kRows, M - m0)) {
-        case 8: panel_rows<8>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
-        case 7: panel_rows<7>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
-        case 6: panel_rows<6>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
-        case 5: panel_rows<5>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
-        case 4: panel_rows<4>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
-        case 3: panel_rows<3>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
-        case 2: panel_rows<2>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
-        default: panel_rows<1>(xq, panel, e, y, N, groups, m0, n0, first_rows); break;
-      }
-    }
+    roformer_hf::row_blocks(M, [&](auto rows, int64_t m0, bool first_rows) {
+      panel_rows<decltype(rows)::value>(xq, panel, e, y, N, groups, m0, n0, first_rows);
+    });
   }
 }
 
@@ -203,14 +196,11 @@ extern "C" int few_row_int8_linear(const float* x, const int8_t* w, const int32_
   thread_local std::vector<uint8_t> quantized;  // the calling thread's, kept for its next call
   quantized.resize(static_cast<size_t>(M * groups * kGroup));
   uint8_t* const xq = quantized.data();
-  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, xq + m * groups * kGroup, K, groups, inverse_scale, zero_point);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x + m * K, xq + m * groups * kGroup, K, groups, inverse_scale, zero_point);
   // oneDNN's int8 path rescales by the float product of the two scales, the input's taken as float
   const Epilogue e{weight_sums, weight_scales, bias, residual, static_cast<float>(scale), zero_point, activation};
-  const int64_t count = (N + kTile - 1) / kTile;
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-    panels(xq, w, e, y, M, N, groups, count * part / parts, count * (part + 1) / parts);
-  }
+  roformer_hf::share_panels(N, threads,
+                            [&](int64_t first, int64_t last) { panels(xq, w, e, y, M, N, groups, first, last); });
   return 0;
 }

@@ -38,7 +38,8 @@ inline __m512 gelu(__m512 x) {
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(1.421413741f));
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-0.284496736f));
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(0.254829592f));
-  const __m512 erfc = _mm512_mul_ps(_mm512_mul_ps(poly, t), exp_nonpositive(_mm512_mul_ps(z, _mm512_sub_ps(_mm512_setzero_ps(), z))));
+  const __m512 minus_z_squared = _mm512_mul_ps(z, _mm512_sub_ps(_mm512_setzero_ps(), z));
+  const __m512 erfc = _mm512_mul_ps(_mm512_mul_ps(poly, t), exp_nonpositive(minus_z_squared));
   // x >= 0: x (1 - erfc / 2); x < 0: x erfc / 2
   const __m512 half = _mm512_mul_ps(erfc, _mm512_set1_ps(0.5f));
   const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
