@@ -1,5 +1,6 @@
 """GEMMs for inputs of few rows: fp32 on CPUs with AVX2 and FMA or with AVX-512 (`linear`, on a weight laid out by
-`pack`), and int8 on CPUs with AVX-512 VNNI (`int8_linear`, on an int8 weight laid out by `pack_int8`).
+`pack`), int8 on CPUs with AVX-512 VNNI (`int8_linear`, `pack_int8`) and bf16 on CPUs with AVX-512 bf16
+(`bf16_linear`, `pack_bf16`).
 
 A short input's dense layers wait on their weights: on an AMD EPYC with AVX2 only, oneDNN's GEMM on a packed weight
 ran the 16 dense calls of a 16-token forward (4 layers of base width) at 70-82 GFLOP/s where a large product runs at
@@ -14,8 +15,10 @@ on the rows beside it. One row alone (a decoding step) is summed in interleaved 
 `int8_linear` (`csrc/few_rows_int8_vnni.cpp`) does in one call what `quantization.Int8Linear` does in four on
 oneDNN's path: the input's range, its quantization to uint8 (the same bytes as `quantization.quantize_activations`),
 the integer product (exact: the same sums as oneDNN's and fbgemm's kernels), and the rescaling with the bias, the
-residual or ReLU. Its weight lies as the AVX-512 fp32 kernel's does, in panels of 48 output features, in groups of 4
-input features (what one ``vpdpbusd`` sums).
+residual or the activation. Its weight lies as the AVX-512 fp32 kernel's does, in panels of 48 output features, in
+groups of 4 input features (what one ``vpdpbusd`` sums); `bf16_linear`'s in pairs (``vdpbf16ps``), its sums in
+float32, rounded to bf16 once. The AVX-512 kernels apply ReLU or GELU (`csrc/gelu_avx512.h`) to their sums before
+storing them.
 
 Each kernel is built at first use with the system's C++ compiler (``$CXX``, else ``c++``; about a second) into
 ``$ROFORMER_HF_CACHE/kernels``, else ``$XDG_CACHE_HOME/roformer_hf/kernels``, else ``~/.cache/roformer_hf/kernels``,
@@ -63,12 +66,12 @@ NEEDS = {"AVX2": (), "AVX-512": ("avx512f",), "int8 VNNI": ("avx512f", "avx512_v
          "bf16 AVX-512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")}
 KERNELS = {"fp32": None, "int8": "int8 VNNI", "bf16": "bf16 AVX-512"}  # `_loaded`'s names: fp32's kind is `isa`'s
 INT8_GROUP = 4  # input features one `vpdpbusd` sums per output feature: `pack_int8`'s groups
-# The activations the int8 and bf16 kernels apply to their sums before storing them (`csrc/gelu_avx512.h`: GELU's erf
-# form, within 7.5e-8 |x| of the exact value), by their codes.
+# The activations the AVX-512 kernels apply to their sums before storing them (`csrc/gelu_avx512.h`: GELU's erf form,
+# within 3e-7 |x| of the exact value), by their codes.
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2}
 
 _lock = threading.Lock()
-# By kernel ("fp32", "int8"), once decided: (ctypes.CDLL or None, why not: "" where it loaded)
+# By kernel (a key of `KERNELS`), once decided: (ctypes.CDLL or None, why not: "" where it loaded)
 _state: dict[str, tuple[ctypes.CDLL | None, str]] = {}
 
 

@@ -500,9 +500,9 @@ def test_wrong_bf16_inputs_are_named():
 
 @needs_int8_kernel
 def test_the_kernels_gelu_is_within_float32s_rounding_of_the_exact_one():
-    """GELU's erf form as the int8 and bf16 kernels apply it (`csrc/gelu_avx512.h`), through an identity weight: within
-    7.5e-8 |x| of the exact value (float64), plus float32's own rounding, on values from -12 to 12; and an unknown
-    activation is named."""
+    """GELU's erf form as the AVX-512 kernels apply it (`csrc/gelu_avx512.h`), through an identity weight: within
+    4e-7 |x| of the exact value (float64) on values from -12 to 12 (2.9e-7 |x| measured over 4M values; torch's tanh
+    form is up to 4.7e-4 off); and an unknown activation is named."""
     x = torch.linspace(-12, 12, 4001).view(-1, 1)
     _, scale, zero_point = quantize_activations(x)
     quantized = (torch.round(x / scale) * scale).float()  # on the quantization grid: the product is exact
@@ -510,7 +510,7 @@ def test_the_kernels_gelu_is_within_float32s_rounding_of_the_exact_one():
                                   None, activation="gelu")
     exact_input = exact_int8(quantized, torch.ones(1, 1, dtype=torch.int8), torch.ones(1))
     expected = nn.functional.gelu(exact_input)
-    assert ((output.double() - expected).abs() <= 3e-7 * exact_input.abs() + 1e-30).all()
+    assert ((output.double() - expected).abs() <= 4e-7 * exact_input.abs() + 1e-30).all()
     with pytest.raises(ValueError, match="activation='swish'; expected one of"):
         few_rows.int8_linear(quantized, few_rows.pack_int8(torch.ones(1, 1, dtype=torch.int8)), torch.ones(1), None,
                              activation="swish")
