@@ -485,10 +485,11 @@ def fused_linears(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, ...
 
 def _packed_product(kernel: str, x: Tensor, weight: Tensor | Packed | PackedBF16, bias: Tensor | None, name: str,
                     algorithm: str, residual: Tensor | None = None) -> Tensor:
-    """`kernel`'s product (``"few_rows"``; else oneDNN's, on a packed weight or the layer's own) with the activation
-    `name` or the `residual` applied: `few_rows` adds the residual itself and the activation after it; oneDNN applies
-    either itself, but GELU after its product where the rule says so (`DenseRule.fuses_gelu`)."""
-    if kernel == "few_rows":  # the activation applied by the kernel: `_fused_activation`'s names are its own
+    """`kernel`'s product (``"few_rows"``, ``"few_rows_bf16"``; else oneDNN's, on a packed weight or the layer's own)
+    with the activation `name` or the `residual` applied: `few_rows`' kernels apply either (their activations' names
+    are `_fused_activation`'s); oneDNN applies either itself, but GELU after its product where the rule says so
+    (`DenseRule.fuses_gelu`)."""
+    if kernel == "few_rows":
         return few_rows.linear(x, weight, bias, residual, name)
     if kernel == "few_rows_bf16":
         return few_rows.bf16_linear(x, weight, bias, residual, name)
