@@ -4,10 +4,11 @@
 // The weight lies in panels of `kTile` output columns, three vectors wide, each panel's entries column-block by
 // column-block along k (`few_rows.pack`), so a step of k reads three whole vectors of it. Each input entry is
 // broadcast against them, up to 8 rows at a time (24 vectors of sums), so no lane idles whatever the number of rows,
-// and each step costs 3 loads of the weight and up to 8 broadcasts for up to 24 FMAs. The panel streams from memory
-// for the first 8 rows and from the caches for the next. Each output is summed over k in order, whatever the number
-// of rows from 2 up, as in the AVX2 kernel: the same bits in either, and a row's result does not depend on the rows
-// beside it. One row alone sums k in four interleaved runs (k modulo 4), so that its FMAs do not wait on each other.
+// and each step costs 3 loads of the weight and up to 8 broadcasts for up to 24 FMAs. More rows go in passes of up
+// to 8; from 12 rows over blocks of the panel, while the next block streams from memory (`walk_panel`). Each output is
+// summed over k in order, whatever the number of rows from 2 up, as in the AVX2 kernel: the same bits in either, and a
+// row's result does not depend on the rows beside it. One row alone sums k in four interleaved runs (k modulo 4), so
+// that its FMAs do not wait on each other.
 #include <immintrin.h>
 
 #include "gelu_avx512.h"
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -22,6 +24,105 @@ using roformer_hf::columns_mask;
 using roformer_hf::kTile;
 
 constexpr int64_t kPrefetch = 1024;  // how far ahead (in floats) the weight is fetched into the caches
+
+// From `kBlockedRows` rows, passes go over blocks of `kBlock` steps of k (48 KiB of a panel) at a time.
+constexpr int64_t kBlockedRows = 12, kBlock = 256;
+
+// One pass of rows [m0, m0 + kRows at most) over steps [k0, k1) of a panel (`walk_panel`).
+struct Pass {
+  int64_t m0, k0, k1, K;
+  bool fetch;           // fetch the steps ahead as it reads them: the weight comes from memory
+  const char* ahead;    // else its share of the weight the next passes read, to fetch as it goes
+  int64_t ahead_steps;  // the steps that fetch it
+  int per_step;         // the lines of 64 bytes each of them fetches
+
+  bool starts() const { return k0 == 0; }   // no sums to carry in
+  bool finishes() const { return k1 == K; }  // the sums are the outputs'
+};
+
+// Calls ``rows_at(std::integral_constant<int, R>(), m0, index)`` for each of the fewest blocks of at most `kRows` of
+// `M` rows, of sizes as even as whole rows allow (a pass of a few rows after full ones cannot hide a block's fetch).
+template <typename RowsAt>
+inline void even_row_blocks(int64_t M, RowsAt&& rows_at) {
+  using roformer_hf::kRows;
+  const int64_t blocks = (M + kRows - 1) / kRows;
+  for (int64_t index = 0, m0 = 0; index < blocks; ++index) {
+    const int64_t rows = M / blocks + (index < M % blocks);
+    switch (rows) {
+      case 8: rows_at(std::integral_constant<int, 8>(), m0, index); break;
+      case 7: rows_at(std::integral_constant<int, 7>(), m0, index); break;
+      case 6: rows_at(std::integral_constant<int, 6>(), m0, index); break;
+      case 5: rows_at(std::integral_constant<int, 5>(), m0, index); break;
+      case 4: rows_at(std::integral_constant<int, 4>(), m0, index); break;
+      case 3: rows_at(std::integral_constant<int, 3>(), m0, index); break;
+      case 2: rows_at(std::integral_constant<int, 2>(), m0, index); break;
+      default: rows_at(std::integral_constant<int, 1>(), m0, index); break;
+    }
+    m0 += rows;
+  }
+}
+
+// Calls ``pass(std::integral_constant<int, R>(), Pass)`` for each pass of `M` rows over the panel at `panel`. Fewer
+// than `kBlockedRows` rows: passes of `kRows` over the whole panel, the first fetching it ahead as it reads it from
+// memory, the others reading it from the caches. More: passes over blocks of `kBlock` steps, as few as `kRows` rows
+// allow and of even sizes (`even_row_blocks`), each carrying its rows' sums from the block before (`Pass::starts`,
+// `Pass::finishes`) while it fetches its share of the next block (after a panel's last, the next panel's first), so
+// that memory streams the weight while the passes compute: the passes over the whole panel left it idle during all but
+// the first. Four layers' dense calls in a row took 0.82-0.87x that time at 13-24 rows on a Zen 5, 0.91-0.94x at 32,
+// 0.97-0.99x at 12 and 64, but 1.01-1.10x at 9-11 rows (`benchmarks/RESULTS.md`). Each output is still summed over k in
+// order. `first`: the thread's first panel, whose first block nothing fetched; `more`: another panel of the thread's
+// follows.
+template <typename PassAt>
+inline void walk_panel(int64_t M, int64_t K, const float* panel, bool first, bool more, PassAt&& pass) {
+  using roformer_hf::kRows;
+  if (M < kBlockedRows) {
+    roformer_hf::row_blocks(M, [&](auto rows, int64_t m0, bool first_rows) {
+      pass(rows, Pass{m0, 0, K, K, first_rows, nullptr, 0, 0});
+    });
+    return;
+  }
+  // A step of the next block is 3 lines: 2 at each step of two passes, or 1 at each step of the first three.
+  const int per_step = M <= 2 * kRows ? 2 : 1;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    const int64_t k1 = std::min(K, k0 + kBlock);
+    const int64_t next = k1 < K ? std::min(kBlock, K - k1) : more ? std::min(kBlock, K) : 0;  // its steps
+    const char* const ahead = reinterpret_cast<const char*>(panel + k1 * kTile);
+    even_row_blocks(M, [&](auto rows, int64_t m0, int64_t index) {
+      const int64_t fetched = index * (k1 - k0) * per_step;  // by the passes before
+      const int64_t left = std::max<int64_t>(0, 3 * next - fetched);
+      pass(rows, Pass{m0, k0, k1, K, first && k0 == 0 && m0 == 0, ahead + 64 * fetched,
+                      std::min(k1 - k0, (left + per_step - 1) / per_step), per_step});
+    });
+  }
+}
+
+// Calls ``step(k)`` for the pass's steps from its first up to `end`, fetching its share of the weight ahead.
+template <typename Step>
+inline void pass_steps(const Pass& pass, int64_t end, Step&& step) {
+  int64_t k = pass.k0;
+  const char* ahead = pass.ahead;
+  const int64_t fetching = std::min(end, pass.k0 + pass.ahead_steps);
+  if (pass.per_step == 2) {
+    for (; k < fetching; ++k, ahead += 128) {
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      step(k);
+    }
+  } else {
+    for (; k < fetching; ++k, ahead += 64) {
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      step(k);
+    }
+  }
+  for (; k < end; ++k) step(k);
+}
+
+// The calling thread's buffer of at least `count` floats, kept for its next call: the sums the passes carry.
+inline float* carried_sums(int64_t count) {
+  thread_local std::vector<float> sums;
+  if (sums.size() < static_cast<size_t>(count)) sums.resize(static_cast<size_t>(count));
+  return sums.data();
+}
 
 struct Epilogue {
   const float* bias;      // (N) or null
@@ -44,19 +145,22 @@ inline void fetch(const float* w) {
   _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + 32), _MM_HINT_T0);
 }
 
-// Rows [m0, m0 + R) of x against the panel at `panel` (output columns [n0, n0 + kTile)). `first`: the first rows
-// against it, which fetch the panel ahead.
+// Rows [m0, m0 + R) of x against steps [k0, k1) of the panel at `panel` (output columns [n0, n0 + kTile)), as `pass`
+// says (`walk_panel`), their sums carried in `carried` (kTile per row) from and to the passes over the other steps.
 template <int R>
-void panel_rows(const float* x, const float* panel, const Epilogue& e, float* y, int64_t N,
-                int64_t K, int64_t m0, int64_t n0, bool first) {
+void panel_rows(const float* x, const float* panel, const Epilogue& e, float* y, int64_t N, int64_t K, int64_t n0,
+                Pass pass, float* carried) {
+  const int64_t m0 = pass.m0;
   __m512 sums[R][3];
-  for (auto& row : sums)
-    for (auto& sum : row) sum = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 3; ++v)
+      sums[r][v] = pass.starts() ? _mm512_setzero_ps() : _mm512_loadu_ps(carried + (m0 + r) * kTile + 16 * v);
   const float* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = x + (m0 + r) * K;
-  for (int64_t k = 0; k < K; ++k) {
+  const bool fetching = pass.fetch;
+  pass_steps(pass, pass.k1, [&](int64_t k) {
     const float* w = panel + k * kTile;
-    if (first) fetch(w);
+    if (fetching) fetch(w);
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(rows[r][k]);
@@ -64,6 +168,11 @@ void panel_rows(const float* x, const float* panel, const Epilogue& e, float* y,
       sums[r][1] = _mm512_fmadd_ps(w1, a, sums[r][1]);
       sums[r][2] = _mm512_fmadd_ps(w2, a, sums[r][2]);
     }
+  });
+  if (!pass.finishes()) {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 3; ++v) _mm512_storeu_ps(carried + (m0 + r) * kTile + 16 * v, sums[r][v]);
+    return;
   }
   const int64_t columns = std::min(kTile, N - n0);
   for (int v = 0; v < 3; ++v) {
@@ -99,9 +208,10 @@ void panel_row(const float* x, const float* panel, const Epilogue& e, float* y, 
   }
 }
 
-// Panels [first, last) against every row of x, `kRows` rows at a time.
+// Panels [first, last) against every row of x (`walk_panel`).
 void panels(const float* x, const float* w, const Epilogue& e, float* y, int64_t M, int64_t N,
             int64_t K, int64_t first, int64_t last) {
+  float* const carried = M >= kBlockedRows ? carried_sums(M * kTile) : nullptr;
   for (int64_t p = first; p < last; ++p) {
     const float* panel = w + p * K * kTile;
     const int64_t n0 = p * kTile;
@@ -109,8 +219,8 @@ void panels(const float* x, const float* w, const Epilogue& e, float* y, int64_t
       panel_row(x, panel, e, y, N, K, n0);
       continue;
     }
-    roformer_hf::row_blocks(M, [&](auto rows, int64_t m0, bool first_rows) {
-      panel_rows<decltype(rows)::value>(x, panel, e, y, N, K, m0, n0, first_rows);
+    walk_panel(M, K, panel, p == first, p + 1 < last, [&](auto rows, Pass pass) {
+      panel_rows<decltype(rows)::value>(x, panel, e, y, N, K, n0, pass, carried);
     });
   }
 }

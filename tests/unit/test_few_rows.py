@@ -37,8 +37,8 @@ def fresh_build(monkeypatch, tmp_path):
 
 @needs_kernel
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [
-    (1, 1, 1), (1, 64, 13), (1, 67, 19), (2, 5, 6), (7, 33, 7), (8, 64, 12), (9, 17, 5), (16, 64, 50), (17, 8, 13), (24, 40, 31), (40, 3, 19),
-    (100, 64, 6), (256, 24, 31)])
+    (1, 1, 1), (1, 64, 13), (1, 67, 19), (2, 5, 6), (7, 33, 7), (8, 64, 12), (9, 17, 5), (16, 64, 50), (17, 8, 13),
+    (24, 40, 31), (40, 3, 19), (100, 64, 6), (256, 24, 31), (17, 600, 200), (24, 1030, 97)])
 @pytest.mark.parametrize(("bias", "residual"), [(True, False), (False, False), (True, True), (False, True)])
 def test_the_product_is_the_float64_products_at_any_shape(rows, in_features, out_features, bias, residual):
     generator = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
@@ -74,6 +74,33 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads():
             assert torch.equal(few_rows.linear(x[:1], packed, None), alone)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_rows_in_several_passes_give_the_bits_of_one_pass(kind):
+    """More than 8 rows go in several passes: over the whole panel, or (fp32, from 12 rows) over blocks of its steps,
+    each pass carrying its float32 sums to the next block. Either way each output is summed in order, as by 2 to 8
+    rows in one pass: the same bits for every row, whatever the number of rows, with a block of steps left over (1100
+    fp32 inputs, 550 bf16 pairs) and several panels a thread (the next panel's first block fetched by the last
+    passes)."""
+    if not (few_rows.available() if kind == "fp32" else few_rows.bf16_available()):
+        pytest.skip(f"the {kind} kernel is not available here: {few_rows.why_not(kind)}")
+    generator = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(40, 1100, generator=generator), torch.randn(500, 1100, generator=generator)
+    bias, residual = torch.randn(500, generator=generator), torch.randn(40, 500, generator=generator)
+    if kind == "bf16":
+        x, weight, bias, residual = x.bfloat16(), weight.bfloat16(), bias.bfloat16(), residual.bfloat16()
+        linear, packed = few_rows.bf16_linear, few_rows.pack_bf16(weight)
+    else:
+        linear, packed = few_rows.linear, few_rows.pack(weight)
+    # Each row in one pass: beside a copy of itself (one row alone is summed in an order of its own).
+    one_pass = torch.cat([linear(x[[row, row]], packed, bias, residual[[row, row]], "gelu")[:1] for row in range(40)])
+    for rows in (9, 12, 17, 40):
+        whole = linear(x[:rows], packed, bias, residual[:rows], "gelu")
+        assert torch.equal(whole, one_pass[:rows])
+    torch.testing.assert_close(whole.double()[:, :5],
+                               nn.functional.gelu(reference(x, weight, bias, residual))[:, :5],
+                               atol=1e-4 if kind == "fp32" else 0.05, rtol=1e-4 if kind == "fp32" else 0.02)
 
 
 @needs_kernel
@@ -295,7 +322,7 @@ def random_int8_layer(out_features, in_features, generator):
 @needs_int8_kernel
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [
     (1, 1, 1), (1, 67, 19), (1, 768, 100), (2, 5, 50), (7, 33, 7), (8, 64, 48), (9, 17, 97), (16, 130, 13),
-    (17, 8, 49), (40, 301, 31), (100, 3, 6)])
+    (17, 8, 49), (40, 301, 31), (100, 3, 6), (17, 2053, 200), (24, 1100, 97)])
 @pytest.mark.parametrize("after", ["bias", "nothing", "residual", "relu", "gelu"])
 def test_the_int8_product_is_the_exact_integer_product_at_any_shape(rows, in_features, out_features, after):
     """Any count of rows (one alone sums in runs of its own), input features not a multiple of 4 (the last group is
@@ -405,7 +432,7 @@ def bf16_rule(monkeypatch):
 @needs_bf16_kernel
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [
     (1, 1, 1), (1, 67, 19), (1, 768, 100), (2, 5, 50), (7, 33, 7), (8, 64, 48), (9, 17, 97), (16, 130, 13),
-    (17, 8, 49), (40, 301, 31)])
+    (17, 8, 49), (40, 301, 31), (17, 1101, 200), (24, 600, 97)])
 @pytest.mark.parametrize(("bias", "residual", "activation"), [
     (True, False, "none"), (False, False, "none"), (True, True, "none"), (True, False, "gelu"), (False, False, "relu")])
 def test_the_bf16_product_is_the_float64_product_rounded_once(rows, in_features, out_features, bias, residual,
