@@ -28,8 +28,10 @@ namespace {
 using roformer_hf::columns_mask;
 using roformer_hf::kTile;
 
-constexpr int64_t kGroup = 4;        // input features a `vpdpbusd` sums per output feature
-constexpr int64_t kPrefetch = 4096;  // how far ahead (in bytes) the weight is fetched into the caches
+constexpr int64_t kGroup = 4;  // input features a `vpdpbusd` sums per output feature
+// How far ahead (in bytes) the weight is fetched into the caches: four layers' dense calls in a row took 0.94-0.96x
+// the time of 4 KiB's at 8-32 rows on a Zen 5, as 16 KiB did; 24-32 KiB no better.
+constexpr int64_t kPrefetch = 8192;
 
 struct Epilogue {
   const int32_t* weight_sums;  // (N): each output feature's sum of weights, for the zero point
