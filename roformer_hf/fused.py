@@ -164,6 +164,7 @@ _PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[
     nn.Linear, tuple[tuple, Tensor | Packed | PackedBF16, Tensor | None, str]] = weakref.WeakKeyDictionary()
 # The kernels (`_dense_kernel`) that run on a packed copy of the weight: oneDNN's blocked layout, `few_rows`' tiles.
 _PACKING_KERNELS = ("packed", "few_rows", "few_rows_bf16")
+_FEW_ROWS_BINDS = {"few_rows": few_rows.bind_linear, "few_rows_bf16": few_rows.bind_bf16_linear}
 
 
 @runtime_checkable
@@ -328,7 +329,14 @@ def _packed_call(kernel: str, weight: Tensor | Packed | PackedBF16, bias: Tensor
     """The packing `kernel` on its packed weight, every argument but the input bound: ``run(x)``, ``run(x, residual)``
     where it adds one; layers side by side (their `sizes`): their outputs, as views of the one product."""
     name, algorithm = post_op
-    if adds:
+    if kernel in _FEW_ROWS_BINDS:  # `few_rows`' kernels, with their operands checked once (`few_rows.bind_linear`)
+        product = _FEW_ROWS_BINDS[kernel](weight, bias, name)
+        if sizes is None:
+            return product
+
+        def run(x: Tensor) -> tuple[Tensor, ...]:
+            return product(x).split(sizes, dim=-1)
+    elif adds:
         def run(x: Tensor, residual: Tensor) -> Tensor:
             return _packed_product(kernel, x, weight, bias, "none", "", residual)
     elif sizes is None:

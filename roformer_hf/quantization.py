@@ -73,6 +73,10 @@ _FBGEMM_SMALLEST_RANGE = 255 * 6.2e-5
 _POST_OPS = {("none", ""), ("relu", ""), ("gelu", "none"), ("gelu", "tanh")}
 # `Int8Linear.fused_side_by_side`: layers' weights joined, by their first layer, with what they were joined from.
 _SIDE_BY_SIDE: weakref.WeakKeyDictionary[Int8Linear, tuple[tuple, Int8Linear]] = weakref.WeakKeyDictionary()
+# Each layer's calls of the VNNI kernel bound to its operands (`Int8Linear._vnni_call`), with the packed weight they
+# were bound to.
+_VNNI_CALLS: weakref.WeakKeyDictionary[Int8Linear, tuple[few_rows.PackedInt8, dict[str, few_rows.Kernel]]] = \
+    weakref.WeakKeyDictionary()
 _LINEAR_DYNAMIC = getattr(getattr(torch.ops.quantized, "linear_dynamic", None), "default", None)
 _ENGINE_LOCK = threading.Lock()  # `_fbgemm_prepack` switches PyTorch's global quantized engine for a moment
 
@@ -307,7 +311,7 @@ class Int8Linear(nn.Module):
         other = None if residual is None else residual.reshape(-1, self.out_features).float().contiguous()
         if rows.shape[0] <= VNNI_ROWS and self._packed_vnni is not None:
             in_kernel = activation if activation != "gelu" or algorithm == "none" else "none"  # GELU's erf form
-            output = few_rows.int8_linear(rows, self._packed_vnni, self.weight_scale, self.bias, other, in_kernel)
+            output = self._vnni_call(in_kernel)(rows, other)
             if in_kernel != activation:
                 output = torch.ops.aten.gelu_(output, approximate=algorithm)
             return output.view(*x.shape[:-1], self.out_features)
@@ -325,6 +329,16 @@ class Int8Linear(nn.Module):
                 output = torch.ops.onednn.qlinear_pointwise.binary(*inputs, other, self.bias, 1.0, 0, torch.float32,
                                                                    1.0, 0, "add", 1.0, "none", [], "")
         return output.view(*x.shape[:-1], self.out_features)
+
+    def _vnni_call(self, activation: str) -> few_rows.Kernel:
+        """`few_rows.int8_linear` on this layer's packed weight, scales and bias with `activation`, bound once
+        (`few_rows.bind_int8_linear`) and kept beside the layer while it keeps its packed weight."""
+        packed, calls = _VNNI_CALLS.get(self, (None, {}))
+        if packed is not self._packed_vnni:
+            packed, calls = _VNNI_CALLS[self] = (self._packed_vnni, {})
+        if activation not in calls:
+            calls[activation] = few_rows.bind_int8_linear(packed, self.weight_scale, self.bias, activation)
+        return calls[activation]
 
     def _few_rows(self, rows: Tensor, activation: str, algorithm: str, residual: Tensor | None) -> Tensor:
         """fbgemm's dynamic int8 linear (it quantizes `rows` as `quantize_activations` does, for inputs spanning at

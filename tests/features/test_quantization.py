@@ -401,7 +401,8 @@ def test_the_kernels_compute_the_same_product_and_the_layer_picks_by_row_count(r
             torch.testing.assert_close(actual, onednn, rtol=1e-5, atol=1e-5, msg=name)
     calls = []
     monkeypatch.setattr(Int8Linear, "_few_rows", lambda self, *args: calls.append("fbgemm") or torch.zeros(rows, 40))
-    monkeypatch.setattr(few_rows, "int8_linear", lambda *args, **kwargs: calls.append("VNNI") or torch.zeros(rows, 40))
+    monkeypatch.setattr(Int8Linear, "_vnni_call",
+                        lambda self, activation: lambda *args: calls.append("VNNI") or torch.zeros(rows, 40))
     with torch.inference_mode():
         layer(x)
     vnni = rows <= quantization.VNNI_ROWS and layer._packed_vnni is not None
