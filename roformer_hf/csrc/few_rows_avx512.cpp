@@ -44,20 +44,10 @@ struct Pass {
 // `M` rows, of sizes as even as whole rows allow (a pass of a few rows after full ones cannot hide a block's fetch).
 template <typename RowsAt>
 inline void even_row_blocks(int64_t M, RowsAt&& rows_at) {
-  using roformer_hf::kRows;
-  const int64_t blocks = (M + kRows - 1) / kRows;
+  const int64_t blocks = (M + roformer_hf::kRows - 1) / roformer_hf::kRows;
   for (int64_t index = 0, m0 = 0; index < blocks; ++index) {
     const int64_t rows = M / blocks + (index < M % blocks);
-    switch (rows) {
-      case 8: rows_at(std::integral_constant<int, 8>(), m0, index); break;
-      case 7: rows_at(std::integral_constant<int, 7>(), m0, index); break;
-      case 6: rows_at(std::integral_constant<int, 6>(), m0, index); break;
-      case 5: rows_at(std::integral_constant<int, 5>(), m0, index); break;
-      case 4: rows_at(std::integral_constant<int, 4>(), m0, index); break;
-      case 3: rows_at(std::integral_constant<int, 3>(), m0, index); break;
-      case 2: rows_at(std::integral_constant<int, 2>(), m0, index); break;
-      default: rows_at(std::integral_constant<int, 1>(), m0, index); break;
-    }
+    roformer_hf::with_rows(rows, [&](auto constant) { rows_at(constant, m0, index); });
     m0 += rows;
   }
 }

@@ -21,24 +21,29 @@ inline __mmask16 columns_mask(int64_t columns, int v) {
   return left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
 }
 
+// Calls ``f(std::integral_constant<int, R>())`` with R = `rows` (1 to `kRows`): a constant, so that each count's sums
+// are registers of its own.
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 8: f(std::integral_constant<int, 8>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    default: f(std::integral_constant<int, 1>()); break;
+  }
+}
+
 // Calls ``rows_at(std::integral_constant<int, R>(), m0, first)`` for each block of up to `kRows` rows of `M`, from
-// row m0 (R a constant, so that each count's sums are registers of its own); `first`: the first block, which fetches
-// the panel ahead, where the others read it from the caches.
+// row m0 (`with_rows`); `first`: the first block, which fetches the panel ahead, where the others read it from the
+// caches.
 template <typename RowsAt>
 inline void row_blocks(int64_t M, RowsAt&& rows_at) {
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const bool first = m0 == 0;
-    switch (std::min<int64_t>(kRows, M - m0)) {
-      case 8: rows_at(std::integral_constant<int, 8>(), m0, first); break;
-      case 7: rows_at(std::integral_constant<int, 7>(), m0, first); break;
-      case 6: rows_at(std::integral_constant<int, 6>(), m0, first); break;
-      case 5: rows_at(std::integral_constant<int, 5>(), m0, first); break;
-      case 4: rows_at(std::integral_constant<int, 4>(), m0, first); break;
-      case 3: rows_at(std::integral_constant<int, 3>(), m0, first); break;
-      case 2: rows_at(std::integral_constant<int, 2>(), m0, first); break;
-      default: rows_at(std::integral_constant<int, 1>(), m0, first); break;
-    }
-  }
+  for (int64_t m0 = 0; m0 < M; m0 += kRows)
+    with_rows(std::min<int64_t>(kRows, M - m0), [&](auto rows) { rows_at(rows, m0, m0 == 0); });
 }
 
 // Calls ``panels(first, last)`` on each of `threads` threads of the OpenMP runtime torch runs on, for its share of the
