@@ -8,9 +8,10 @@ ran the 16 dense calls of a 16-token forward (4 layers of base width) at 70-82 G
 output features, each tile's entries feature by feature along the input. With AVX2 (`csrc/few_rows_avx2.cpp`, tiles
 of 6) the input's rows lie in a vector's lanes and each weight entry is broadcast against them; with AVX-512
 (`csrc/few_rows_avx512.cpp`, tiles of 48, three vectors) the weight lies in the lanes and each input entry is broadcast
-against it, 8 rows at a time, so that no lane idles at few rows. Either way each output is summed over the input
-features in order, whatever the number of rows from 2 up: the same bits in both, and a row's result does not depend
-on the rows beside it. One row alone (a decoding step) is summed in interleaved runs, an order of its own.
+against it, 8 rows at a time, so that no lane idles at few rows; from 12 rows, in passes over blocks of the weight
+while the next block streams in. Either way each output is summed over the input features in order, whatever the
+number of rows from 2 up: the same bits in both, and a row's result does not depend on the rows beside it. One row
+alone (a decoding step) is summed in interleaved runs, an order of its own.
 
 `int8_linear` (`csrc/few_rows_int8_vnni.cpp`) does in one call what `quantization.Int8Linear` does in four on
 oneDNN's path: the input's range, its quantization to uint8 (the same bytes as `quantization.quantize_activations`),
@@ -19,6 +20,9 @@ residual or the activation. Its weight lies as the AVX-512 fp32 kernel's does, i
 groups of 4 input features (what one ``vpdpbusd`` sums); `bf16_linear`'s in pairs (``vdpbf16ps``), its sums in
 float32, rounded to bf16 once. The AVX-512 kernels apply ReLU or GELU (`csrc/gelu_avx512.h`) to their sums before
 storing them.
+
+A caller that makes many calls with one weight binds the kernel to it once (`bind_linear`, `bind_int8_linear`,
+`bind_bf16_linear`): each call then checks only its input and residual (a model's forward: `fused.one_forward`).
 
 Each kernel is built at first use with the system's C++ compiler (``$CXX``, else ``c++``; about a second) into
 ``$ROFORMER_HF_CACHE/kernels``, else ``$XDG_CACHE_HOME/roformer_hf/kernels``, else ``~/.cache/roformer_hf/kernels``,

@@ -58,10 +58,10 @@ inline void even_row_blocks(int64_t M, RowsAt&& rows_at) {
 // allow and of even sizes (`even_row_blocks`), each carrying its rows' sums from the block before (`Pass::starts`,
 // `Pass::finishes`) while it fetches its share of the next block (after a panel's last, the next panel's first), so
 // that memory streams the weight while the passes compute: the passes over the whole panel left it idle during all but
-// the first. Four layers' dense calls in a row took 0.82-0.87x that time at 13-24 rows on a Zen 5, 0.91-0.94x at 32,
-// 0.97-0.99x at 12 and 64, but 1.01-1.10x at 9-11 rows (`benchmarks/RESULTS.md`). Each output is still summed over k in
-// order. `first`: the thread's first panel, whose first block nothing fetched; `more`: another panel of the thread's
-// follows.
+// the first. Four layers' dense calls in a row took 0.82-0.87x that time at 16-24 rows on a Zen 5, 0.91-0.93x at 13
+// and 32-33, 0.97-0.98x at 12 and 64, but 1.01-1.10x at 9-11 rows (`benchmarks/RESULTS.md`). Each output is still
+// summed over k in order. `first`: the thread's first panel, whose first block nothing fetched; `more`: another panel
+// of the thread's follows.
 template <typename PassAt>
 inline void walk_panel(int64_t M, int64_t K, const float* panel, bool first, bool more, PassAt&& pass) {
   using roformer_hf::kRows;
