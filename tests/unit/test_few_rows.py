@@ -308,6 +308,29 @@ def test_wrong_inputs_are_named():
     assert torch.equal(few_rows.linear(torch.randn(3, 0), empty, bias), bias.expand(3, 7))
 
 
+@needs_kernel
+def test_a_bound_kernel_checks_its_operands_when_bound_and_each_input_when_called():
+    """`bind_linear` refuses a wrong bias at once; its call refuses a wrong input or residual, and, where autograd
+    records, the bias it holds that requires grad; otherwise it gives the unbound call's bits."""
+    generator = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(7, 5, generator=generator), torch.randn(2, 3, 5, generator=generator)
+    bias, residual = torch.randn(7, generator=generator, requires_grad=True), torch.randn(2, 3, 7, generator=generator)
+    packed = few_rows.pack(weight)
+    with pytest.raises(ValueError, match="bias must be float32 \\(7,\\)"):
+        few_rows.bind_linear(packed, torch.randn(6))
+    run = few_rows.bind_linear(packed, bias, "gelu")
+    with pytest.raises(ValueError, match="with 5 features"):
+        run(torch.randn(3, 4))
+    with pytest.raises(ValueError, match="residual must be float32 \\(2, 3, 7\\)"):
+        run(x, torch.randn(3, 7))
+    with pytest.raises(RuntimeError, match="no backward"):
+        run(x)
+    with torch.no_grad():
+        for args in [(x,), (x, residual), (x[0],)]:
+            assert torch.equal(run(*args), few_rows.linear(args[0], packed, bias, args[1] if len(args) > 1 else None,
+                                                           "gelu"))
+
+
 needs_int8_kernel = pytest.mark.skipif(not few_rows.int8_available(),
                                        reason=f"no few-row int8 kernel here: {few_rows.why_not('int8')}")
 
