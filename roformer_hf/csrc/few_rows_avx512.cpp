@@ -65,7 +65,7 @@ inline void even_row_blocks(int64_t M, RowsAt&& rows_at) {
 template <typename PassAt>
 inline void walk_panel(int64_t M, int64_t K, const float* panel, bool first, bool more, PassAt&& pass) {
   using roformer_hf::kRows;
-  if (M < kBlockedRows) {
+  if (M < kBlockedRows || K == 0) {  // (without input features, one pass stores the bias)
     roformer_hf::row_blocks(M, [&](auto rows, int64_t m0, bool first_rows) {
       pass(rows, Pass{m0, 0, K, K, first_rows, nullptr, 0, 0});
     });

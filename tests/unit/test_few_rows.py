@@ -303,9 +303,10 @@ def test_wrong_inputs_are_named():
     assert few_rows.linear(x, packed, None).shape == (3, 7)
     with pytest.raises(RuntimeError, match="no backward"):
         few_rows.linear(x.requires_grad_(), packed, None)
-    empty = few_rows.pack(torch.randn(7, 0))  # no input features: the bias alone
+    empty = few_rows.pack(torch.randn(7, 0))  # no input features: the bias alone, whatever the number of rows
     bias = torch.randn(7)
-    assert torch.equal(few_rows.linear(torch.randn(3, 0), empty, bias), bias.expand(3, 7))
+    for rows in (3, 20):
+        assert torch.equal(few_rows.linear(torch.randn(rows, 0), empty, bias), bias.expand(rows, 7))
 
 
 @needs_kernel
