@@ -197,15 +197,14 @@ def bind_linear(packed: Packed, bias: Tensor | None, activation: str = "none") -
         raise ValueError(f"few_rows.linear: packed holds tiles of {tiles.shape[2]} features, this kernel's are "
                          f"{library.few_row_tile()} wide: pack the weight again with few_rows.pack")
     _check_operand("linear", torch.float32, "bias", bias, (out_features,))
-    bias = None if bias is None else bias.contiguous()
     activated = getattr(library, "few_row_linear_activated", None)  # the AVX-512 build's
 
     def run(x: Tensor, residual: Tensor | None = None) -> Tensor:
         x, residual = _checked_inputs("linear", torch.float32, x, in_features, residual, out_features, bias)
+        bias_now = _contiguous(bias)
         output = x.new_empty(*x.shape[:-1], out_features)
-        arguments = (x.data_ptr(), tiles.data_ptr(), None if bias is None else bias.data_ptr(),
-                     None if residual is None else residual.data_ptr(), output.data_ptr(), math.prod(x.shape[:-1]),
-                     out_features, in_features, torch.get_num_threads())
+        arguments = (x.data_ptr(), tiles.data_ptr(), _address(bias_now), _address(residual), output.data_ptr(),
+                     math.prod(x.shape[:-1]), out_features, in_features, torch.get_num_threads())
         if activated is not None:
             activated(*arguments, code)
             return output
@@ -258,17 +257,15 @@ def bind_int8_linear(packed: PackedInt8, weight_scale: Tensor, bias: Tensor | No
     out_features, in_features = packed.out_features, packed.in_features
     _check_operand("int8_linear", torch.float32, "weight_scale", weight_scale, (out_features,))
     _check_operand("int8_linear", torch.float32, "bias", bias, (out_features,))
-    weight_scale = weight_scale.contiguous()
-    bias = None if bias is None else bias.contiguous()
 
     def run(x: Tensor, residual: Tensor | None = None) -> Tensor:
         x, residual = _checked_inputs("int8_linear", torch.float32, x, in_features, residual, out_features, bias)
+        scale_now, bias_now = weight_scale.contiguous(), _contiguous(bias)
         output = x.new_empty(*x.shape[:-1], out_features)
         if library.few_row_int8_linear(x.data_ptr(), packed.tiles.data_ptr(), packed.sums.data_ptr(),
-                                       weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
-                                       None if residual is None else residual.data_ptr(), output.data_ptr(),
-                                       math.prod(x.shape[:-1]),
-                                       out_features, in_features, code, torch.get_num_threads()):
+                                       scale_now.data_ptr(), _address(bias_now), _address(residual), output.data_ptr(),
+                                       math.prod(x.shape[:-1]), out_features, in_features, code,
+                                       torch.get_num_threads()):
             low, high = (float(value) for value in x.aminmax())
             raise ValueError(f"Int8Linear got an input with non-finite values (between {low} and {high}): int8 "
                              "cannot represent them")
@@ -312,14 +309,14 @@ def bind_bf16_linear(packed: PackedBF16, bias: Tensor | None, activation: str = 
     code = _activation_code(activation)
     out_features, in_features = packed.out_features, packed.in_features
     _check_operand("bf16_linear", torch.bfloat16, "bias", bias, (out_features,))
-    bias = None if bias is None else bias.contiguous()
 
     def run(x: Tensor, residual: Tensor | None = None) -> Tensor:
         x, residual = _checked_inputs("bf16_linear", torch.bfloat16, x, in_features, residual, out_features, bias)
+        bias_now = _contiguous(bias)
         output = x.new_empty(*x.shape[:-1], out_features)
-        library.few_row_bf16_linear(x.data_ptr(), packed.tiles.data_ptr(), None if bias is None else bias.data_ptr(),
-                                    None if residual is None else residual.data_ptr(), output.data_ptr(),
-                                    math.prod(x.shape[:-1]), out_features, in_features, code, torch.get_num_threads())
+        library.few_row_bf16_linear(x.data_ptr(), packed.tiles.data_ptr(), _address(bias_now), _address(residual),
+                                    output.data_ptr(), math.prod(x.shape[:-1]), out_features, in_features, code,
+                                    torch.get_num_threads())
         return output
     return run
 
@@ -346,6 +343,16 @@ def _checked_inputs(function: str, dtype: torch.dtype, x: Tensor, in_features: i
         raise RuntimeError(f"few_rows.{function} has no backward: call it under torch.no_grad() or "
                            "torch.inference_mode(), or use nn.functional.linear where gradients are needed")
     return x.contiguous(), None if residual is None else residual.contiguous()
+
+
+def _contiguous(tensor: Tensor | None) -> Tensor | None:
+    """`tensor` as the kernels read it: contiguous (a copy, which the caller holds while the kernel runs, where it is
+    not), read at each call, so that a bound kernel sees its operands' later in-place changes."""
+    return None if tensor is None else tensor.contiguous()
+
+
+def _address(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 def _activation_code(activation: str) -> int:

@@ -312,7 +312,8 @@ def test_wrong_inputs_are_named():
 @needs_kernel
 def test_a_bound_kernel_checks_its_operands_when_bound_and_each_input_when_called():
     """`bind_linear` refuses a wrong bias at once; its call refuses a wrong input or residual, and, where autograd
-    records, the bias it holds that requires grad; otherwise it gives the unbound call's bits."""
+    records, the bias it holds that requires grad; otherwise it gives the unbound call's bits, with its bias as it is
+    at the call."""
     generator = torch.Generator().manual_seed(3)
     weight, x = torch.randn(7, 5, generator=generator), torch.randn(2, 3, 5, generator=generator)
     bias, residual = torch.randn(7, generator=generator, requires_grad=True), torch.randn(2, 3, 7, generator=generator)
@@ -330,6 +331,12 @@ def test_a_bound_kernel_checks_its_operands_when_bound_and_each_input_when_calle
         for args in [(x,), (x, residual), (x[0],)]:
             assert torch.equal(run(*args), few_rows.linear(args[0], packed, bias, args[1] if len(args) > 1 else None,
                                                            "gelu"))
+        strided = torch.randn(14, generator=generator)[::2]  # read at each call, as it is then, even when not contiguous
+        run = few_rows.bind_linear(packed, strided)
+        before = run(x)
+        strided.add_(1.0)
+        assert torch.equal(run(x), few_rows.linear(x, packed, strided.clone()))
+        torch.testing.assert_close(run(x), before + 1.0)
 
 
 needs_int8_kernel = pytest.mark.skipif(not few_rows.int8_available(),
