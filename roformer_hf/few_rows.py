@@ -187,8 +187,8 @@ def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | No
 
 def bind_linear(packed: Packed, bias: Tensor | None, activation: str = "none") -> Kernel:
     """`linear` on `packed`, `bias` and `activation`, checked now: ``run(x, residual=None)`` checks only what it is
-    given. For a caller that makes many calls with one layer (a model's forward, `fused.one_forward`): a call costs
-    about 2 µs less."""
+    given. For a caller that makes many calls with one layer (a model's forward, `fused.one_forward`): a call of 16
+    rows cost 4.1 µs of Python and ctypes where `linear`'s cost 5.3 (a Zen 5)."""
     library = _library()
     code = _activation_code(activation)
     tiles, out_features = packed.tiles, packed.out_features
