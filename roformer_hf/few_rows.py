@@ -1,6 +1,6 @@
 """GEMMs for inputs of few rows: fp32 on CPUs with AVX2 and FMA or with AVX-512 (`linear`, on a weight laid out by
 `pack`), int8 on CPUs with AVX-512 VNNI (`int8_linear`, `pack_int8`) and bf16 on CPUs with AVX-512 bf16
-(`bf16_linear`, `pack_bf16`).
+(`bf16_linear`, `pack_bf16`); and the attention of sequences of few tokens on CPUs with AVX-512 (`attention`).
 
 A short input's dense layers wait on their weights: on an AMD EPYC with AVX2 only, oneDNN's GEMM on a packed weight
 ran the 16 dense calls of a 16-token forward (4 layers of base width) at 70-82 GFLOP/s where a large product runs at
@@ -21,6 +21,10 @@ groups of 4 input features (what one ``vpdpbusd`` sums); `bf16_linear`'s in pair
 float32, rounded to bf16 once. The AVX-512 kernels apply ReLU or GELU (`csrc/gelu_avx512.h`) to their sums before
 storing them.
 
+`attention` (`csrc/few_tokens_attention_avx512.cpp`, AVX-512F) is a short input's self-attention in one call: queries
+and keys rotated, scores, softmax and weighted values for every sequence and head, where the two rotations and SDPA
+call it replaces cost several times its work in dispatch alone (a model's inference on CPU, `plan.few_token_attention`).
+
 A caller that makes many calls with one weight binds the kernel to it once (`bind_linear`, `bind_int8_linear`,
 `bind_bf16_linear`): each call then checks only its input and residual (a model's forward: `fused.one_forward`).
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -45,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,16 +65,19 @@ logger = logging.getLogger(__name__)
 SOURCES = {"AVX2": Path(__file__).with_name("csrc") / "few_rows_avx2.cpp",
            "AVX-512": Path(__file__).with_name("csrc") / "few_rows_avx512.cpp",
            "int8 VNNI": Path(__file__).with_name("csrc") / "few_rows_int8_vnni.cpp",
-           "bf16 AVX-512": Path(__file__).with_name("csrc") / "few_rows_bf16_avx512.cpp"}
+           "bf16 AVX-512": Path(__file__).with_name("csrc") / "few_rows_bf16_avx512.cpp",
+           "attention AVX-512": Path(__file__).with_name("csrc") / "few_tokens_attention_avx512.cpp"}
 TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48, "bf16 AVX-512": 48}
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 EXTRA_FLAGS = {"AVX2": (), "AVX-512": ("-mavx512f",), "int8 VNNI": ("-mavx512f", "-mavx512vnni"),
-               "bf16 AVX-512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")}
+               "bf16 AVX-512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+               "attention AVX-512": ("-mavx512f",)}
 # What each kind needs of the CPU beyond AVX2 and FMA (/proc/cpuinfo's flags), and of the environment: not holding
 # oneDNN below AVX-512 (`ONEDNN_MAX_CPU_ISA`), as one does to run an AVX2-only CPU's paths on an AVX-512 one.
 NEEDS = {"AVX2": (), "AVX-512": ("avx512f",), "int8 VNNI": ("avx512f", "avx512_vnni"),
-         "bf16 AVX-512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")}
-KERNELS = {"fp32": None, "int8": "int8 VNNI", "bf16": "bf16 AVX-512"}  # `_loaded`'s names: fp32's kind is `isa`'s
+         "bf16 AVX-512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "attention AVX-512": ("avx512f",)}
+# `_loaded`'s names: fp32's kind is `isa`'s
+KERNELS = {"fp32": None, "int8": "int8 VNNI", "bf16": "bf16 AVX-512", "attention": "attention AVX-512"}
 INT8_GROUP = 4  # input features one `vpdpbusd` sums per output feature: `pack_int8`'s groups
 # The activations the AVX-512 kernels apply to their sums before storing them (`csrc/gelu_avx512.h`: GELU's erf form,
 # within 3e-7 |x| of the exact value), by their codes.
@@ -321,6 +329,110 @@ def bind_bf16_linear(packed: PackedBF16, bias: Tensor | None, activation: str = 
     return run
 
 
+def attention_available() -> bool:
+    """Whether `attention` runs here: a CPU with AVX-512F (and the environment not holding oneDNN below AVX-512), the
+    kernel built and loaded."""
+    return _loaded("attention")[0] is not None
+
+
+def attention(query: Tensor, key: Tensor, value: Tensor, phases: Tensor | None, lengths: Sequence[int], heads: int,
+              scaling: float, layout: str = "interleaved", rotate_value: bool = False) -> Tensor:
+    """Self-attention of the tokens of sequences of few tokens, rotation included: each sequence's tokens rotated by
+    their `phases` (queries and keys; values too with `rotate_value`) and attending each other, every key visible,
+    with the weights ``softmax(q k^T * scaling)`` (`csrc/few_tokens_attention_avx512.cpp`).
+
+    Args:
+        query: ``(*T, heads * d)`` float32 or bfloat16 on CPU, the ``N = prod(T)`` tokens' queries; each head's ``d``
+            features side by side (a projection's output, or a view of one: tokens a fixed stride apart).
+        key, value: ``(*T, kv_heads * d)``, the same dtype; query head ``h`` reads key/value head
+            ``h // (heads / kv_heads)`` (grouped-query attention).
+        phases: ``(*T, [1,] d/2, 2)`` float32, contiguous: each token's rotation (`rotary.rotary_phases`); ``None``:
+            nothing rotates.
+        lengths: the sequences' lengths, in order (their sum ``N``): sequence ``s`` is the tokens after the first
+            ``sum(lengths[:s])``.
+        heads: query heads.
+        layout: `rotary.rotate`'s pairs, ``"interleaved"`` or ``"half"``.
+
+    Returns:
+        The context ``(*T, heads * d)``, contiguous, in the queries' dtype.
+
+    It has no backward: with autograd recording, inputs that require grad are refused.
+    """
+    return bind_attention(lengths)(query, key, value, phases, heads, scaling, layout, rotate_value)
+
+
+# A self-attention kernel bound to its sequences' lengths (`bind_attention`):
+# run(query, key, value, phases, heads, scaling, layout="interleaved", rotate_value=False).
+AttentionKernel = Callable[..., Tensor]
+
+
+def bind_attention(lengths: Sequence[int]) -> AttentionKernel:
+    """`attention` on sequences of `lengths`, checked and laid out now: ``run(query, key, value, phases, heads,
+    scaling, layout="interleaved", rotate_value=False)``. For a caller whose layers all attend within the same
+    sequences (a model's forward: its attention mask holds one, `masks.create_attention_mask`)."""
+    function = _library("attention").few_token_attention
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lengths):
+        raise ValueError(f"few_rows.attention: lengths must be whole numbers >= 0, got {list(lengths)}")
+    offsets = (ctypes.c_int64 * (len(lengths) + 1))(0, *itertools.accumulate(lengths))
+    tokens, sequences = offsets[-1], len(lengths)
+
+    def run(query: Tensor, key: Tensor, value: Tensor, phases: Tensor | None, heads: int, scaling: float,
+            layout: str = "interleaved", rotate_value: bool = False) -> Tensor:
+        if layout not in ("interleaved", "half"):
+            raise ValueError(f"few_rows.attention: layout={layout!r}; expected 'interleaved' or 'half'")
+        head_dim = query.shape[-1] // heads if heads > 0 else 0
+        kv_heads = key.shape[-1] // head_dim if head_dim else 0
+        multiple = 32 if layout == "half" else 16
+        if not head_dim or head_dim % multiple or query.shape[-1] != heads * head_dim or not kv_heads \
+                or key.shape[-1] != kv_heads * head_dim or heads % kv_heads or value.shape[-1] != key.shape[-1]:
+            raise ValueError(f"few_rows.attention: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                             f"{tuple(value.shape)} must hold {heads} heads of a size that is a multiple of {multiple} "
+                             "(key and value: a number of heads that divides it)")
+        if query.dtype not in (torch.float32, torch.bfloat16) or key.dtype != query.dtype \
+                or value.dtype != query.dtype or not (query.is_cpu and key.is_cpu and value.is_cpu):
+            raise ValueError(f"few_rows.attention: query, key and value must be float32 or bfloat16 on CPU, all "
+                             f"alike, got {query.dtype}, {key.dtype}, {value.dtype} on {query.device}")
+        if not (query.shape[:-1] == key.shape[:-1] == value.shape[:-1]) or math.prod(query.shape[:-1]) != tokens:
+            raise ValueError(f"few_rows.attention: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                             f"{tuple(value.shape)} must hold the {tokens} tokens of the lengths, alike")
+        if phases is not None and (phases.dtype != torch.float32 or not phases.is_cpu or not phases.is_contiguous()
+                                   or phases.numel() != tokens * head_dim):
+            raise ValueError(f"few_rows.attention: phases must be float32 on CPU, contiguous, {head_dim // 2} pairs "
+                             f"for each of the {tokens} tokens, got {tuple(phases.shape)} {phases.dtype}")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            raise RuntimeError("few_rows.attention has no backward: call it under torch.no_grad() or "
+                               "torch.inference_mode(), or use the model's other attention where gradients are needed")
+        (query, q_token), (key, k_token), (value, v_token) = (_token_rows(t) for t in (query, key, value))
+        output = query.new_empty(*query.shape[:-1], heads * head_dim)
+        function(query.data_ptr(), q_token, head_dim, key.data_ptr(), k_token, head_dim, value.data_ptr(), v_token,
+                 head_dim, _address(phases), output.data_ptr(), offsets, sequences, heads, kv_heads, head_dim,
+                 scaling, layout == "half", rotate_value, query.dtype == torch.bfloat16, torch.get_num_threads())
+        return output
+    return run
+
+
+def _token_rows(tensor: Tensor) -> tuple[Tensor, int]:
+    """`tensor` ``(*T, F)`` and the distance between its tokens' rows: its own where each is contiguous and they lie
+    a fixed stride apart (a view of a wider projection), else those of a contiguous copy."""
+    strides, shape = tensor.stride(), tensor.shape
+    if strides[-1] == 1 or shape[-1] == 1:
+        step = None  # the stride between consecutive tokens, from the innermost token dimension out
+        for size, stride in zip(reversed(shape[:-1]), reversed(strides[:-1])):
+            if size == 1:
+                continue
+            if step is None:
+                step = stride
+                expected = stride * size
+            elif stride != expected:
+                break
+            else:
+                expected = stride * size
+        else:
+            return tensor, shape[-1] if step is None else step
+    tensor = tensor.contiguous()
+    return tensor, shape[-1]
+
+
 def _check_operand(function: str, dtype: torch.dtype, name: str, tensor: Tensor | None,
                    shape: tuple[int, ...]) -> None:
     """Refuses, naming it, an operand `function` cannot take: other than `dtype` of its `shape` on CPU."""
@@ -408,6 +520,12 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
         return None, str(error)
     if _openmp_runtimes() != runtimes:
         return None, f"the kernel brought a second OpenMP runtime beside torch's ({openmp})"
+    if kind == "attention AVX-512":
+        function = library.few_token_attention
+        function.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+                             + [ctypes.c_int64] * 4 + [ctypes.c_float] + [ctypes.c_int] * 4)
+        function.restype = None
+        return library, ""
     if kind == "int8 VNNI":
         function, tile = library.few_row_int8_linear, library.few_row_int8_tile
         function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2

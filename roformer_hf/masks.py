@@ -152,6 +152,9 @@ class AttentionMask:
             reads as an encoder's (a prefix-LM whose queries all sit in the prefix).
         queries: in the ``"varlen"`` form, the tokens that are the only queries (`QuerySubset`); ``None``: every token
             of the layout queries.
+        few_tokens: `few_rows.attention` bound to the layout's sequences, which self-attention calls instead of
+            rotating and calling `kernel` (a short input's inference on CPU: `plan.few_token_attention`); ``None``:
+            `kernel`.
     """
 
     layout: BatchLayout
@@ -162,6 +165,7 @@ class AttentionMask:
     kernel: str = "sdpa"
     is_causal: bool = False
     queries: QuerySubset | None = None
+    few_tokens: Callable[..., Tensor] | None = None
 
     @property
     def tensor(self) -> Tensor | None:

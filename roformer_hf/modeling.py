@@ -207,6 +207,11 @@ class RoFormerSelfAttention(nn.Module):
             phases = position_embeddings.for_rotate
             if attention_mask.queries is None:
                 query, key, value = fused_linears((self.query, self.key, self.value), hidden_states)
+                if attention_mask.few_tokens is not None:  # rotation and attention in one call (`few_rows.attention`)
+                    factor = position_embeddings.attention_factor
+                    return attention_mask.few_tokens(query, key, value, position_embeddings.phases, self.num_heads,
+                                                     self.scaling * factor**2, self.rotary_layout,
+                                                     self.rotary_value), None
                 query_phases = phases
             else:  # only some tokens query: (M, nh, d), projected and rotated alone
                 query = fused_linear(self.query, attention_mask.select_queries(hidden_states))

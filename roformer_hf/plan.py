@@ -25,14 +25,18 @@ one (their count in each sequence).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.import_utils import is_tracing
 
+from . import few_rows
 from .cache import CacheState, check_cache, create_cache
-from .kernels import choose_kernel
+from .kernels import SDPA_VARLEN, choose_kernel
 from .masks import AttentionMask, create_attention_mask, query_subset_mask
 from .padding import BatchLayout, layout_reads
 from .validation import (
@@ -146,6 +150,7 @@ class ForwardPlan:
         self_mask = create_attention_mask(layout, kernel, device, causal=causal, past_length=past_length,
                                           key_padding=attention_mask if past_key_values is not None else None,
                                           prefix=prefix)
+        self_mask = few_token_attention(config, self_mask, source, dtype, training, past_key_values)
         cross_mask = None
         if encoder_hidden_states is not None:
             encoder_padding = None if encoder_attention_mask is None else encoder_attention_mask.bool()
@@ -188,3 +193,36 @@ def read_on_host(reads: list[Tensor | None], value_checks: int) -> tuple[list[in
         start += size
     extremes = [value for part in values[:value_checks] for value in part]
     return extremes, *values[value_checks:]
+
+
+# The longest sequence `few_token_attention` sends to `few_rows.attention`: beyond it SDPA's own kernel, which works
+# through the keys in blocks, takes over (benchmarks/RESULTS.md: one attention call, 12 heads of 64).
+FEW_TOKENS_LONGEST = 256
+
+
+def few_token_attention(config, mask: AttentionMask, source: Tensor, dtype: torch.dtype | None, training: bool,
+                        past_key_values: Cache | None) -> AttentionMask:
+    """`mask` with `few_rows.attention` bound to its sequences (`AttentionMask.few_tokens`) where self-attention can
+    run it in place of rotating and calling SDPA: inference on CPU (no autograd, no attention dropout, no autocast, not
+    traced or exported: `source`, the input ids or embeddings, is a real tensor) in float32 or bfloat16, with
+    transformers' SDPA as the attention (not replaced in `ALL_ATTENTION_FUNCTIONS`), every token of each sequence
+    seeing every other (no padding among the keys, no causality, no prefix, no cache), sequences of at most
+    `FEW_TOKENS_LONGEST` tokens, a head size the kernel takes, and the kernel built here (a CPU with AVX-512). At 16
+    tokens one call took a third of the time of the two rotations and SDPA it replaces."""
+    layout = mask.layout
+    multiple = 32 if config.rotary_layout == "half" else 16
+    if (source.device.type != "cpu" or is_tracing(source) or torch.is_grad_enabled() or (training and config.attention_probs_dropout_prob > 0)
+            or dtype not in (torch.float32, torch.bfloat16) or torch.is_autocast_enabled("cpu")
+            or mask.is_causal or mask.dense is not None or not mask.keys_are_queries or past_key_values is not None
+            or ALL_ATTENTION_FUNCTIONS.get("sdpa") is not sdpa_attention_forward or config.head_dim % multiple
+            or not few_rows.attention_available()):
+        return mask
+    if mask.form == "varlen" and mask.queries is None and mask.kernel == SDPA_VARLEN:
+        lengths = layout.seq_lengths
+    elif mask.form == "dense" and mask.kernel == "sdpa" and layout.mode == "dense":
+        lengths = (layout.seq_len,) * layout.batch_size
+    else:
+        return mask
+    if max(lengths, default=0) > FEW_TOKENS_LONGEST:
+        return mask
+    return replace(mask, few_tokens=few_rows.bind_attention(lengths))
