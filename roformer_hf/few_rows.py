@@ -1,6 +1,6 @@
 """GEMMs for inputs of few rows: fp32 on CPUs with AVX2 and FMA or with AVX-512 (`linear`, on a weight laid out by
 `pack`), int8 on CPUs with AVX-512 VNNI (`int8_linear`, `pack_int8`) and bf16 on CPUs with AVX-512 bf16
-(`bf16_linear`, `pack_bf16`); and the attention of sequences of few tokens on CPUs with AVX-512 (`attention`).
+(`bf16_linear`, `pack_bf16`); and the attention of sequences of few tokens (`attention`).
 
 A short input's dense layers wait on their weights: on an AMD EPYC with AVX2 only, oneDNN's GEMM on a packed weight
 ran the 16 dense calls of a 16-token forward (4 layers of base width) at 70-82 GFLOP/s where a large product runs at
@@ -21,7 +21,8 @@ groups of 4 input features (what one ``vpdpbusd`` sums); `bf16_linear`'s in pair
 float32, rounded to bf16 once. The AVX-512 kernels apply ReLU or GELU (`csrc/gelu_avx512.h`) to their sums before
 storing them.
 
-`attention` (`csrc/few_tokens_attention_avx512.cpp`, AVX-512F) is a short input's self-attention in one call: queries
+`attention` (`csrc/few_tokens_attention.cpp`, built for AVX-512 or AVX2 as `isa` says) is a short input's
+self-attention in one call: queries
 and keys rotated, scores, softmax and weighted values for every sequence and head, where the two rotations and SDPA
 call it replaces cost several times its work in dispatch alone (a model's inference on CPU, `plan.few_token_attention`).
 
@@ -66,18 +67,20 @@ SOURCES = {"AVX2": Path(__file__).with_name("csrc") / "few_rows_avx2.cpp",
            "AVX-512": Path(__file__).with_name("csrc") / "few_rows_avx512.cpp",
            "int8 VNNI": Path(__file__).with_name("csrc") / "few_rows_int8_vnni.cpp",
            "bf16 AVX-512": Path(__file__).with_name("csrc") / "few_rows_bf16_avx512.cpp",
-           "attention AVX-512": Path(__file__).with_name("csrc") / "few_tokens_attention_avx512.cpp"}
+           "attention AVX2": Path(__file__).with_name("csrc") / "few_tokens_attention.cpp",
+           "attention AVX-512": Path(__file__).with_name("csrc") / "few_tokens_attention.cpp"}
 TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48, "bf16 AVX-512": 48}
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 EXTRA_FLAGS = {"AVX2": (), "AVX-512": ("-mavx512f",), "int8 VNNI": ("-mavx512f", "-mavx512vnni"),
                "bf16 AVX-512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
-               "attention AVX-512": ("-mavx512f",)}
+               "attention AVX2": (), "attention AVX-512": ("-mavx512f",)}
 # What each kind needs of the CPU beyond AVX2 and FMA (/proc/cpuinfo's flags), and of the environment: not holding
 # oneDNN below AVX-512 (`ONEDNN_MAX_CPU_ISA`), as one does to run an AVX2-only CPU's paths on an AVX-512 one.
 NEEDS = {"AVX2": (), "AVX-512": ("avx512f",), "int8 VNNI": ("avx512f", "avx512_vnni"),
-         "bf16 AVX-512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "attention AVX-512": ("avx512f",)}
-# `_loaded`'s names: fp32's kind is `isa`'s
-KERNELS = {"fp32": None, "int8": "int8 VNNI", "bf16": "bf16 AVX-512", "attention": "attention AVX-512"}
+         "bf16 AVX-512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "attention AVX2": (),
+         "attention AVX-512": ("avx512f",)}
+# `_loaded`'s names: fp32's and attention's kinds are those of `isa`
+KERNELS = {"fp32": None, "int8": "int8 VNNI", "bf16": "bf16 AVX-512", "attention": "attention"}
 INT8_GROUP = 4  # input features one `vpdpbusd` sums per output feature: `pack_int8`'s groups
 # The activations the AVX-512 kernels apply to their sums before storing them (`csrc/gelu_avx512.h`: GELU's erf form,
 # within 3e-7 |x| of the exact value), by their codes.
@@ -122,7 +125,8 @@ def _loaded(kernel: str) -> tuple[ctypes.CDLL | None, str]:
     if kernel not in _state:
         with _lock:
             if kernel not in _state:
-                library, why_not = _load(KERNELS[kernel] or isa())
+                kind = KERNELS[kernel] or isa()
+                library, why_not = _load(f"attention {isa()}" if kind == "attention" else kind)
                 if library is None and not _turned_off() and kernel == "fp32":
                     logger.warning("roformer_hf's few-row GEMM is not available (%s): dense layers of few rows take "
                                    "oneDNN's kernel instead", why_not)
@@ -330,8 +334,7 @@ def bind_bf16_linear(packed: PackedBF16, bias: Tensor | None, activation: str = 
 
 
 def attention_available() -> bool:
-    """Whether `attention` runs here: a CPU with AVX-512F (and the environment not holding oneDNN below AVX-512), the
-    kernel built and loaded."""
+    """Whether `attention` runs here: the kernel built (for `isa`) and loaded."""
     return _loaded("attention")[0] is not None
 
 
@@ -339,7 +342,7 @@ def attention(query: Tensor, key: Tensor, value: Tensor, phases: Tensor | None, 
               scaling: float, layout: str = "interleaved", rotate_value: bool = False) -> Tensor:
     """Self-attention of the tokens of sequences of few tokens, rotation included: each sequence's tokens rotated by
     their `phases` (queries and keys; values too with `rotate_value`) and attending each other, every key visible,
-    with the weights ``softmax(q k^T * scaling)`` (`csrc/few_tokens_attention_avx512.cpp`).
+    with the weights ``softmax(q k^T * scaling)`` (`csrc/few_tokens_attention.cpp`).
 
     Args:
         query: ``(*T, heads * d)`` float32 or bfloat16 on CPU, the ``N = prod(T)`` tokens' queries; each head's ``d``
@@ -490,9 +493,9 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"built on Linux only, not {sys.platform}"
     if not cpu_has("avx2", "fma"):
         return None, "the CPU has no AVX2 and FMA"
-    if kind not in ("AVX2", "AVX-512") and not cpu_has(*NEEDS[kind]):
+    if not cpu_has(*NEEDS[kind]):
         return None, f"the CPU lacks {' or '.join(NEEDS[kind])}, which the {kind} kernel needs"
-    if kind not in ("AVX2", "AVX-512") and held_below_avx512():
+    if "avx512f" in NEEDS[kind] and held_below_avx512():
         return None, "the environment holds oneDNN below AVX-512 (ONEDNN_MAX_CPU_ISA)"
     runtimes = _openmp_runtimes()
     if len(runtimes) != 1:
@@ -520,8 +523,11 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
         return None, str(error)
     if _openmp_runtimes() != runtimes:
         return None, f"the kernel brought a second OpenMP runtime beside torch's ({openmp})"
-    if kind == "attention AVX-512":
-        function = library.few_token_attention
+    if kind.startswith("attention"):
+        function, lanes = library.few_token_attention, library.few_token_lanes
+        lanes.argtypes, lanes.restype = [], ctypes.c_int
+        if lanes() != (16 if kind == "attention AVX-512" else 8):
+            return None, f"{path} holds vectors of {lanes()} floats, not those of {kind}"
         function.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
                              + [ctypes.c_int64] * 4 + [ctypes.c_float] + [ctypes.c_int] * 4)
         function.restype = None

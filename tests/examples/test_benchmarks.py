@@ -138,15 +138,21 @@ def test_onnx_section_knows_what_is_missing():
 
 
 def test_attention_benchmark_reports_both_kernels_in_both_dtypes(script_result):
-    """`bench_attention.py --quick` times SDPA and the explicit form in fp32 and bf16; in fp32 both agree with the
-    float64 computation to fp32 rounding, in bf16 both are off by bf16 rounding (so the error column is measured)."""
+    """`bench_attention.py --quick` times SDPA, the explicit form and, where it is built, `few_rows.attention` in fp32
+    and bf16, and the rotations with SDPA against `few_rows.attention` rotating itself; in fp32 all agree with the
+    float64 computation to fp32 rounding, in bf16 all are off by bf16 rounding (so the error column is measured)."""
+    from roformer_hf import few_rows
+
     result = script_result
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): float(line.split("|")[6])
             for line in result.stdout.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))}
-    assert set(rows) == {(dtype, kernel) for dtype in ("fp32", "bf16") for kernel in ("SDPA", "explicit (eager)")}
-    assert all(rows["fp32", kernel] < 1e-5 for kernel in ("SDPA", "explicit (eager)"))
-    assert all(1e-4 < rows["bf16", kernel] < 5e-2 for kernel in ("SDPA", "explicit (eager)"))
+    kernels = ["SDPA", "explicit (eager)", "rotations + SDPA"]
+    if few_rows.attention_available():
+        kernels += ["few_rows.attention", "few_rows.attention, rotation included"]
+    assert set(rows) == {(dtype, kernel) for dtype in ("fp32", "bf16") for kernel in kernels}
+    assert all(rows["fp32", kernel] < 1e-5 for kernel in kernels)
+    assert all(1e-4 < rows["bf16", kernel] < 5e-2 for kernel in kernels)
 
 
 def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_result):

@@ -84,6 +84,28 @@ def test_in_bf16_it_is_the_float64_result_rounded_once(seed):
     assert ((ours.double() - expected).abs() <= expected.abs() * 2**-8 + 1e-6).all()
 
 
+@pytest.mark.skipif(few_rows.isa() != "AVX-512", reason="no AVX-512 here: the kernel's one build is AVX2's")
+def test_the_avx2_build_is_the_closed_form_too(monkeypatch, tmp_path):
+    """With oneDNN held below AVX-512 the kernel is built for AVX2 (8 floats a vector, as on a CPU without AVX-512):
+    on both builds, every layout of the head against the closed form, in float32 and in bf16."""
+    monkeypatch.setattr(few_rows, "_state", {})
+    monkeypatch.setenv("ROFORMER_HF_CACHE", str(tmp_path))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert few_rows.isa() == "AVX2" and few_rows.attention_available()
+    assert few_rows._library("attention").few_token_lanes() == 8
+    for seed in range(12):
+        dtype = torch.bfloat16 if seed % 3 == 2 else torch.float32
+        query, key, value, positions, lengths, heads, layout, rotate_value, scaling = random_case(seed, dtype)
+        d = query.shape[-1] // heads
+        ours = few_rows.attention(query, key, value, rotary_phases(positions, inverse_frequencies(d)), lengths, heads,
+                                  scaling, layout, rotate_value)
+        expected = closed_form(query, key, value, positions, lengths, heads, scaling, layout, rotate_value)
+        if dtype == torch.float32:
+            torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=2e-6)
+        else:
+            assert ((ours.double() - expected).abs() <= expected.abs() * 2**-8 + 1e-6).all()
+
+
 @needs_kernel
 def test_large_scores_stay_finite_and_exact():
     query, key, value, positions, lengths, heads, layout, rotate_value, scaling = random_case(3, torch.float32)
