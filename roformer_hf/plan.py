@@ -14,7 +14,8 @@ layers as transformers' Llama does; the layers only read what the plan decided. 
   are filled); made (`cache.create_cache`) when ``use_cache`` asks for one.
 
 The kernel is chosen once (`kernels.choose_kernel`) and the masks rendered once in the form it takes
-(`masks.create_attention_mask`). A head that reads a few tokens only (a masked LM in training with
+(`masks.create_attention_mask`); where a short input's self-attention can run in one call, rotation included, the
+mask carries that call bound to its sequences (`few_token_attention`). A head that reads a few tokens only (a masked LM in training with
 `sparse_prediction`) passes them as ``read_tokens``: where the forward allows, the last layer's queries are those
 tokens alone (`masks.query_subset_mask`), since no other token's last state is read. Everything the plan must know
 of the inputs' values (ids in range, the mask's lengths, packed offsets, a prefix-LM's segments) comes to the host
@@ -207,7 +208,7 @@ def few_token_attention(config, mask: AttentionMask, source: Tensor, dtype: torc
     traced or exported: `source`, the input ids or embeddings, is a real tensor) in float32 or bfloat16, with
     transformers' SDPA as the attention (not replaced in `ALL_ATTENTION_FUNCTIONS`), every token of each sequence
     seeing every other (no padding among the keys, no causality, no prefix, no cache), sequences of at most
-    `FEW_TOKENS_LONGEST` tokens, a head size the kernel takes, and the kernel built here (a CPU with AVX-512). At 16
+    `FEW_TOKENS_LONGEST` tokens, a head size the kernel takes, and the kernel built here (AVX2 and FMA, or AVX-512). At 16
     tokens one call took a third of the time of the two rotations and SDPA it replaces."""
     layout = mask.layout
     multiple = 32 if config.rotary_layout == "half" else 16
