@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import padded_batch, rotary_cos_sin, rotate_pairs, tiny_config
+from helpers import padded_batch, reference_and_ours, rotary_cos_sin, rotate_pairs, tiny_config
 from transformers.modeling_utils import AttentionInterface
 
 from roformer_hf import RoFormerForCausalLM, RoFormerModel, few_rows, plan
@@ -191,6 +191,14 @@ def without_it(monkeypatch):
     monkeypatch.setattr(plan, "FEW_TOKENS_LONGEST", -1)
 
 
+def sharpened(model):
+    """The queries' and keys' weights scaled up, in place: scores of several units, as a trained model's, rather than
+    the near-uniform weights of a fresh one, which hide a wrong scaling or rotation."""
+    for name, parameter in model.named_parameters():
+        if name.endswith(("self.query.weight", "self.key.weight")):
+            parameter.mul_(6)
+
+
 @needs_kernel
 @pytest.mark.parametrize("seed", range(12))
 def test_a_models_forward_with_it_agrees_with_sdpas_path(seed, counted, monkeypatch):
@@ -201,6 +209,8 @@ def test_a_models_forward_with_it_agrees_with_sdpas_path(seed, counted, monkeypa
                          rotary_value=rng.random() < 0.3, norm_position=rng.choice(["post", "pre"]),
                          unpad_inputs=rng.random() < 0.8)
     model = RoFormerModel(config).eval()
+    with torch.no_grad():
+        sharpened(model)
     dtype = rng.choice([torch.float32, torch.bfloat16])
     model = model.to(dtype)
     lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 4))]
@@ -219,6 +229,23 @@ def test_a_models_forward_with_it_agrees_with_sdpas_path(seed, counted, monkeypa
     real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
     tolerance = {"rtol": 1.6e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 2e-5}
     torch.testing.assert_close(ours[real].float(), reference[real].float(), **tolerance)
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", [{}, {"rotary_value": True}, {"embedding_size": 24}])
+@pytest.mark.parametrize("head", ["RoFormerModel", "RoFormerForMaskedLM"])
+def test_with_it_the_outputs_are_transformers_roformers(tmp_path, head, variant, counted):
+    """Against an independent implementation: transformers' RoFormer on the same weights, with heads of 16 (which the
+    kernel takes), a padded batch and one sentence alone."""
+    reference, ours = reference_and_ours(head, tmp_path, hidden_size=64, **variant)
+    ids, mask = padded_batch([20, 13, 7, 1])
+    with torch.no_grad():
+        for model in (reference, ours):
+            sharpened(model)
+        for batch, batch_mask in ((ids, mask), (ids[:1], mask[:1])):
+            expected, actual = reference(batch, attention_mask=batch_mask)[0], ours(batch, attention_mask=batch_mask)[0]
+            assert (actual - expected).abs()[batch_mask.bool()].max() < 1e-5
+    assert len(counted) == 2 * ours.config.num_hidden_layers
 
 
 def replaced_sdpa(module, query, key, value, attention_mask, **kwargs):
