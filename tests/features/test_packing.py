@@ -37,13 +37,14 @@ HEADS = [(RoFormerForMaskedLM, "logits"), (RoFormerForTokenClassification, "logi
          (RoFormerModel, "last_hidden_state")]
 
 
+@pytest.mark.parametrize("hidden", [32, 64], ids=["heads of 8", "heads of 16"])  # 16: few_rows.attention's, on CPU
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("unpad", [True, False])
 @pytest.mark.parametrize("boundaries", ["position_ids", "cu_seq_lens"])
 @pytest.mark.parametrize("head, field", HEADS, ids=lambda x: getattr(x, "__name__", x))
-def test_each_packed_sequence_equals_the_sequence_alone(head, field, boundaries, unpad, attn):
+def test_each_packed_sequence_equals_the_sequence_alone(head, field, boundaries, unpad, attn, hidden):
     torch.manual_seed(0)
-    model = head(tiny_config(num_labels=3, unpad_inputs=unpad, attn_implementation=attn,
+    model = head(tiny_config(num_labels=3, unpad_inputs=unpad, attn_implementation=attn, hidden_size=hidden,
                              initializer_range=0.2)).eval()  # wide weights: crossing a boundary shows
     run = per_token_outputs(model, field)
     sequences, ids, positions, offsets = packed_row()
