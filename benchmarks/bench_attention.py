@@ -139,7 +139,7 @@ def main() -> None:
             phases = [phases_of(q) for q, _, _ in batch]
             runners = {kernel: (lambda f=f: time_once(lambda: [f(q, k, v) for q, k, v in batch]))
                        for kernel, f in KERNELS.items()}
-            runners.update({kernel: (lambda f=f: time_once(lambda: [f(q, k, v, p) for (q, k, v), p in zip(batch, phases)]))
+            runners.update({kernel: (lambda f=f: time_once(lambda: [f(*qkv, p) for qkv, p in zip(batch, phases)]))
                             for kernel, f in ROTATING.items()})
             times = time_interleaved(runners, args.warmup, args.repeats)
             for kernel, f in {**KERNELS, **ROTATING}.items():
@@ -165,7 +165,8 @@ def forwards(args: argparse.Namespace) -> None:
     ids, mask = batches(sentences(8, 32, args.short, args.vocab, args.seed), args.short)[0]
     inputs.append((f"{args.short} short sentences (8-32 tokens, padding skipped)", (ids, mask)))
     longest = plan.FEW_TOKENS_LONGEST
-    print(f"\n### The forward with few_rows.attention and without it (SDPA): {args.layers} layers, hidden {args.hidden}, "
+    print(f"\n### The forward with few_rows.attention and without it (SDPA): {args.layers} layers, "
+          f"hidden {args.hidden}, "
           f"{args.heads} heads; few_rows.attention up to {longest} tokens\n")
     print("| precision | input | with (ms) | without (ms) | with / without |")
     print("|---|---|---|---|---|")

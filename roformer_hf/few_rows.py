@@ -22,9 +22,9 @@ float32, rounded to bf16 once. The AVX-512 kernels apply ReLU or GELU (`csrc/gel
 storing them.
 
 `attention` (`csrc/few_tokens_attention.cpp`, built for AVX-512 or AVX2 as `isa` says) is a short input's
-self-attention in one call: queries
-and keys rotated, scores, softmax and weighted values for every sequence and head, where the two rotations and SDPA
-call it replaces cost several times its work in dispatch alone (a model's inference on CPU, `plan.few_token_attention`).
+self-attention in one call: queries and keys rotated, scores, softmax and weighted values for every sequence and head,
+where the two rotations and SDPA call it replaces cost several times its work in dispatch alone (a model's inference
+on CPU, `plan.few_token_attention`).
 
 A caller that makes many calls with one weight binds the kernel to it once (`bind_linear`, `bind_int8_linear`,
 `bind_bf16_linear`): each call then checks only its input and residual (a model's forward: `fused.one_forward`).

@@ -15,13 +15,13 @@ layers as transformers' Llama does; the layers only read what the plan decided. 
 
 The kernel is chosen once (`kernels.choose_kernel`) and the masks rendered once in the form it takes
 (`masks.create_attention_mask`); where a short input's self-attention can run in one call, rotation included, the
-mask carries that call bound to its sequences (`few_token_attention`). A head that reads a few tokens only (a masked LM in training with
-`sparse_prediction`) passes them as ``read_tokens``: where the forward allows, the last layer's queries are those
-tokens alone (`masks.query_subset_mask`), since no other token's last state is read. Everything the plan must know
-of the inputs' values (ids in range, the mask's lengths, packed offsets, a prefix-LM's segments) comes to the host
-in one copy: one host sync per forward. Packed rows found from ``position_ids`` take a second (their offsets), the
-``"longrope"`` rope type one inside transformers' frequencies, labels one in the heads' checks, and ``read_tokens``
-one (their count in each sequence).
+mask carries that call bound to its sequences (`few_token_attention`). A head that reads a few tokens only (a masked
+LM in training with `sparse_prediction`) passes them as ``read_tokens``: where the forward allows, the last layer's
+queries are those tokens alone (`masks.query_subset_mask`), since no other token's last state is read. Everything the
+plan must know of the inputs' values (ids in range, the mask's lengths, packed offsets, a prefix-LM's segments) comes
+to the host in one copy: one host sync per forward. Packed rows found from ``position_ids`` take a second (their
+offsets), the ``"longrope"`` rope type one inside transformers' frequencies, labels one in the heads' checks, and
+``read_tokens`` one (their count in each sequence).
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ def read_on_host(reads: list[Tensor | None], value_checks: int) -> tuple[list[in
 
 
 # The longest sequence `few_token_attention` sends to `few_rows.attention`: beyond it SDPA's own kernel, which works
-# through the keys in blocks, takes over (benchmarks/RESULTS.md: one attention call, 12 heads of 64).
+# through the keys in blocks, takes over. On a Zen 5 a forward with it took 0.88-0.96x the time up to 256 tokens,
+# 0.91x at 512, 0.97x at 1024 and 1.12x at 2048 (benchmarks/RESULTS.md); 256 leaves other CPUs a margin.
 FEW_TOKENS_LONGEST = 256
 
 
@@ -208,11 +209,12 @@ def few_token_attention(config, mask: AttentionMask, source: Tensor, dtype: torc
     traced or exported: `source`, the input ids or embeddings, is a real tensor) in float32 or bfloat16, with
     transformers' SDPA as the attention (not replaced in `ALL_ATTENTION_FUNCTIONS`), every token of each sequence
     seeing every other (no padding among the keys, no causality, no prefix, no cache), sequences of at most
-    `FEW_TOKENS_LONGEST` tokens, a head size the kernel takes, and the kernel built here (AVX2 and FMA, or AVX-512). At 16
-    tokens one call took a third of the time of the two rotations and SDPA it replaces."""
+    `FEW_TOKENS_LONGEST` tokens, a head size the kernel takes, and the kernel built here (AVX2 and FMA, or AVX-512).
+    On a Zen 5 at 16 tokens a call took 0.47-0.68x the time of the two rotations and SDPA call it replaces."""
     layout = mask.layout
     multiple = 32 if config.rotary_layout == "half" else 16
-    if (source.device.type != "cpu" or is_tracing(source) or torch.is_grad_enabled() or (training and config.attention_probs_dropout_prob > 0)
+    if (source.device.type != "cpu" or is_tracing(source) or torch.is_grad_enabled()
+            or (training and config.attention_probs_dropout_prob > 0)
             or dtype not in (torch.float32, torch.bfloat16) or torch.is_autocast_enabled("cpu")
             or mask.is_causal or mask.dense is not None or not mask.keys_are_queries or past_key_values is not None
             or ALL_ATTENTION_FUNCTIONS.get("sdpa") is not sdpa_attention_forward or config.head_dim % multiple
