@@ -19,7 +19,8 @@ same arithmetic as SDPA's rows) and with it, against the rotations and SDPA call
 
 `--forward` also times a model's forward (`--layers`, `--hidden`, ... of the CPU benchmark; one sequence of each
 length, then `--short` sentences of 8-32 tokens in one batch, their padding skipped) with `few_rows.attention` and
-without it (SDPA: `plan.FEW_TOKENS_LONGEST` set to -1), interleaved, in fp32, bf16 and int8 (`quantize_int8`).
+without it (SDPA: `plan.FEW_TOKENS_LONGEST` set to -1), interleaved, at each of `--precisions` (default: those the CPU
+computes natively; int8 is `quantize_int8`'s). ``--short 0`` leaves the short sentences out.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from statistics import median
 import torch
 import torch.nn.functional as F
 from bench_embeddings import batches, sentences
-from common import machine_lines, spread, time_interleaved, time_once
+from common import machine_lines, native_precisions, spread, time_interleaved, time_once
 from workload import DTYPES, add_size_arguments, parse_args
 
 from roformer_hf import RoFormerConfig, RoFormerModel, few_rows, plan
@@ -120,7 +121,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--forward", action="store_true", help="also time the model's forwards with and without "
                         "few_rows.attention")
-    parser.add_argument("--short", type=int, default=32, help="short sentences in the --forward batch")
+    parser.add_argument("--short", type=int, default=32, help="short sentences in the --forward batch (0: none)")
+    parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16", "int8"), default=native_precisions(),
+                        help="the --forward models' precisions (default: those this CPU computes natively, "
+                        "%(default)s)")
     args = parse_args(parser, lengths=(64, 48, 32), heads=2, head_dim=16, repeats=2, short=4)
     if unknown := set(args.dtypes.split(",")) - set(DTYPES):
         parser.error(f"--dtypes {args.dtypes}: unknown {sorted(unknown)}; expected some of {', '.join(DTYPES)}")
@@ -160,10 +164,13 @@ def forwards(args: argparse.Namespace) -> None:
                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(args.seed)
     fp32 = RoFormerModel(config).eval()
-    models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16), "int8": quantize_int8(copy.deepcopy(fp32))}
+    made = {"fp32": lambda: fp32, "bf16": lambda: copy.deepcopy(fp32).to(torch.bfloat16),
+            "int8": lambda: quantize_int8(copy.deepcopy(fp32))}
+    models = {precision: made[precision]() for precision in args.precisions}
     inputs = [(f"one sentence of {n} tokens", torch.randint(5, args.vocab, (1, n))) for n in args.lengths]
-    ids, mask = batches(sentences(8, 32, args.short, args.vocab, args.seed), args.short)[0]
-    inputs.append((f"{args.short} short sentences (8-32 tokens, padding skipped)", (ids, mask)))
+    if args.short:
+        ids, mask = batches(sentences(8, 32, args.short, args.vocab, args.seed), args.short)[0]
+        inputs.append((f"{args.short} short sentences (8-32 tokens, padding skipped)", (ids, mask)))
     longest = plan.FEW_TOKENS_LONGEST
     print(f"\n### The forward with few_rows.attention and without it (SDPA): {args.layers} layers, "
           f"hidden {args.hidden}, "

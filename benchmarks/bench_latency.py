@@ -51,7 +51,7 @@ from statistics import median
 
 import torch
 from bench_embeddings import SETS, batches, sentences
-from common import available_cores, machine_lines, progress, time_interleaved, time_once, verdict
+from common import available_cores, machine_lines, native_precisions, progress, time_interleaved, time_once, verdict
 from workload import add_size_arguments, forward_flops, padded_batch, parse_args, size_of, transformers_config
 
 import roformer_hf  # after workload, which puts this checkout first on sys.path
@@ -111,11 +111,6 @@ def static_int8(model: torch.nn.Module, calibration: list[tuple[torch.Tensor, to
 
 PRECISIONS = ("fp32", "bf16", "int8")
 OPENVINO_HINTS = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}  # int8: the ops nncf left unquantized, as ours
-
-
-def native_precisions() -> list[str]:
-    """The precisions this CPU computes natively: fp32; bf16 with AVX-512 bf16 or AMX (oneDNN's bf16 GEMMs); int8."""
-    return ["fp32", *(["bf16"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else []), "int8"]
 
 
 class OpenVinoModel:

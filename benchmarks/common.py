@@ -99,6 +99,11 @@ def cpu_bf16_units() -> str:
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
+def native_precisions() -> list[str]:
+    """The precisions this CPU computes natively: fp32; bf16 with AVX-512 bf16 or AMX (oneDNN's bf16 GEMMs); int8."""
+    return ["fp32", *(["bf16"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else []), "int8"]
+
+
 def available_cores() -> int:
     """The cores this process may run on (its affinity mask where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -198,7 +198,8 @@ def read_on_host(reads: list[Tensor | None], value_checks: int) -> tuple[list[in
 
 # The longest sequence `few_token_attention` sends to `few_rows.attention`: beyond it SDPA's own kernel, which works
 # through the keys in blocks, takes over. On a Zen 5 a forward with it took 0.88-0.96x the time up to 256 tokens,
-# 0.91x at 512, 0.97x at 1024 and 1.12x at 2048 (benchmarks/RESULTS.md); 256 leaves other CPUs a margin.
+# 0.91x at 512, 0.97x at 1024 and 1.12x at 2048; on an AVX2 EPYC (Zen 3) one layer's attention took 0.69-0.93x the
+# time of the rotations and SDPA at 32-256 tokens (benchmarks/RESULTS.md).
 FEW_TOKENS_LONGEST = 256
 
 

@@ -236,7 +236,28 @@ inline void with_queries(int64_t count, F&& f) {
 template <int R>
 inline void scores(const float* queries, const float* keys, int64_t d, int64_t n, int64_t width, float scaling,
                    float* weights) {
-  for (int64_t b = 0; b < width; b += kLanes) {
+  int64_t b = 0;
+#ifndef __AVX512F__
+  // With 16 registers, two vectors of keys at a time, one run of sums each: each broadcast query entry serves two
+  // products, where one vector's two runs would take a load for every product.
+  for (; b + 2 * kLanes <= width; b += 2 * kLanes) {
+    V low[R], high[R];
+    for (int r = 0; r < R; ++r) low[r] = high[r] = zero();
+    for (int64_t t = 0; t < d; ++t) {
+      const V k0 = load(keys + t * width + b), k1 = load(keys + t * width + b + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const V q = set1(queries[r * d + t]);
+        low[r] = fmadd(q, k0, low[r]);
+        high[r] = fmadd(q, k1, high[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      store(weights + r * width + b, first_lanes(mul(low[r], set1(scaling)), n - b));
+      store(weights + r * width + b + kLanes, first_lanes(mul(high[r], set1(scaling)), n - b - kLanes));
+    }
+  }
+#endif
+  for (; b < width; b += kLanes) {
     V even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = zero();
     for (int64_t t = 0; t < d; t += 2) {
@@ -266,29 +287,31 @@ inline void softmax(float* row, int64_t width) {
   for (int64_t b = 0; b < width; b += kLanes) store(row + b, mul(load(row + b), inverse));
 }
 
+// The vectors of head dimensions `weighted` sums at once: R x kBlock sums, kBlock values and a broadcast weight fit
+// the registers (32 with AVX-512, 16 with AVX2).
+constexpr int kBlock = kLanes == 16 ? 4 : 2;
+
 // R rows of weights (R, width) times the values (n, d), summed in order of the keys, into R rows of `out` (a row
-// every `stride` elements), four vectors of dimensions at a time, then one.
+// every `stride` elements), kBlock vectors of dimensions at a time, then one.
 template <int R, typename T>
 inline void weighted(const float* weights, const float* values, int64_t d, int64_t n, int64_t width, T* out,
                      int64_t stride) {
   int64_t c = 0;
-  for (; c + 4 * kLanes <= d; c += 4 * kLanes) {
-    V sums[R][4];
+  for (; c + kBlock * kLanes <= d; c += kBlock * kLanes) {
+    V sums[R][kBlock];
     for (int r = 0; r < R; ++r)
-      for (int u = 0; u < 4; ++u) sums[r][u] = zero();
+      for (int u = 0; u < kBlock; ++u) sums[r][u] = zero();
     for (int64_t j = 0; j < n; ++j) {
       const float* value = values + j * d + c;
-      const V v0 = load(value), v1 = load(value + kLanes), v2 = load(value + 2 * kLanes), v3 = load(value + 3 * kLanes);
+      V v[kBlock];
+      for (int u = 0; u < kBlock; ++u) v[u] = load(value + u * kLanes);
       for (int r = 0; r < R; ++r) {
         const V w = set1(weights[r * width + j]);
-        sums[r][0] = fmadd(w, v0, sums[r][0]);
-        sums[r][1] = fmadd(w, v1, sums[r][1]);
-        sums[r][2] = fmadd(w, v2, sums[r][2]);
-        sums[r][3] = fmadd(w, v3, sums[r][3]);
+        for (int u = 0; u < kBlock; ++u) sums[r][u] = fmadd(w, v[u], sums[r][u]);
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int u = 0; u < 4; ++u) store(out + r * stride + c + u * kLanes, sums[r][u]);
+      for (int u = 0; u < kBlock; ++u) store(out + r * stride + c + u * kLanes, sums[r][u]);
   }
   for (; c < d; c += kLanes) {
     V sums[R];
