@@ -27,8 +27,8 @@ runtime the latency target names. In fp32 roformer_hf's calls also run under eac
 (`fused.DenseRule`), in the same turns: whether this CPU's rule is the fastest of them here. A layer timed alone keeps
 its weight in the caches call after call; in a row, each reads its weight from memory, as a forward does, so the
 rules are judged on the calls in a row. In int8 the chain also runs on each of `Int8Linear`'s kernels at every row
-count, fbgemm's on weights packed once, oneDNN's and `few_rows`' VNNI kernel where it is available: the
-measurements behind `quantization.few_row_limit` and `quantization.vnni_row_limit`.
+count, fbgemm's on weights packed once, oneDNN's and `few_rows`' int8 kernel (VNNI or AVX2) where it is available: the
+measurements behind `quantization.few_row_limit` and `quantization.few_rows_int8_limit`.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class DenseChain(torch.nn.Module):
 
 CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after one untimed: its weights as a server keeps them
 CHAIN_PATHS = ("roformer_hf", "nn.Linear (MKL)", "OpenVINO")
-INT8_KERNELS = ("oneDNN", "fbgemm", "VNNI few rows")  # `Int8Linear`'s kernels, timed apart in int8
+INT8_KERNELS = ("oneDNN", "fbgemm", "few rows")  # `Int8Linear`'s kernels, timed apart in int8
 BF16_KERNELS = ("oneDNN packed", "few rows")  # bf16's, where `few_rows`' bf16 kernel is available
 # Each CPU kind's `fused.DenseRule`, and those that take `few_rows`' kernel as they are where it cannot be built.
 RULES = (*fused.RULES, *(dataclasses.replace(rule, cpu=f"{rule.cpu}, without few rows", few_rows_max_rows=0)
@@ -126,28 +126,28 @@ RULES = (*fused.RULES, *(dataclasses.replace(rule, cpu=f"{rule.cpu}, without few
 
 
 def under_int8_limit(limit: float, call, vnni_rows: float = 0):
-    """`call` with `Int8Linear` taking `few_rows`' VNNI kernel up to `vnni_rows` rows (`quantization.VNNI_ROWS`),
+    """`call` with `Int8Linear` taking `few_rows`' int8 kernel up to `vnni_rows` rows (`quantization.FEW_ROWS_INT8_ROWS`),
     fbgemm's kernel below `limit` rows past those (`quantization.SMALL_BATCH_ROWS`) and oneDNN's beyond, in place of
     this CPU's limits; the layers must hold every kernel's copies (`int8_with_fbgemm`)."""
     def run():
-        mine = quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS
-        quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS = limit, vnni_rows
+        mine = quantization.SMALL_BATCH_ROWS, quantization.FEW_ROWS_INT8_ROWS
+        quantization.SMALL_BATCH_ROWS, quantization.FEW_ROWS_INT8_ROWS = limit, vnni_rows
         try:
             return call()
         finally:
-            quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS = mine
+            quantization.SMALL_BATCH_ROWS, quantization.FEW_ROWS_INT8_ROWS = mine
     return run
 
 
 def int8_with_fbgemm(chain: DenseChain) -> DenseChain:
-    """`chain` quantized by `quantize_int8` with fbgemm's packed copies of the weights (and the VNNI kernel's, where
+    """`chain` quantized by `quantize_int8` with fbgemm's packed copies of the weights (and `few_rows`' int8 kernel's, where
     it is available) beside oneDNN's, whatever this CPU's limits: any kernel at any row count (`under_int8_limit`)."""
-    mine = quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS
-    quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS = math.inf, 1
+    mine = quantization.SMALL_BATCH_ROWS, quantization.FEW_ROWS_INT8_ROWS
+    quantization.SMALL_BATCH_ROWS, quantization.FEW_ROWS_INT8_ROWS = math.inf, 1
     try:
         return quantize_int8(copy.deepcopy(chain))
     finally:
-        quantization.SMALL_BATCH_ROWS, quantization.VNNI_ROWS = mine
+        quantization.SMALL_BATCH_ROWS, quantization.FEW_ROWS_INT8_ROWS = mine
 
 
 def under_rule(rule: fused.DenseRule, call):
@@ -198,7 +198,7 @@ def chain_times(size, layers: int, rows: int, precision: str, repeats: int,
         calls.update({f"int8: {name}": under_int8_limit(limit, lambda: both(x))
                       for name, limit in (("oneDNN", 0), ("fbgemm", math.inf))})
         if few_rows.int8_available():
-            calls["int8: VNNI few rows"] = under_int8_limit(0, lambda: both(x), vnni_rows=math.inf)
+            calls["int8: few rows"] = under_int8_limit(0, lambda: both(x), vnni_rows=math.inf)
     elif precision == "bf16":  # plain `nn.Linear` in bf16 is oneDNN's kernel already: no MKL path to time
         cast, x_bf16 = copy.deepcopy(chain).to(torch.bfloat16), x.bfloat16()
         calls["roformer_hf"] = lambda: cast(x_bf16).float()
@@ -319,8 +319,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"| {rows} | " + " | ".join(f"{time:.3f} ({time / min(times):.2f}x)" for time in times) + " |")
         if by_int8:
             print(f"\nThe int8 calls in a row on each kernel (ms, from the same turns), each over the fastest; this CPU "
-                  f"gives `few_rows`' VNNI kernel the calls of up to {quantization.VNNI_ROWS} rows "
-                  f"(`quantization.vnni_row_limit`), fbgemm's those of fewer than {quantization.SMALL_BATCH_ROWS} "
+                  f"gives `few_rows`' int8 kernel the calls of up to {quantization.FEW_ROWS_INT8_ROWS} rows "
+                  f"(`quantization.few_rows_int8_limit`), fbgemm's those of fewer than {quantization.SMALL_BATCH_ROWS} "
                   "past them (`quantization.few_row_limit`), oneDNN's the rest:\n")
             print("| rows | " + " | ".join(INT8_KERNELS) + " |\n|---|" + "---|" * len(INT8_KERNELS))
             for rows, times in by_int8.items():

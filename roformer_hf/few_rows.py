@@ -1,5 +1,5 @@
 """GEMMs for inputs of few rows: fp32 on CPUs with AVX2 and FMA or with AVX-512 (`linear`, on a weight laid out by
-`pack`), int8 on CPUs with AVX-512 VNNI (`int8_linear`, `pack_int8`) and bf16 on CPUs with AVX-512 bf16
+`pack`), int8 on CPUs with AVX-512 VNNI or AVX2 (`int8_linear`, `pack_int8`) and bf16 on CPUs with AVX-512 bf16
 (`bf16_linear`, `pack_bf16`); and the attention of sequences of few tokens (`attention`).
 
 A short input's dense layers wait on their weights: on an AMD EPYC with AVX2 only, oneDNN's GEMM on a packed weight
@@ -13,13 +13,15 @@ while the next block streams in. Either way each output is summed over the input
 number of rows from 2 up: the same bits in both, and a row's result does not depend on the rows beside it. One row
 alone (a decoding step) is summed in interleaved runs, an order of its own.
 
-`int8_linear` (`csrc/few_rows_int8_vnni.cpp`) does in one call what `quantization.Int8Linear` does in four on
-oneDNN's path: the input's range, its quantization to uint8 (the same bytes as `quantization.quantize_activations`),
-the integer product (exact: the same sums as oneDNN's and fbgemm's kernels), and the rescaling with the bias, the
-residual or the activation. Its weight lies as the AVX-512 fp32 kernel's does, in panels of 48 output features, in
-groups of 4 input features (what one ``vpdpbusd`` sums); `bf16_linear`'s in pairs (``vdpbf16ps``), its sums in
-float32, rounded to bf16 once. The AVX-512 kernels apply ReLU or GELU (`csrc/gelu_avx512.h`) to their sums before
-storing them.
+`int8_linear` (`csrc/few_rows_int8_vnni.cpp`; without VNNI `csrc/few_rows_int8_avx2.cpp`) does in one call what
+`quantization.Int8Linear` does in four on oneDNN's path: the input's range, its quantization to uint8 (the same bytes
+as `quantization.quantize_activations`), the integer product (exact: the same sums as oneDNN's and fbgemm's kernels),
+and the rescaling with the bias, the residual or the activation. Its weight lies as the AVX-512 fp32 kernel's does, in
+panels of 48 output features, in groups of 4 input features (what one ``vpdpbusd`` sums; with AVX2, ``vpmaddubsw``
+and ``vpmaddwd``, whose int16 sums of neighbouring products hold only weights whose neighbours of one sign add to at
+most 128 in magnitude: `int8_exact`); `bf16_linear`'s in pairs (``vdpbf16ps``), its sums in float32, rounded to bf16
+once. The AVX-512 kernels apply ReLU or GELU (`csrc/gelu_avx512.h`) to their sums before storing them; after the AVX2
+ones GELU is torch's, in place.
 
 `attention` (`csrc/few_tokens_attention.cpp`, built for AVX-512 or AVX2 as `isa` says) is a short input's
 self-attention in one call: queries and keys rotated, scores, softmax and weighted values for every sequence and head,
@@ -66,21 +68,22 @@ logger = logging.getLogger(__name__)
 SOURCES = {"AVX2": Path(__file__).with_name("csrc") / "few_rows_avx2.cpp",
            "AVX-512": Path(__file__).with_name("csrc") / "few_rows_avx512.cpp",
            "int8 VNNI": Path(__file__).with_name("csrc") / "few_rows_int8_vnni.cpp",
+           "int8 AVX2": Path(__file__).with_name("csrc") / "few_rows_int8_avx2.cpp",
            "bf16 AVX-512": Path(__file__).with_name("csrc") / "few_rows_bf16_avx512.cpp",
            "attention AVX2": Path(__file__).with_name("csrc") / "few_tokens_attention.cpp",
            "attention AVX-512": Path(__file__).with_name("csrc") / "few_tokens_attention.cpp"}
-TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48, "bf16 AVX-512": 48}
+TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48, "int8 AVX2": 48, "bf16 AVX-512": 48}
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
-EXTRA_FLAGS = {"AVX2": (), "AVX-512": ("-mavx512f",), "int8 VNNI": ("-mavx512f", "-mavx512vnni"),
+EXTRA_FLAGS = {"AVX2": (), "AVX-512": ("-mavx512f",), "int8 VNNI": ("-mavx512f", "-mavx512vnni"), "int8 AVX2": (),
                "bf16 AVX-512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
                "attention AVX2": (), "attention AVX-512": ("-mavx512f",)}
 # What each kind needs of the CPU beyond AVX2 and FMA (/proc/cpuinfo's flags), and of the environment: not holding
 # oneDNN below AVX-512 (`ONEDNN_MAX_CPU_ISA`), as one does to run an AVX2-only CPU's paths on an AVX-512 one.
-NEEDS = {"AVX2": (), "AVX-512": ("avx512f",), "int8 VNNI": ("avx512f", "avx512_vnni"),
+NEEDS = {"AVX2": (), "AVX-512": ("avx512f",), "int8 VNNI": ("avx512f", "avx512_vnni"), "int8 AVX2": (),
          "bf16 AVX-512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "attention AVX2": (),
          "attention AVX-512": ("avx512f",)}
-# `_loaded`'s names: fp32's and attention's kinds are those of `isa`
-KERNELS = {"fp32": None, "int8": "int8 VNNI", "bf16": "bf16 AVX-512", "attention": "attention"}
+# `_loaded`'s names: fp32's and attention's kinds are those of `isa`, int8's that of `int8_isa`
+KERNELS = {"fp32": None, "int8": "int8", "bf16": "bf16 AVX-512", "attention": "attention"}
 INT8_GROUP = 4  # input features one `vpdpbusd` sums per output feature: `pack_int8`'s groups
 # The activations the AVX-512 kernels apply to their sums before storing them (`csrc/gelu_avx512.h`: GELU's erf form,
 # within 3e-7 |x| of the exact value), by their codes.
@@ -109,9 +112,14 @@ def available() -> bool:
 
 
 def int8_available() -> bool:
-    """Whether `int8_linear` runs here: a CPU with AVX-512 VNNI (and the environment not holding oneDNN below
-    AVX-512), the kernel built and loaded."""
+    """Whether `int8_linear` runs here: the kernel built for `int8_isa` and loaded."""
     return _loaded("int8")[0] is not None
+
+
+def int8_isa() -> str:
+    """The instruction set `int8_linear` is built for here: ``"VNNI"`` where the CPU has AVX-512 VNNI and the
+    environment does not hold oneDNN below AVX-512, else ``"AVX2"`` (exact only on weights `int8_exact` accepts)."""
+    return "VNNI" if cpu_has("avx512f") and cpu_has("avx512_vnni") and not held_below_avx512() else "AVX2"
 
 
 def bf16_available() -> bool:
@@ -126,7 +134,8 @@ def _loaded(kernel: str) -> tuple[ctypes.CDLL | None, str]:
         with _lock:
             if kernel not in _state:
                 kind = KERNELS[kernel] or isa()
-                library, why_not = _load(f"attention {isa()}" if kind == "attention" else kind)
+                kind = {"attention": f"attention {isa()}", "int8": f"int8 {int8_isa()}"}.get(kind, kind)
+                library, why_not = _load(kind)
                 if library is None and not _turned_off() and kernel == "fp32":
                     logger.warning("roformer_hf's few-row GEMM is not available (%s): dense layers of few rows take "
                                    "oneDNN's kernel instead", why_not)
@@ -235,6 +244,9 @@ class PackedInt8:
     sums: Tensor  # int32 (out_features,): each output feature's sum of weights, for the input's zero point
     out_features: int
     in_features: int
+    # Whether every pair of neighbouring entries (input features 2i, 2i + 1) of one sign adds to at most 128 in
+    # magnitude: 255 times either stays within an int16 (`int8_exact`)
+    pairs_fit_int16: bool
 
 
 def pack_int8(weight: Tensor) -> PackedInt8:
@@ -242,7 +254,16 @@ def pack_int8(weight: Tensor) -> PackedInt8:
     _check_weight("pack_int8", weight, torch.int8)
     out_features, in_features = weight.shape
     layout = _tiled(weight, TILES["int8 VNNI"], INT8_GROUP)
-    return PackedInt8(layout, weight.sum(1, dtype=torch.int32), out_features, in_features)
+    pairs = layout.view(-1, 2).to(torch.int16)  # the padding's zeros add nothing
+    fits = bool((pairs.clamp(min=0).sum(-1) <= 128).all() and (pairs.clamp(max=0).sum(-1) >= -128).all())
+    return PackedInt8(layout, weight.sum(1, dtype=torch.int32), out_features, in_features, fits)
+
+
+def int8_exact(packed: PackedInt8) -> bool:
+    """Whether `int8_linear` computes `packed`'s products exactly here: always with VNNI (int32 sums); with AVX2,
+    whose ``vpmaddubsw`` adds neighbouring products into a saturating int16, where ``packed.pairs_fit_int16``
+    (`quantization.Int8Linear`'s `saturation_safe` scales give such weights)."""
+    return int8_isa() == "VNNI" or packed.pairs_fit_int16
 
 
 def int8_linear(x: Tensor, packed: PackedInt8, weight_scale: Tensor, bias: Tensor | None,
@@ -267,6 +288,14 @@ def bind_int8_linear(packed: PackedInt8, weight_scale: Tensor, bias: Tensor | No
     library = _library("int8")
     code = _activation_code(activation)
     out_features, in_features = packed.out_features, packed.in_features
+    if not int8_exact(packed):
+        raise ValueError("few_rows.int8_linear: without AVX-512 VNNI the kernel adds neighbouring products (input "
+                         "features 2i, 2i + 1) into int16, and this weight has neighbours of one sign adding to more "
+                         "than 128 in magnitude, which would saturate: quantize with saturation-safe scales "
+                         "(quantization.Int8Linear(..., saturation_safe=True), the default on CPUs without VNNI)")
+    gelu_after = activation == "gelu" and int8_isa() == "AVX2"  # the AVX2 kernel applies ReLU only
+    if gelu_after:
+        code = ACTIVATIONS["none"]
     _check_operand("int8_linear", torch.float32, "weight_scale", weight_scale, (out_features,))
     _check_operand("int8_linear", torch.float32, "bias", bias, (out_features,))
 
@@ -281,7 +310,7 @@ def bind_int8_linear(packed: PackedInt8, weight_scale: Tensor, bias: Tensor | No
             low, high = (float(value) for value in x.aminmax())
             raise ValueError(f"Int8Linear got an input with non-finite values (between {low} and {high}): int8 "
                              "cannot represent them")
-        return output
+        return torch._C._nn.gelu_(output) if gelu_after else output
     return run
 
 
@@ -532,7 +561,7 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
                              + [ctypes.c_int64] * 4 + [ctypes.c_float] + [ctypes.c_int] * 4)
         function.restype = None
         return library, ""
-    if kind == "int8 VNNI":
+    if kind.startswith("int8"):
         function, tile = library.few_row_int8_linear, library.few_row_int8_tile
         function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         function.restype = ctypes.c_int

@@ -12,8 +12,8 @@ Calls with fewer than `SMALL_BATCH_ROWS` rows (a generation step, a short reques
 without VNNI oneDNN's kernel packs the weights at every call, which costs more than the product itself at a few rows
 (8 rows through a 768 x 3072 layer: 0.27 ms against 0.99 ms); on an Intel Xeon with VNNI fbgemm's one call (it
 quantizes, multiplies and rescales) still costs less than the separate steps here below 32 rows. Where it was measured
-faster still (`vnni_row_limit`: AMD's Zen 5, up to 128 rows), calls take `few_rows.int8_linear`, roformer_hf's own
-AVX-512 VNNI kernel, which does the four steps in one call and applies GELU itself. All three compute the same integer
+faster still (`few_rows_int8_limit`: AMD's Zen 5, up to 128 rows; AVX2 EPYCs), calls take `few_rows.int8_linear`,
+roformer_hf's own kernel (AVX-512 VNNI, or AVX2), which does the four steps in one call. All three compute the same integer
 product of the same quantized inputs; inputs whose range is too small for fbgemm's smallest scale
 (``_FBGEMM_SMALLEST_RANGE``) stay off fbgemm's path.
 
@@ -73,9 +73,9 @@ _FBGEMM_SMALLEST_RANGE = 255 * 6.2e-5
 _POST_OPS = {("none", ""), ("relu", ""), ("gelu", "none"), ("gelu", "tanh")}
 # `Int8Linear.fused_side_by_side`: layers' weights joined, by their first layer, with what they were joined from.
 _SIDE_BY_SIDE: weakref.WeakKeyDictionary[Int8Linear, tuple[tuple, Int8Linear]] = weakref.WeakKeyDictionary()
-# Each layer's calls of the VNNI kernel bound to its operands (`Int8Linear._vnni_call`), with the packed weight they
-# were bound to.
-_VNNI_CALLS: weakref.WeakKeyDictionary[Int8Linear, tuple[few_rows.PackedInt8, dict[str, few_rows.Kernel]]] = \
+# Each layer's calls of `few_rows.int8_linear` bound to its operands (`Int8Linear._few_rows_call`), with the packed
+# weight they were bound to.
+_FEW_ROWS_CALLS: weakref.WeakKeyDictionary[Int8Linear, tuple[few_rows.PackedInt8, dict[str, few_rows.Kernel]]] = \
     weakref.WeakKeyDictionary()
 _LINEAR_DYNAMIC = getattr(getattr(torch.ops.quantized, "linear_dynamic", None), "default", None)
 _ENGINE_LOCK = threading.Lock()  # `_fbgemm_prepack` switches PyTorch's global quantized engine for a moment
@@ -124,23 +124,28 @@ def few_row_limit() -> int:
 SMALL_BATCH_ROWS = few_row_limit()
 
 
-def vnni_row_limit() -> int:
-    """The row count up to which `Int8Linear` calls `few_rows.int8_linear` (AVX-512 VNNI: the input's range, its
-    quantization, the product and the rescaling in one call) rather than fbgemm's or oneDNN's kernel, by CPU kind, as
-    measured (`benchmarks/RESULTS.md`, "int8 kernels for few rows"):
+def few_rows_int8_limit() -> int:
+    """The row count up to which `Int8Linear` calls `few_rows.int8_linear` (AVX-512 VNNI or AVX2: the input's range,
+    its quantization, the product and the rescaling in one call) rather than fbgemm's or oneDNN's kernel, by CPU kind,
+    as measured (`benchmarks/RESULTS.md`, "int8 kernels for few rows"):
 
     - AMD's Zen 5 (family 26 on) with VNNI: 128. Four layers' dense calls of base width in a row on an AMD EPYC
       (Zen 5), two runs: 0.69-0.89x the time of the faster of the other two at 1 to 64 rows, 0.98-1.01x at 128,
       0.95x at 192, 1.04-1.07x at 256.
+    - AMD EPYCs without VNNI (AVX2; Zen 3): 640. Four layers' dense calls of base width in a row (`bench_dense.py`):
+      0.87-0.97x the time of the faster of fbgemm's and oneDNN's at 1 to 256 rows, 0.92x at 384, 0.97x at 512,
+      0.96x at 640, 1.02x at 1024.
     - elsewhere: 0, not measured there (an Intel Xeon's oneDNN takes AMX from 16 rows or so; a Zen 4 runs 512-bit
       VNNI at half width).
     """
-    if not _cpu_has_vnni():
-        return 0
-    return 128 if cpu_vendor() == "AuthenticAMD" and cpu_family() >= 26 else 0
+    amd = cpu_vendor() == "AuthenticAMD"
+    if few_rows.int8_isa() == "AVX2":
+        return 640 if amd else 0
+    return 128 if amd and cpu_family() >= 26 else 0
 
 
-VNNI_ROWS = vnni_row_limit()
+
+FEW_ROWS_INT8_ROWS = few_rows_int8_limit()
 
 
 class Int8Linear(nn.Module):
@@ -188,13 +193,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
         self._weight_zero_point = torch.zeros(self.out_features, dtype=torch.int32)
         self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)  # oneDNN's blocked layout
-        # For calls of up to VNNI_ROWS rows; None where none takes `few_rows`' kernel, or it is not available.
-        self._packed_vnni = (few_rows.pack_int8(self.weight_int8) if VNNI_ROWS > 0 and few_rows.int8_available()
-                             else None)
-        # For calls of fewer than SMALL_BATCH_ROWS rows that the VNNI kernel leaves; None where none takes fbgemm, or
-        # without it.
-        vnni_rows = VNNI_ROWS if self._packed_vnni is not None else 0
-        takes_fbgemm = vnni_rows + 1 < SMALL_BATCH_ROWS  # a row count past the VNNI kernel's and below the limit
+        # For calls of up to FEW_ROWS_INT8_ROWS rows; None where none takes `few_rows`' kernel, it is not available,
+        # or it would not be exact on this weight (`few_rows.int8_exact`: AVX2's, on scales not saturation-safe).
+        packed = (few_rows.pack_int8(self.weight_int8) if FEW_ROWS_INT8_ROWS > 0 and few_rows.int8_available()
+                  else None)
+        self._packed_few_rows = packed if packed is not None and few_rows.int8_exact(packed) else None
+        # For calls of fewer than SMALL_BATCH_ROWS rows that `few_rows`' kernel leaves; None where none takes fbgemm,
+        # or without it.
+        kernel_rows = FEW_ROWS_INT8_ROWS if self._packed_few_rows is not None else 0
+        takes_fbgemm = kernel_rows + 1 < SMALL_BATCH_ROWS  # a row count past the kernel's and below the limit
         self._packed_small = _fbgemm_prepack(self.weight_int8, scale, self.bias) if takes_fbgemm else None
         self._packed_from = self._buffers_state()
 
@@ -309,9 +316,9 @@ class Int8Linear(nn.Module):
         if rows.shape[0] == 0:
             return rows.new_empty(*x.shape[:-1], self.out_features)
         other = None if residual is None else residual.reshape(-1, self.out_features).float().contiguous()
-        if rows.shape[0] <= VNNI_ROWS and self._packed_vnni is not None:
+        if rows.shape[0] <= FEW_ROWS_INT8_ROWS and self._packed_few_rows is not None:
             in_kernel = activation if activation != "gelu" or algorithm == "none" else "none"  # GELU's erf form
-            output = self._vnni_call(in_kernel)(rows, other)
+            output = self._few_rows_call(in_kernel)(rows, other)
             if in_kernel != activation:
                 output = torch.ops.aten.gelu_(output, approximate=algorithm)
             return output.view(*x.shape[:-1], self.out_features)
@@ -330,12 +337,12 @@ class Int8Linear(nn.Module):
                                                                    1.0, 0, "add", 1.0, "none", [], "")
         return output.view(*x.shape[:-1], self.out_features)
 
-    def _vnni_call(self, activation: str) -> few_rows.Kernel:
+    def _few_rows_call(self, activation: str) -> few_rows.Kernel:
         """`few_rows.int8_linear` on this layer's packed weight, scales and bias with `activation`, bound once
         (`few_rows.bind_int8_linear`) and kept beside the layer while it keeps its packed weight."""
-        packed, calls = _VNNI_CALLS.get(self, (None, {}))
-        if packed is not self._packed_vnni:
-            packed, calls = _VNNI_CALLS[self] = (self._packed_vnni, {})
+        packed, calls = _FEW_ROWS_CALLS.get(self, (None, {}))
+        if packed is not self._packed_few_rows:
+            packed, calls = _FEW_ROWS_CALLS[self] = (self._packed_few_rows, {})
         if activation not in calls:
             calls[activation] = few_rows.bind_int8_linear(packed, self.weight_scale, self.bias, activation)
         return calls[activation]

@@ -179,20 +179,20 @@ def test_quantized_model_runs_without_inference_mode():
     torch.testing.assert_close(model(ids, attention_mask=mask).logits, expected, rtol=0, atol=0)
 
 
-# Each of `Int8Linear`'s kernels by the limits that give it every row count: (SMALL_BATCH_ROWS, VNNI_ROWS)
-KERNEL_LIMITS = {"oneDNN, fused": (0, 0), "fbgemm, few rows": (10 ** 9, 0), "VNNI, few rows": (0, 10 ** 9)}
+# Each of `Int8Linear`'s kernels by the limits that give it every row count: (SMALL_BATCH_ROWS, FEW_ROWS_INT8_ROWS)
+KERNEL_LIMITS = {"oneDNN, fused": (0, 0), "fbgemm, few rows": (10 ** 9, 0), "roformer_hf, few rows": (0, 10 ** 9)}
 
 
 @pytest.fixture(params=list(KERNEL_LIMITS))
 def kernel(request, monkeypatch):
     """Each of `Int8Linear`'s paths, whatever the inputs' row count: oneDNN's fused kernel (the many-row path),
-    fbgemm's on weights packed once and `few_rows`' VNNI kernel (the few-row paths), for layers built under it."""
+    fbgemm's on weights packed once and `few_rows`' int8 kernel (the few-row paths), for layers built under it."""
     small, vnni = KERNEL_LIMITS[request.param]
     monkeypatch.setattr(quantization, "SMALL_BATCH_ROWS", small)
-    monkeypatch.setattr(quantization, "VNNI_ROWS", vnni)
+    monkeypatch.setattr(quantization, "FEW_ROWS_INT8_ROWS", vnni)
     if request.param.startswith("fbgemm") and not has_few_row_path():
         pytest.skip("PyTorch has no fbgemm here")
-    if request.param.startswith("VNNI") and not few_rows.int8_available():
+    if request.param.startswith("roformer_hf") and not few_rows.int8_available():
         pytest.skip(f"no few-row int8 kernel here: {few_rows.why_not('int8')}")
     return request.param
 
@@ -377,51 +377,51 @@ def test_int8_linear_declares_the_protocols_the_model_reads(monkeypatch):
 @needs_int8_kernel
 @pytest.mark.parametrize("rows", [1, 7, 16, 300])
 def test_the_kernels_compute_the_same_product_and_the_layer_picks_by_row_count(rows, monkeypatch):
-    """fbgemm on weights packed once, `few_rows`' VNNI kernel and oneDNN's fused kernel: the same numbers for the same
+    """fbgemm on weights packed once, `few_rows`' int8 kernel and oneDNN's fused kernel: the same numbers for the same
     inputs (exact integer products of the same quantized inputs), with GELU and the residual applied alike; and a
-    call takes the VNNI kernel up to `VNNI_ROWS` rows, fbgemm's below `SMALL_BATCH_ROWS` past those, oneDNN's
+    call takes `few_rows`' kernel up to `FEW_ROWS_INT8_ROWS` rows, fbgemm's below `SMALL_BATCH_ROWS` past those, oneDNN's
     beyond."""
     torch.manual_seed(0)
     with monkeypatch.context() as patch:  # every kernel's packed weights, whatever this CPU's limits
         patch.setattr(quantization, "SMALL_BATCH_ROWS", 10 ** 9)
-        patch.setattr(quantization, "VNNI_ROWS", 10 ** 9)
+        patch.setattr(quantization, "FEW_ROWS_INT8_ROWS", 10 ** 9)
         layer = Int8Linear(nn.Linear(48, 40))
     x, residual = torch.randn(rows, 48) * 2, torch.randn(rows, 40)
     outputs = {}
     for name, (small, vnni) in KERNEL_LIMITS.items():
         if (name.startswith("fbgemm") and layer._packed_small is None) or (
-                name.startswith("VNNI") and layer._packed_vnni is None):
+                name.startswith("roformer_hf") and layer._packed_few_rows is None):
             continue
         with monkeypatch.context() as patch, torch.inference_mode():
             patch.setattr(quantization, "SMALL_BATCH_ROWS", small)
-            patch.setattr(quantization, "VNNI_ROWS", vnni)
+            patch.setattr(quantization, "FEW_ROWS_INT8_ROWS", vnni)
             outputs[name] = [layer(x), layer.fused(x, "gelu", "none"), layer.fused(x, residual=residual)]
     for name, kernel_outputs in outputs.items():
         for actual, onednn in zip(kernel_outputs, outputs["oneDNN, fused"]):
             torch.testing.assert_close(actual, onednn, rtol=1e-5, atol=1e-5, msg=name)
     calls = []
     monkeypatch.setattr(Int8Linear, "_few_rows", lambda self, *args: calls.append("fbgemm") or torch.zeros(rows, 40))
-    monkeypatch.setattr(Int8Linear, "_vnni_call",
+    monkeypatch.setattr(Int8Linear, "_few_rows_call",
                         lambda self, activation: lambda *args: calls.append("VNNI") or torch.zeros(rows, 40))
     with torch.inference_mode():
         layer(x)
-    vnni = rows <= quantization.VNNI_ROWS and layer._packed_vnni is not None
+    vnni = rows <= quantization.FEW_ROWS_INT8_ROWS and layer._packed_few_rows is not None
     fbgemm = not vnni and rows < quantization.SMALL_BATCH_ROWS and layer._packed_small is not None
     assert calls == ["VNNI"] * vnni + ["fbgemm"] * fbgemm
 
 
-def test_the_vnni_kernel_leaves_fbgemm_nothing_to_pack(monkeypatch):
-    """Where `few_rows`' VNNI kernel takes every row count below fbgemm's limit, fbgemm's copy of the weights is not
+def test_the_few_row_int8_kernel_leaves_fbgemm_nothing_to_pack(monkeypatch):
+    """Where `few_rows`' int8 kernel takes every row count below fbgemm's limit, fbgemm's copy of the weights is not
     made; where it does not run, fbgemm's kernel keeps its rows."""
     if not (int8_kernel_available() and few_rows.int8_available()):
         pytest.skip("no oneDNN int8 kernel or no few-row int8 kernel here")
     monkeypatch.setattr(quantization, "SMALL_BATCH_ROWS", 16)
-    monkeypatch.setattr(quantization, "VNNI_ROWS", 64)
+    monkeypatch.setattr(quantization, "FEW_ROWS_INT8_ROWS", 64)
     layer = Int8Linear(nn.Linear(8, 4))
-    assert layer._packed_vnni is not None and layer._packed_small is None
-    monkeypatch.setattr(quantization, "VNNI_ROWS", 0)
+    assert layer._packed_few_rows is not None and layer._packed_small is None
+    monkeypatch.setattr(quantization, "FEW_ROWS_INT8_ROWS", 0)
     without_vnni = Int8Linear(nn.Linear(8, 4))
-    assert without_vnni._packed_vnni is None
+    assert without_vnni._packed_few_rows is None
     assert (without_vnni._packed_small is not None) == ("fbgemm" in torch.backends.quantized.supported_engines)
 
 
@@ -657,13 +657,14 @@ def test_the_few_row_limit_follows_the_cpu_kind_it_was_measured_on(monkeypatch, 
     assert quantization.few_row_limit() == expected
 
 
-@pytest.mark.parametrize(("vnni", "vendor", "family", "expected"), [
-    (False, "AuthenticAMD", 26, 0), (True, "GenuineIntel", 6, 0), (True, "AuthenticAMD", 25, 0),
-    (True, "AuthenticAMD", 26, 128)])
-def test_the_vnni_kernels_rows_follow_the_cpu_kind_it_was_measured_on(monkeypatch, vnni, vendor, family, expected):
-    """`few_rows`' VNNI kernel takes the calls of up to `vnni_row_limit` rows where it was measured faster (a Zen 5),
-    none where it was not measured."""
-    monkeypatch.setattr(quantization, "_cpu_has_vnni", lambda: vnni)
+@pytest.mark.parametrize(("isa", "vendor", "family", "expected"), [
+    ("AVX2", "AuthenticAMD", 25, 640), ("AVX2", "GenuineIntel", 6, 0), ("VNNI", "GenuineIntel", 6, 0),
+    ("VNNI", "AuthenticAMD", 25, 0), ("VNNI", "AuthenticAMD", 26, 128)])
+def test_the_few_row_int8_kernels_rows_follow_the_cpu_kind_it_was_measured_on(monkeypatch, isa, vendor, family,
+                                                                              expected):
+    """`few_rows`' int8 kernel takes the calls of up to `few_rows_int8_limit` rows where it was measured faster (its
+    VNNI build on a Zen 5, its AVX2 build on an AVX2 EPYC), none where it was not measured."""
+    monkeypatch.setattr(few_rows, "int8_isa", lambda: isa)
     monkeypatch.setattr(quantization, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(quantization, "cpu_family", lambda: family)
-    assert quantization.vnni_row_limit() == expected
+    assert quantization.few_rows_int8_limit() == expected

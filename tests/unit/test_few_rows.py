@@ -356,7 +356,16 @@ def exact_int8(x, weight, scale, bias=None, residual=None, activation="none"):
 
 
 def random_int8_layer(out_features, in_features, generator):
+    """Random int8 weights and their scales. Without VNNI the kernel takes only weights whose neighbours of one sign
+    add to at most 128 in magnitude (`few_rows.int8_exact`): there each row keeps the first half of each pair of
+    features (up to 127) and gives the second what is left of 128."""
     weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+    if few_rows.int8_isa() == "AVX2":
+        pairs = weight[:, :in_features // 2 * 2].view(out_features, -1, 2).short()
+        room = 128 - pairs[..., 0].abs()  # what the second of a pair may take with the first's sign
+        second = pairs[..., 1]
+        limited = torch.where(second * pairs[..., 0] > 0, second.sign() * torch.minimum(second.abs(), room), second)
+        weight[:, 1:in_features // 2 * 2:2] = limited.to(torch.int8)
     return weight, torch.rand(out_features, generator=generator) / 100 + 1e-4
 
 
@@ -382,6 +391,63 @@ def test_the_int8_product_is_the_exact_integer_product_at_any_shape(rows, in_fea
     expected = exact_int8(x, weight, scale, bias, residual, activation)
     assert output.shape == (*leading, out_features) and torch.equal(x, given)
     torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def pairs_at_the_limit(out_features, in_features):
+    """int8 weights whose neighbouring entries (2i, 2i + 1) of one sign add to exactly 128 in magnitude, or -128 alone
+    beside 0: the most `few_rows.int8_exact` takes without VNNI, where 255 times a pair is 32640 of an int16's 32767."""
+    patterns = torch.tensor([[127, 1], [64, 64], [-128, 0], [-100, -28], [1, 127], [0, -128], [-127, 127]])
+    rows = [patterns[(torch.arange(in_features // 2) + row) % len(patterns)].reshape(-1)
+            for row in range(out_features)]
+    return torch.stack(rows).to(torch.int8)
+
+
+@needs_int8_kernel
+def test_the_int8_product_is_exact_with_pairs_at_the_int16_limit():
+    """Inputs at both ends of the uint8 range against pairs of weights that add to 128 (the AVX2 kernel's int16 sums
+    at their largest): still the exact integer product; one step more and the kernel refuses the weight without VNNI
+    (it would saturate), where VNNI's int32 sums take it."""
+    generator = torch.Generator().manual_seed(5)
+    weight = pairs_at_the_limit(50, 64)
+    x = torch.where(torch.rand(9, 64, generator=generator) < 0.5, -1.0, 3.0)  # quantized to 0 and 255
+    x[:, 1::2] = x[:, ::2]  # both of a pair at the same end: the largest pair sums
+    scale = torch.rand(50, generator=generator) / 100 + 1e-4
+    packed = few_rows.pack_int8(weight)
+    assert packed.pairs_fit_int16 and few_rows.int8_exact(packed)
+    output = few_rows.int8_linear(x, packed, scale, None)
+    torch.testing.assert_close(output.double(), exact_int8(x, weight, scale), rtol=1e-6, atol=0)
+    over = weight.clone()
+    over[3, 2:4] = torch.tensor([127, 2], dtype=torch.int8)  # 129
+    packed = few_rows.pack_int8(over)
+    assert not packed.pairs_fit_int16 and few_rows.int8_exact(packed) == (few_rows.int8_isa() == "VNNI")
+    if few_rows.int8_isa() == "AVX2":
+        with pytest.raises(ValueError, match="neighbours of one sign adding to more than 128"):
+            few_rows.int8_linear(x, packed, scale, None)
+    else:
+        torch.testing.assert_close(few_rows.int8_linear(x, packed, scale, None).double(), exact_int8(x, over, scale),
+                                   rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(few_rows.int8_isa() != "VNNI", reason="no AVX-512 VNNI here: the int8 kernel's one build is AVX2's")
+def test_the_avx2_int8_build_is_the_exact_product_too(monkeypatch, tmp_path):
+    """With oneDNN held below AVX-512 the int8 kernel is built for AVX2 (``vpmaddubsw``, as on a CPU without VNNI):
+    the exact integer product on the weights it takes, the activations applied, and the weights it cannot take
+    refused."""
+    monkeypatch.setattr(few_rows, "_state", {})
+    monkeypatch.setenv("ROFORMER_HF_CACHE", str(tmp_path))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert few_rows.int8_isa() == "AVX2" and few_rows.int8_available()
+    test_the_int8_product_is_exact_with_pairs_at_the_int16_limit()
+    for rows, in_features, out_features in [(1, 67, 19), (3, 768, 100), (17, 301, 97)]:
+        generator = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, in_features, generator=generator) * 3 + 0.5
+        weight, scale = random_int8_layer(out_features, in_features, generator)
+        bias, residual = torch.randn(out_features, generator=generator), torch.randn(rows, out_features)
+        packed = few_rows.pack_int8(weight)
+        for extra, activation in [(None, "gelu"), (residual, "none"), (None, "relu")]:
+            output = few_rows.int8_linear(x, packed, scale, bias, extra, activation)
+            expected = exact_int8(x, weight, scale, bias, extra, activation)
+            torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 @needs_int8_kernel
