@@ -434,7 +434,9 @@ def test_embedding_benchmark_times_every_model_on_every_set(script_result):
     bound, measured = map(float, re.search(r"roformer_hf / transformers is at most ([0-9.]+)x .*measured ([0-9.]+)x",
                                            result.stdout).groups())
     assert bound > 0 and measured > 0  # one repeat on a busy CPU: the forward may not outlast the dense calls alone
-    assert "scaled_dot_product" in result.stdout or "linear" in result.stdout  # the operator table
+    # the operator table: PyTorch's operators by time (roformer_hf's own kernels, ctypes calls, are not among them;
+    # where they take every dense layer and the attention, the layer norms and the embedding remain)
+    assert "Self CPU time total" in result.stdout and re.search(r"^\s*aten::\w+", result.stdout, re.MULTILINE)
 
 
 def test_embedding_benchmark_in_bf16_checks_every_model_against_fp32(script_result):
