@@ -20,8 +20,9 @@ and the rescaling with the bias, the residual or the activation. Its weight lies
 panels of 48 output features, in groups of 4 input features (what one ``vpdpbusd`` sums; with AVX2, ``vpmaddubsw``
 and ``vpmaddwd``, whose int16 sums of neighbouring products hold only weights whose neighbours of one sign add to at
 most 128 in magnitude: `int8_exact`); `bf16_linear`'s in pairs (``vdpbf16ps``), its sums in float32, rounded to bf16
-once. The AVX-512 kernels apply ReLU or GELU (`csrc/gelu_avx512.h`) to their sums before storing them; after the AVX2
-ones GELU is torch's, in place.
+once. Each kernel applies ReLU or GELU (the erf form: `csrc/gelu_avx512.h`, `csrc/gelu_avx2.h`) itself, the AVX-512
+ones and int8's AVX2 one to their sums before storing them, fp32's AVX2 one to each thread's columns once it has
+written them.
 
 `attention` (`csrc/few_tokens_attention.cpp`, built for AVX-512 or AVX2 as `isa` says) is a short input's
 self-attention in one call: queries and keys rotated, scores, softmax and weighted values for every sequence and head,
@@ -85,8 +86,8 @@ NEEDS = {"AVX2": (), "AVX-512": ("avx512f",), "int8 VNNI": ("avx512f", "avx512_v
 # `_loaded`'s names: fp32's and attention's kinds are those of `isa`, int8's that of `int8_isa`
 KERNELS = {"fp32": None, "int8": "int8", "bf16": "bf16 AVX-512", "attention": "attention"}
 INT8_GROUP = 4  # input features one `vpdpbusd` sums per output feature: `pack_int8`'s groups
-# The activations the AVX-512 kernels apply to their sums before storing them (`csrc/gelu_avx512.h`: GELU's erf form,
-# within 3e-7 |x| of the exact value), by their codes.
+# The activations the kernels apply (`csrc/gelu_avx512.h`, `csrc/gelu_avx2.h`: GELU's erf form, within 4e-7 |x| of the
+# exact value), by their codes.
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2}
 
 # A kernel bound to its weight, bias and activation (`bind_linear`): run(x, residual=None).
@@ -192,8 +193,8 @@ def _tiled(weight: Tensor, tile: int, group: int) -> Tensor:
 def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | None = None,
            activation: str = "none") -> Tensor:
     """``activation(residual + x @ weight.T + bias)`` (`residual` and `bias` optional), `packed` being
-    ``pack(weight)``, `activation` a key of `ACTIVATIONS`: applied by the AVX-512 kernel before it stores its sums
-    (GELU: `csrc/gelu_avx512.h`), in place after the AVX2 kernel (GELU: torch's).
+    ``pack(weight)``, `activation` a key of `ACTIVATIONS`, applied by the kernel (GELU: `csrc/gelu_avx512.h`,
+    `csrc/gelu_avx2.h`).
 
     Args:
         x: ``(*, in_features)`` float32 on CPU.
@@ -218,21 +219,15 @@ def bind_linear(packed: Packed, bias: Tensor | None, activation: str = "none") -
         raise ValueError(f"few_rows.linear: packed holds tiles of {tiles.shape[2]} features, this kernel's are "
                          f"{library.few_row_tile()} wide: pack the weight again with few_rows.pack")
     _check_operand("linear", torch.float32, "bias", bias, (out_features,))
-    activated = getattr(library, "few_row_linear_activated", None)  # the AVX-512 build's
 
     def run(x: Tensor, residual: Tensor | None = None) -> Tensor:
         x, residual = _checked_inputs("linear", torch.float32, x, in_features, residual, out_features, bias)
         bias_now = _contiguous(bias)
         output = x.new_empty(*x.shape[:-1], out_features)
-        arguments = (x.data_ptr(), tiles.data_ptr(), _address(bias_now), _address(residual), output.data_ptr(),
-                     math.prod(x.shape[:-1]), out_features, in_features, torch.get_num_threads())
-        if activated is not None:
-            activated(*arguments, code)
-            return output
-        library.few_row_linear(*arguments)
-        if activation == "gelu":
-            return torch._C._nn.gelu_(output)
-        return output.relu_() if activation == "relu" else output
+        library.few_row_linear(x.data_ptr(), tiles.data_ptr(), _address(bias_now), _address(residual),
+                               output.data_ptr(), math.prod(x.shape[:-1]), out_features, in_features,
+                               torch.get_num_threads(), code)
+        return output
     return run
 
 
@@ -293,9 +288,6 @@ def bind_int8_linear(packed: PackedInt8, weight_scale: Tensor, bias: Tensor | No
                          "features 2i, 2i + 1) into int16, and this weight has neighbours of one sign adding to more "
                          "than 128 in magnitude, which would saturate: quantize with saturation-safe scales "
                          "(quantization.Int8Linear(..., saturation_safe=True), the default on CPUs without VNNI)")
-    gelu_after = activation == "gelu" and int8_isa() == "AVX2"  # the AVX2 kernel applies ReLU only
-    if gelu_after:
-        code = ACTIVATIONS["none"]
     _check_operand("int8_linear", torch.float32, "weight_scale", weight_scale, (out_features,))
     _check_operand("int8_linear", torch.float32, "bias", bias, (out_features,))
 
@@ -310,7 +302,7 @@ def bind_int8_linear(packed: PackedInt8, weight_scale: Tensor, bias: Tensor | No
             low, high = (float(value) for value in x.aminmax())
             raise ValueError(f"Int8Linear got an input with non-finite values (between {low} and {high}): int8 "
                              "cannot represent them")
-        return torch._C._nn.gelu_(output) if gelu_after else output
+        return output
     return run
 
 
@@ -571,11 +563,8 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
         function.restype = None
     else:
         function, tile = library.few_row_linear, library.few_row_tile
-        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         function.restype = None
-        if kind == "AVX-512":
-            activated = library.few_row_linear_activated
-            activated.argtypes, activated.restype = function.argtypes + [ctypes.c_int], None
     tile.argtypes, tile.restype = [], ctypes.c_int
     if tile() != TILES[kind]:
         return None, f"{path} holds tiles of {tile()} features, expected {TILES[kind]} for {kind}"

@@ -1,13 +1,16 @@
-// y = x w^T + bias (+ residual) in fp32 for inputs of few rows, with AVX2 and FMA: `roformer_hf/few_rows.py` builds
+// y = activation(x w^T + bias (+ residual)) in fp32 for inputs of few rows, with AVX2 and FMA: `roformer_hf/few_rows.py` builds
 // and calls it on CPUs without AVX-512 (`few_rows_avx512.cpp` on the others).
 //
 // The rows of x lie in a vector's lanes (x transposed, 16 lanes at a time and the last 8 or fewer in 8) and each
 // weight entry is broadcast once against them, so the weight, which a short input's product waits on, streams through
 // once in the order it is laid out: tiles of `kTile` output columns, each tile's entries column by column
 // (`few_rows.pack`). Each output is summed over k in order, whatever the number of rows from 2 up, so a row's result
-// does not depend on the rows beside it; one row alone takes `row_tiles`.
+// does not depend on the rows beside it; one row alone takes `row_tiles`. A thread applies the activation to the
+// columns it wrote once they are all written, row by row, while they are still in its caches.
 #include <immintrin.h>
 #include <omp.h>
+
+#include "gelu_avx2.h"
 
 #include <algorithm>
 #include <cmath>
@@ -189,15 +192,36 @@ void transpose(const float* x, int64_t M, int64_t K, int64_t m0, int64_t lanes, 
   }
 }
 
+// y[m][n] = activation(y[m][n]) for every row m and the columns [first * kTile, last * kTile) that exist (of N):
+// 1 ReLU, 2 GELU (`gelu_avx2.h`), 0 none.
+void activate(float* y, int64_t M, int64_t N, int64_t first, int64_t last, int activation) {
+  if (activation == 0) return;
+  const int64_t n0 = std::min(N, first * kTile), n1 = std::min(N, last * kTile);
+  const auto apply = [activation](__m256 v) {
+    return activation == 1 ? _mm256_max_ps(v, _mm256_setzero_ps()) : roformer_hf::gelu(v);
+  };
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = y + m * N;
+    int64_t n = n0;
+    for (; n + 8 <= n1; n += 8) _mm256_storeu_ps(row + n, apply(_mm256_loadu_ps(row + n)));
+    if (n < n1) {
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n1 - n)), lane);
+      _mm256_maskstore_ps(row + n, mask, apply(_mm256_maskload_ps(row + n, mask)));
+    }
+  }
+}
+
 }  // namespace
 
 // The output columns a tile of the packed weight holds (`few_rows.pack` lays the weight out by it).
 extern "C" int few_row_tile() { return kTile; }
 
 // x (M, K), contiguous; w: (N, K) packed by `few_rows.pack`; bias (N) or null; residual (M, N), contiguous, or null;
-// y (M, N), contiguous. The tiles are shared out among `threads` threads of the OpenMP runtime torch runs on.
+// y (M, N), contiguous. `activation`: applied last, 0 none, 1 ReLU, 2 GELU (`gelu_avx2.h`). The tiles are shared out
+// among `threads` threads of the OpenMP runtime torch runs on.
 extern "C" void few_row_linear(const float* x, const float* w, const float* bias, const float* residual, float* y,
-                               int64_t M, int64_t N, int64_t K, int threads) {
+                               int64_t M, int64_t N, int64_t K, int threads, int activation) {
   const int64_t count = (N + kTile - 1) / kTile;
   if (M == 1) {
     std::unique_ptr<float[]> xr(new float[K * kTile]);
@@ -206,7 +230,9 @@ extern "C" void few_row_linear(const float* x, const float* w, const float* bias
 #pragma omp parallel num_threads(threads)
     {
       const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-      row_tiles(xr.get(), x, w, bias, residual, y, N, K, count * part / parts, count * (part + 1) / parts);
+      const int64_t first = count * part / parts, last = count * (part + 1) / parts;
+      row_tiles(xr.get(), x, w, bias, residual, y, N, K, first, last);
+      activate(y, 1, N, first, last, activation);
     }
     return;
   }
@@ -224,5 +250,7 @@ extern "C" void few_row_linear(const float* x, const float* w, const float* bias
     const int64_t first = std::min(count, 2 * (pairs * part / parts));
     const int64_t last = std::min(count, 2 * (pairs * (part + 1) / parts));
     tiles(xt.get(), blocks, xt.get() + blocks * K * 16, tail, w, bias, residual, y, M, N, K, first, last);
+    activate(y, M, N, first, last, activation);
   }
 }
+

@@ -223,14 +223,9 @@ extern "C" int few_row_tile() { return kTile; }
 // x (M, K), contiguous; w: (N, K) packed by `few_rows.pack`; bias (N) or null; residual (M, N), contiguous, or null;
 // y (M, N), contiguous. `activation`: applied last, 0 none, 1 ReLU, 2 GELU (`gelu_avx512.h`). The panels are shared
 // out among `threads` threads of the OpenMP runtime torch runs on.
-extern "C" void few_row_linear_activated(const float* x, const float* w, const float* bias, const float* residual,
-                                         float* y, int64_t M, int64_t N, int64_t K, int threads, int activation) {
+extern "C" void few_row_linear(const float* x, const float* w, const float* bias, const float* residual, float* y,
+                               int64_t M, int64_t N, int64_t K, int threads, int activation) {
   const Epilogue e{bias, residual, activation};
   roformer_hf::share_panels(N, threads, [&](int64_t first, int64_t last) { panels(x, w, e, y, M, N, K, first, last); });
 }
 
-// `few_row_linear_activated` without an activation: the AVX2 kernel's call.
-extern "C" void few_row_linear(const float* x, const float* w, const float* bias, const float* residual, float* y,
-                               int64_t M, int64_t N, int64_t K, int threads) {
-  few_row_linear_activated(x, w, bias, residual, y, M, N, K, threads, 0);
-}

@@ -1,4 +1,4 @@
-// y = dequantized(quantized(x) w^T) + bias (+ residual, or ReLU) for fp32 inputs of few rows and int8 weights, with
+// y = activation(dequantized(quantized(x) w^T) + bias (+ residual)) for fp32 inputs of few rows and int8 weights, with
 // AVX2: `roformer_hf/few_rows.py` builds it where the CPU has no AVX-512 VNNI and `quantization.Int8Linear` calls it,
 // in one call where fbgemm's path takes three (the input's range, the quantized product, the activation or residual).
 //
@@ -15,6 +15,7 @@
 // ``(sum - zero_point * sum of the feature's weights) * (input scale * weight scale) + bias``, in float.
 #include <immintrin.h>
 
+#include "gelu_avx2.h"
 #include "panels_avx512.h"  // kTile, share_panels: plain C++ and OpenMP, no AVX-512 instruction
 
 #include <algorithm>
@@ -41,7 +42,7 @@ struct Epilogue {
   const float* residual;       // (M, N) or null
   float input_scale;
   int32_t zero_point;
-  int activation;  // 0: none, 1: ReLU
+  int activation;  // 0: none, 1: ReLU, 2: GELU (the erf form, `gelu_avx2.h`)
 };
 
 // The lanes of a vector of 8 output features from `column` that exist (of `N`), as a maskstore's mask.
@@ -63,6 +64,7 @@ inline void store(__m256i sums, const Epilogue& e, float* y, int64_t offset, int
   if (e.bias != nullptr) out = _mm256_add_ps(out, load_ps(e.bias + column));
   if (e.residual != nullptr) out = _mm256_add_ps(out, load_ps(e.residual + offset));
   if (e.activation == 1) out = _mm256_max_ps(out, _mm256_setzero_ps());
+  if (e.activation == 2) out = roformer_hf::gelu(out);
   if (whole)
     _mm256_storeu_ps(y + offset, out);
   else
@@ -190,7 +192,7 @@ extern "C" int few_row_int8_tile() { return kTile; }
 
 // As `few_rows_int8_vnni.cpp`'s: x (M, K) fp32, contiguous; w packed by `few_rows.pack_int8` (saturation-safe
 // scales), `weight_sums`, `weight_scales` (N); bias (N) or null; residual (M, N) or null; y (M, N). `activation`: 0
-// none, 1 ReLU (GELU is the caller's). Returns 0, or 1 where x holds a value that is not finite (nothing written).
+// none, 1 ReLU, 2 GELU. Returns 0, or 1 where x holds a value that is not finite (nothing written).
 extern "C" int few_row_int8_linear(const float* x, const int8_t* w, const int32_t* weight_sums,
                                    const float* weight_scales, const float* bias, const float* residual, float* y,
                                    int64_t M, int64_t N, int64_t K, int activation, int threads) {

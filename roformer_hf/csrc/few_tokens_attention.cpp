@@ -22,6 +22,8 @@
 
 #ifdef __AVX512F__
 #include "gelu_avx512.h"  // exp_nonpositive
+#else
+#include "gelu_avx2.h"  // exp_nonpositive
 #endif
 
 namespace {
@@ -128,25 +130,7 @@ inline float reduce_add(V x) {
   s = _mm_add_ps(s, _mm_permute_ps(s, 0x4E));
   return _mm_cvtss_f32(_mm_add_ps(s, _mm_permute_ps(s, 0xB1)));
 }
-// exp(y) for y <= 0: 2^n times a degree-6 polynomial of the remainder (as `gelu_avx512.h`'s), 2^n built in the
-// exponent's bits; 0 below -87.3 (where float32's normal numbers end).
-inline V exp_nonpositive(V y) {
-  const V underflows = _mm256_cmp_ps(y, set1(-87.3f), _CMP_LT_OQ);
-  y = max(y, set1(-87.3f));
-  const V n = _mm256_round_ps(mul(y, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = _mm256_fnmadd_ps(n, set1(0.693145751953125f), y);
-  r = _mm256_fnmadd_ps(n, set1(1.428606765330187e-06f), r);
-  V p = set1(1.0f / 720);
-  p = fmadd(p, r, set1(1.0f / 120));
-  p = fmadd(p, r, set1(1.0f / 24));
-  p = fmadd(p, r, set1(1.0f / 6));
-  p = fmadd(p, r, set1(0.5f));
-  p = fmadd(p, r, set1(1.0f));
-  p = fmadd(p, r, set1(1.0f));
-  const V scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                                         _mm256_set1_epi32(127)), 23));
-  return _mm256_andnot_ps(underflows, mul(p, scale));
-}
+inline V exp_nonpositive(V y) { return roformer_hf::exp_nonpositive(y); }  // 0 below -87.3
 inline V first_lanes(V x, int64_t count) {
   if (count >= kLanes) return x;
   const V lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);

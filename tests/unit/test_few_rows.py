@@ -2,6 +2,7 @@
 dense layers of short inputs; the int8 GEMM, against exact integer products."""
 
 import dataclasses
+import itertools
 import logging
 
 import pytest
@@ -630,39 +631,53 @@ def test_wrong_bf16_inputs_are_named():
         few_rows.bf16_linear(x.requires_grad_(), packed, None)
 
 
-@needs_int8_kernel
-def test_the_kernels_gelu_is_within_float32s_rounding_of_the_exact_one():
-    """GELU's erf form as the AVX-512 kernels apply it (`csrc/gelu_avx512.h`), through an identity weight: within
-    4e-7 |x| of the exact value (float64) on values from -12 to 12 (2.9e-7 |x| measured over 4M values; torch's tanh
-    form is up to 4.7e-4 off); and an unknown activation is named."""
-    x = torch.linspace(-12, 12, 4001).view(-1, 1)
-    _, scale, zero_point = quantize_activations(x)
-    quantized = (torch.round(x / scale) * scale).float()  # on the quantization grid: the product is exact
-    output = few_rows.int8_linear(quantized, few_rows.pack_int8(torch.ones(1, 1, dtype=torch.int8)), torch.ones(1),
-                                  None, activation="gelu")
-    exact_input = exact_int8(quantized, torch.ones(1, 1, dtype=torch.int8), torch.ones(1))
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_the_kernels_gelu_is_within_float32s_rounding_of_the_exact_one(kind):
+    """GELU's erf form as the kernels apply it (`csrc/gelu_avx512.h`, `csrc/gelu_avx2.h`), through an identity weight:
+    within 4e-7 |x| of the exact value (float64) on values from -12 to 12 (2.9e-7 |x| measured over 4M values on
+    AVX-512; torch's tanh form is up to 4.7e-4 off), x itself far above 0 and a zero far below it, where exp
+    underflows; and an unknown activation is named."""
+    if not (few_rows.available() if kind == "fp32" else few_rows.int8_available()):
+        pytest.skip(f"no {kind} few-row kernel here")
+    x = torch.cat([torch.linspace(-12, 12, 4001), torch.tensor([-300.0, -40.0, -14.0, 14.0, 40.0, 300.0])])
+    if kind == "fp32":
+        exact_input = x.double().view(-1, 1)
+        output = few_rows.linear(x.view(-1, 1), few_rows.pack(torch.ones(1, 1)), None, activation="gelu")
+    else:
+        _, scale, zero_point = quantize_activations(x.view(-1, 1))
+        quantized = (torch.round(x.view(-1, 1) / scale) * scale).float()  # on the quantization grid: exact
+        one = few_rows.pack_int8(torch.ones(1, 1, dtype=torch.int8))
+        output = few_rows.int8_linear(quantized, one, torch.ones(1), None, activation="gelu")
+        exact_input = exact_int8(quantized, torch.ones(1, 1, dtype=torch.int8), torch.ones(1))
     expected = nn.functional.gelu(exact_input)
     assert ((output.double() - expected).abs() <= 4e-7 * exact_input.abs() + 1e-30).all()
     with pytest.raises(ValueError, match="activation='swish'; expected one of"):
-        few_rows.int8_linear(quantized, few_rows.pack_int8(torch.ones(1, 1, dtype=torch.int8)), torch.ones(1), None,
-                             activation="swish")
+        few_rows.linear(x.view(-1, 1), few_rows.pack(torch.ones(1, 1)), None, activation="swish")
 
 
 @needs_kernel
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_the_activation_is_the_products_whichever_build_applies_it(activation):
-    """The AVX-512 build applies the activation to its sums before storing them (GELU: `csrc/gelu_avx512.h`), the
-    AVX2 build's output gets torch's after: either way within float32's rounding of the exact activation of the
-    float64 product, for one row and many."""
+    """Either build applies the activation itself (GELU: `csrc/gelu_avx512.h`, `csrc/gelu_avx2.h`), the AVX2 build
+    to each thread's columns once written: within float32's rounding of the exact activation of the float64 product
+    in every column, for one row and many, on one thread and two."""
     generator = torch.Generator().manual_seed(3)
     x, weight = torch.randn(20, 70, generator=generator), torch.randn(50, 70, generator=generator) / 4
     bias = torch.randn(50, generator=generator)
+    residual = torch.randn(20, 50, generator=generator)
     packed = few_rows.pack(weight)
-    exact = reference(x, weight, bias)
-    exact = exact.clamp(min=0) if activation == "relu" else nn.functional.gelu(exact)
-    for rows in (1, 20):
-        output = few_rows.linear(x[:rows], packed, bias, None, activation)
-        torch.testing.assert_close(output.double(), exact[:rows], atol=1e-5, rtol=1e-5)
+    apply = (lambda y: y.clamp(min=0)) if activation == "relu" else nn.functional.gelu
+    exact, exact_with_residual = apply(reference(x, weight, bias)), apply(reference(x, weight, bias, residual))
+    threads = torch.get_num_threads()
+    try:
+        for count, rows in itertools.product((1, 2, 3), (1, 20)):
+            torch.set_num_threads(count)
+            output = few_rows.linear(x[:rows], packed, bias, None, activation)
+            torch.testing.assert_close(output.double(), exact[:rows], atol=1e-5, rtol=1e-5)
+            output = few_rows.linear(x[:rows], packed, bias, residual[:rows], activation)
+            torch.testing.assert_close(output.double(), exact_with_residual[:rows], atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
     plain = few_rows.linear(x, packed, bias)
     assert torch.equal(few_rows.linear(x, packed, bias, None, "relu"), plain.relu())
     with pytest.raises(ValueError, match="activation='tanh'"):
