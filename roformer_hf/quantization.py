@@ -12,8 +12,9 @@ Calls with fewer than `SMALL_BATCH_ROWS` rows (a generation step, a short reques
 without VNNI oneDNN's kernel packs the weights at every call, which costs more than the product itself at a few rows
 (8 rows through a 768 x 3072 layer: 0.27 ms against 0.99 ms); on an Intel Xeon with VNNI fbgemm's one call (it
 quantizes, multiplies and rescales) still costs less than the separate steps here below 32 rows. Where it was measured
-faster still (`few_rows_int8_limit`: AMD's Zen 5, up to 128 rows; AVX2 EPYCs), calls take `few_rows.int8_linear`,
-roformer_hf's own kernel (AVX-512 VNNI, or AVX2), which does the four steps in one call. All three compute the same integer
+faster still (`few_rows_int8_limit`: AMD's Zen 5, up to 128 rows; AVX2 EPYCs; Intel's Xeons with AMX, up to 32),
+calls take `few_rows.int8_linear`, roformer_hf's own kernel (AVX-512 VNNI, or AVX2), which does the four steps in one
+call. All three compute the same integer
 product of the same quantized inputs; inputs whose range is too small for fbgemm's smallest scale
 (``_FBGEMM_SMALLEST_RANGE``) stay off fbgemm's path.
 
@@ -61,7 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from . import few_rows
-from .cpu import cpu_family, cpu_vendor
+from .cpu import cpu_family, cpu_has, cpu_vendor
 
 __all__ = ["Int8Linear", "quantize_int8", "int8_kernel_available", "static_int8"]
 
@@ -135,12 +136,16 @@ def few_rows_int8_limit() -> int:
     - AMD EPYCs without VNNI (AVX2; Zen 3): 640. Four layers' dense calls of base width in a row (`bench_dense.py`):
       0.87-0.97x the time of the faster of fbgemm's and oneDNN's at 1 to 256 rows, 0.92x at 384, 0.97x at 512,
       0.96x at 640, 1.02x at 1024.
-    - elsewhere: 0, not measured there (an Intel Xeon's oneDNN takes AMX from 16 rows or so; a Zen 4 runs 512-bit
-      VNNI at half width).
+    - Intel's Xeons with AMX (Emerald Rapids) and VNNI: 32. Four layers' dense calls of base width in a row: 0.58-0.66x
+      the time of the faster of fbgemm's and oneDNN's at 1 to 16 rows, 0.91x at 32, 1.03x at 64, 1.24-1.33x at
+      128-256.
+    - elsewhere: 0, not measured there (an Intel Xeon without AMX; a Zen 4 runs 512-bit VNNI at half width).
     """
     amd = cpu_vendor() == "AuthenticAMD"
     if few_rows.int8_isa() == "AVX2":
         return 640 if amd else 0
+    if cpu_vendor() == "GenuineIntel":
+        return 32 if cpu_has("amx_int8") else 0
     return 128 if amd and cpu_family() >= 26 else 0
 
 

@@ -465,18 +465,21 @@ def test_what_changes_between_forwards_is_followed(kernel, change):
     torch.testing.assert_close(output, module_path(model, input_ids), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("avx512", "vendor", "family", "limit", "expected"), [
-    (True, "GenuineIntel", 6, "", fused.INTEL_RULE), (True, "AuthenticAMD", 25, "", fused.AVX512_RULE),
-    (True, "AuthenticAMD", 26, "", fused.ZEN5_RULE), (False, "AuthenticAMD", 25, "", fused.AVX2_RULE),
-    (False, "GenuineIntel", 6, "", fused.AVX2_RULE), (True, "GenuineIntel", 6, "avx2", fused.AVX2_RULE),
-    (True, "AuthenticAMD", 26, "AVX2", fused.AVX2_RULE), (True, "AuthenticAMD", 25, "AVX512_CORE", fused.AVX512_RULE)])
-def test_the_rule_follows_the_cpus_vendor_and_what_onednn_may_run(monkeypatch, avx512, vendor, family, limit,
+@pytest.mark.parametrize(("avx512", "vendor", "family", "amx", "limit", "expected"), [
+    (True, "GenuineIntel", 6, False, "", fused.INTEL_RULE), (True, "GenuineIntel", 6, True, "", fused.INTEL_AMX_RULE),
+    (True, "AuthenticAMD", 25, False, "", fused.AVX512_RULE), (True, "AuthenticAMD", 26, False, "", fused.ZEN5_RULE),
+    (False, "AuthenticAMD", 25, False, "", fused.AVX2_RULE), (False, "GenuineIntel", 6, False, "", fused.AVX2_RULE),
+    (True, "GenuineIntel", 6, True, "avx2", fused.AVX2_RULE), (True, "AuthenticAMD", 26, False, "AVX2", fused.AVX2_RULE),
+    (True, "AuthenticAMD", 25, False, "AVX512_CORE", fused.AVX512_RULE)])
+def test_the_rule_follows_the_cpus_vendor_and_what_onednn_may_run(monkeypatch, avx512, vendor, family, amx, limit,
                                                                  expected):
     """A CPU without AVX-512, or oneDNN held below it (``ONEDNN_MAX_CPU_ISA``), takes the AVX2 rule whatever its
-    vendor; with AVX-512 the vendor picks Intel's or AMD's, and AMD's family Zen 4's or Zen 5's."""
+    vendor; with AVX-512 the vendor picks Intel's or AMD's, Intel's whether the CPU has AMX, and AMD's family Zen 4's
+    or Zen 5's."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512, raising=False)
     monkeypatch.setattr(fused, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(fused, "cpu_family", lambda: family)
+    monkeypatch.setattr(fused, "cpu_has", lambda *flags: amx and set(flags) <= {"amx_bf16", "amx_int8", "amx_tile"})
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
     assert fused.dense_rule() is expected
