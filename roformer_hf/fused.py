@@ -564,8 +564,8 @@ def _dense_kernel(x: Tensor) -> str:
 
     - ``"packed"``: oneDNN's kernel on the weight packed in its blocked layout (`_PACK`, what torch.compile's CPU
       backend does with frozen weights), which reads faster and gives the same bits as the layer's own weight. fp32:
-      2 to `DenseRule.packed_max_rows` rows, where the GEMM waits on its weight; bf16: every row count (an Intel
-      Xeon: 2x at one row, 1.3x at 16).
+      2 to `DenseRule.packed_max_rows` rows, where the GEMM waits on its weight; bf16: every row count `few_rows`' bf16
+      kernel leaves (an Intel Xeon without AMX: 2x at one row, 1.3x at 16).
     - ``"module"``: the layer's own call (MKL's GEMM), the activation or addition applied after it: where the rule
       names it for one fp32 row (Intel CPUs, where MKL's matrix-vector product takes 0.5-0.85x oneDNN's time; a
       packed weight would sum in another order) or past the packed rows (AVX2 only).

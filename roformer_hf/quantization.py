@@ -14,9 +14,8 @@ without VNNI oneDNN's kernel packs the weights at every call, which costs more t
 quantizes, multiplies and rescales) still costs less than the separate steps here below 32 rows. Where it was measured
 faster still (`few_rows_int8_limit`: AMD's Zen 5, up to 128 rows; AVX2 EPYCs; Intel's Xeons with AMX, up to 32),
 calls take `few_rows.int8_linear`, roformer_hf's own kernel (AVX-512 VNNI, or AVX2), which does the four steps in one
-call. All three compute the same integer
-product of the same quantized inputs; inputs whose range is too small for fbgemm's smallest scale
-(``_FBGEMM_SMALLEST_RANGE``) stay off fbgemm's path.
+call. All three compute the same integer product of the same quantized inputs; inputs whose range is too small for
+fbgemm's smallest scale (``_FBGEMM_SMALLEST_RANGE``) stay off fbgemm's path.
 
 On CPUs without VNNI (plain AVX2/AVX-512), the kernel multiplies uint8 by int8 with ``vpmaddubsw``, which adds the
 products of neighbouring input features (``2i`` and ``2i + 1``) into an int16 that saturates: 255 * 127 * 2 > 32767.
@@ -214,8 +213,9 @@ class Int8Linear(nn.Module):
     def fused_side_by_side(cls, layers: tuple[Int8Linear, ...], x: Tensor) -> tuple[Tensor, ...] | None:
         """``tuple(layer(x) for layer in layers)`` for layers that read the same input (attention's query, key and
         value): one kernel call on their weights side by side, the input quantized once. Each output channel is
-        computed as its own layer computes it (the same quantized input, its own scale), so the bits are the same.
-        The joined copy is kept beside the first layer and made anew when a layer is replaced; ``None`` where the
+        computed as its own layer computes it (the same quantized input, its own scale), so the bits are the same (but
+        for oneDNN's kernel on CPUs with AMX, whose rescaling of a few rows depends on the output's width: within a
+        unit in the last place). The joined copy is kept beside the first layer and made anew when a layer is replaced; ``None`` where the
         layers cannot be joined (other input widths, bias on some only, other `saturation_safe`)."""
         joined = cls._joined(layers, [layer._check_packed() for layer in layers])
         if joined is None:
