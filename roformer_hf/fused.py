@@ -9,7 +9,8 @@ CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (
 On CPUs with AVX2 only, fp32 inputs of 1 to 256 rows take `few_rows`' GEMM instead, which reads a short input's
 weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 64
 rows, in its AVX-512 kernel, and bf16 inputs of 1 to 128 rows in its bf16 kernel (`DenseRule.bf16_few_rows_max_rows`);
-on Intel's Xeons with AMX, fp32 inputs of 1 to 64 rows and bf16 inputs of 1 to 8 (AMX's kernel from 16 rows on).
+on AMD's Zen 4, fp32 and bf16 inputs of 1 to 256 rows; on Intel's Xeons with AMX, fp32 inputs of 1 to 64 rows and bf16
+inputs of 1 to 8 (AMX's kernel from 16 rows on).
 
 In fp32 training, where oneDNN's GEMM outruns MKL's (`DenseRule.onednn_training_macs`: AMD's Zen 5, where MKL's ran at
 half its rate), a plain `nn.Linear`'s call and its gradients take oneDNN's kernel (`_TrainedLinear`), eager only.
@@ -110,9 +111,14 @@ INTEL_RULE = DenseRule("Intel, AVX-512", math.inf, "onednn", "module", fuses_gel
 # took 0.91x the eager time for one input of 8 tokens, 0.95x at 16, 1.09x at 32, 0.97-1.00x at 64-512.
 INTEL_AMX_RULE = DenseRule("Intel with AMX, AVX-512", math.inf, "packed", "module", fuses_gelu=True,
                            compiled_max_tokens=16, few_rows_max_rows=64, bf16_few_rows_max_rows=8)
-# AMD EPYC with AVX-512, Zen 4 (family 25; 512-bit operations in two halves): the packed weight up to 1.5x faster at
-# 2-256 rows; beyond, the GEMM is bound by its arithmetic.
-AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", 256, "onednn", "onednn", fuses_gelu=True)
+# AMD EPYC with AVX-512, Zen 4 (family 25 model 17; 512-bit operations in two halves): the packed weight up to 1.5x
+# faster than the layer's own at 2-256 rows; beyond, the GEMM is bound by its arithmetic. Four layers' dense calls in a
+# row, each weight read from memory: `few_rows`' AVX-512 kernel took 0.66-0.96x the time of oneDNN's on the packed
+# weight at 1-128 rows (0.66x at one row, 0.69x at 8, 0.95-0.96x at 16 and 128), 1.02x at 256, within the packed
+# weight's own spread there (0.98-1.02x between two rules' turns); its bf16 kernel 0.69-0.97x the packed weight's time at
+# 1-256 rows.
+AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", 256, "onednn", "onednn", fuses_gelu=True, few_rows_max_rows=256,
+                        bf16_few_rows_max_rows=256)
 # AMD EPYC with AVX-512, Zen 5 (family 26; whole 512-bit operations): `few_rows`' AVX-512 kernel ran four layers'
 # dense calls in a row, each weight read from memory, in 0.70-0.93x the time of oneDNN's on the packed weight at 1-64
 # rows, 0.96-1.00x at 128-256; the model of 4 layers of base width in 0.62-0.68x the time at one token, 0.86-0.97x at
@@ -571,10 +577,10 @@ def _dense_kernel(x: Tensor) -> str:
       packed weight would sum in another order) or past the packed rows (AVX2 only).
     - ``"onednn"``: oneDNN's kernel on the layer's own weight, where the rule names it, and for an input of no rows.
     - ``"few_rows"``: `few_rows`' kernel on the weight packed in its tiles, for fp32 inputs of 1 up to
-      `DenseRule.few_rows_max_rows` rows where it is available (AVX2 only; AMD Zen 5; Intel with AMX), in place of
+      `DenseRule.few_rows_max_rows` rows where it is available (AVX2 only; AMD Zen 4 and 5; Intel with AMX), in place of
       the packed weight and the rule's `one_row`; past them the rule's `beyond`.
     - ``"few_rows_bf16"``: `few_rows`' bf16 kernel on the weight packed in its tiles, for bf16 inputs of 1 up to
-      `DenseRule.bf16_few_rows_max_rows` rows where it is available (AMD Zen 5; Intel with AMX), in place of the
+      `DenseRule.bf16_few_rows_max_rows` rows where it is available (AMD Zen 4 and 5; Intel with AMX), in place of the
       packed weight.
     """
     rows = x.numel() // x.shape[-1]

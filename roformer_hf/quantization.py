@@ -12,9 +12,9 @@ Calls with fewer than `SMALL_BATCH_ROWS` rows (a generation step, a short reques
 without VNNI oneDNN's kernel packs the weights at every call, which costs more than the product itself at a few rows
 (8 rows through a 768 x 3072 layer: 0.27 ms against 0.99 ms); on an Intel Xeon with VNNI fbgemm's one call (it
 quantizes, multiplies and rescales) still costs less than the separate steps here below 32 rows. Where it was measured
-faster still (`few_rows_int8_limit`: AMD's Zen 5, up to 128 rows; AVX2 EPYCs; Intel's Xeons with AMX, up to 32),
-calls take `few_rows.int8_linear`, roformer_hf's own kernel (AVX-512 VNNI, or AVX2), which does the four steps in one
-call. All three compute the same integer product of the same quantized inputs; inputs whose range is too small for
+faster still (`few_rows_int8_limit`: AMD's Zen 5, up to 128 rows; Zen 4, up to 256; AVX2 EPYCs; Intel's Xeons with
+AMX, up to 32), calls take `few_rows.int8_linear`, roformer_hf's own kernel (AVX-512 VNNI, or AVX2), which does the four
+steps in one call. All three compute the same integer product of the same quantized inputs; inputs whose range is too small for
 fbgemm's smallest scale (``_FBGEMM_SMALLEST_RANGE``) stay off fbgemm's path.
 
 On CPUs without VNNI (plain AVX2/AVX-512), the kernel multiplies uint8 by int8 with ``vpmaddubsw``, which adds the
@@ -110,15 +110,16 @@ def few_row_limit() -> int:
       fbgemm was 3-6x faster at 8 rows of base width, 1.1-1.5x at 64-128, about even from 256 rows on.
     - with VNNI on Intel CPUs: 32. The 4-layer model of base width on an Intel Xeon with AVX-512 VNNI: 1.26x at one
       row, 1.06x at 16, 1.03x at 32, 0.96x at 48, 0.94x at 64.
-    - with VNNI on AMD's Zen 5 (family 26 on): 16. Four layers' dense calls of base width in a row on an AMD EPYC
-      (Zen 5): 1.21x at one row, 1.12x at 4, 0.98x at 16, 0.88-0.92x at 32-128.
-    - with VNNI elsewhere (an AMD EPYC Zen 4): 0, oneDNN's kernel at every row count; not measured there.
+    - with VNNI on AMD's EPYCs: 16. Four layers' dense calls of base width in a row, oneDNN's time over fbgemm's: on a
+      Zen 5 1.21x at one row, 1.12x at 4, 0.98x at 16, 0.88-0.92x at 32-128; on a Zen 4 (family 25 model 17) 1.31x at
+      one row, 1.17x at 4, 1.12x at 8, 1.05x at 16, 0.85-0.98x at 32-256.
+    - with VNNI elsewhere: 0, oneDNN's kernel at every row count; not measured there.
     """
     if not _cpu_has_vnni():
         return 256
     if cpu_vendor() == "GenuineIntel":
         return 32
-    return 16 if cpu_vendor() == "AuthenticAMD" and cpu_family() >= 26 else 0
+    return 16 if cpu_vendor() == "AuthenticAMD" else 0
 
 
 SMALL_BATCH_ROWS = few_row_limit()
@@ -138,14 +139,18 @@ def few_rows_int8_limit() -> int:
     - Intel's Xeons with AMX (Emerald Rapids) and VNNI: 32. Four layers' dense calls of base width in a row: 0.58-0.66x
       the time of the faster of fbgemm's and oneDNN's at 1 to 16 rows, 0.91x at 32, 1.03x at 64, 1.24-1.33x at
       128-256.
-    - elsewhere: 0, not measured there (an Intel Xeon without AMX; a Zen 4 runs 512-bit VNNI at half width).
+    - AMD's Zen 4 (family 25) with VNNI: 256. Four layers' dense calls of base width in a row on an AMD EPYC (Zen 4):
+      0.72-0.83x the time of the faster of the other two at 1 to 64 rows, 0.93x at 128, 0.95x at 256.
+    - elsewhere: 0, not measured there (an Intel Xeon without AMX).
     """
     amd = cpu_vendor() == "AuthenticAMD"
     if few_rows.int8_isa() == "AVX2":
         return 640 if amd else 0
     if cpu_vendor() == "GenuineIntel":
         return 32 if cpu_has("amx_int8") else 0
-    return 128 if amd and cpu_family() >= 26 else 0
+    if not amd:
+        return 0
+    return 128 if cpu_family() >= 26 else 256
 
 
 

@@ -652,10 +652,10 @@ def test_static_int8_refuses_what_cannot_calibrate(monkeypatch):
 
 @pytest.mark.parametrize(("vnni", "vendor", "family", "expected"), [
     (False, "AuthenticAMD", 25, 256), (False, "GenuineIntel", 6, 256), (True, "GenuineIntel", 6, 32),
-    (True, "AuthenticAMD", 25, 0), (True, "AuthenticAMD", 26, 16)])
+    (True, "AuthenticAMD", 25, 16), (True, "AuthenticAMD", 26, 16), (True, "", 0, 0)])
 def test_the_few_row_limit_follows_the_cpu_kind_it_was_measured_on(monkeypatch, vnni, vendor, family, expected):
     """Below the limit `Int8Linear` takes fbgemm's kernel: every row count without VNNI's int32 sums, and on CPUs
-    with VNNI as far as fbgemm measured faster on each kind (none on a Zen 4, unmeasured there)."""
+    with VNNI as far as fbgemm measured faster on each kind (none on a CPU of unknown vendor, unmeasured there)."""
     monkeypatch.setattr(quantization, "_cpu_has_vnni", lambda: vnni)
     monkeypatch.setattr(quantization, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(quantization, "cpu_family", lambda: family)
@@ -664,12 +664,12 @@ def test_the_few_row_limit_follows_the_cpu_kind_it_was_measured_on(monkeypatch, 
 
 @pytest.mark.parametrize(("isa", "vendor", "family", "amx", "expected"), [
     ("AVX2", "AuthenticAMD", 25, False, 640), ("AVX2", "GenuineIntel", 6, False, 0),
-    ("VNNI", "GenuineIntel", 6, False, 0), ("VNNI", "GenuineIntel", 6, True, 32), ("VNNI", "AuthenticAMD", 25, False, 0),
-    ("VNNI", "AuthenticAMD", 26, False, 128)])
+    ("VNNI", "GenuineIntel", 6, False, 0), ("VNNI", "GenuineIntel", 6, True, 32), ("VNNI", "AuthenticAMD", 25, False, 256),
+    ("VNNI", "AuthenticAMD", 26, False, 128), ("VNNI", "", 0, False, 0)])
 def test_the_few_row_int8_kernels_rows_follow_the_cpu_kind_it_was_measured_on(monkeypatch, isa, vendor, family, amx,
                                                                               expected):
     """`few_rows`' int8 kernel takes the calls of up to `few_rows_int8_limit` rows where it was measured faster (its
-    VNNI build on a Zen 5 and on an Intel Xeon with AMX, its AVX2 build on an AVX2 EPYC), none where it was not
+    VNNI build on a Zen 4, a Zen 5 and an Intel Xeon with AMX, its AVX2 build on an AVX2 EPYC), none where it was not
     measured."""
     monkeypatch.setattr(few_rows, "int8_isa", lambda: isa)
     monkeypatch.setattr(quantization, "cpu_vendor", lambda: vendor)
