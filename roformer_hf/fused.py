@@ -111,13 +111,13 @@ INTEL_RULE = DenseRule("Intel, AVX-512", math.inf, "onednn", "module", fuses_gel
 # took 0.91x the eager time for one input of 8 tokens, 0.95x at 16, 1.09x at 32, 0.97-1.00x at 64-512.
 INTEL_AMX_RULE = DenseRule("Intel with AMX, AVX-512", math.inf, "packed", "module", fuses_gelu=True,
                            compiled_max_tokens=16, few_rows_max_rows=64, bf16_few_rows_max_rows=8)
-# AMD EPYC with AVX-512, Zen 4 (family 25 model 17; 512-bit operations in two halves): the packed weight up to 1.5x
-# faster than the layer's own at 2-256 rows; beyond, the GEMM is bound by its arithmetic. Four layers' dense calls in a
-# row, each weight read from memory: `few_rows`' AVX-512 kernel took 0.66-0.96x the time of oneDNN's on the packed
-# weight at 1-128 rows (0.66x at one row, 0.69x at 8, 0.95-0.96x at 16 and 128), 1.02x at 256, within the packed
-# weight's own spread there (0.98-1.02x between two rules' turns); its bf16 kernel 0.69-0.97x the packed weight's time at
-# 1-256 rows.
-AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", 256, "onednn", "onednn", fuses_gelu=True, few_rows_max_rows=256,
+# AMD EPYC with AVX-512, Zen 4 (family 25 model 17; 512-bit operations in two halves; L1d 32 KiB): four layers' dense
+# calls in a row, each weight read from memory: `few_rows`' AVX-512 kernel took 0.66-0.96x the time of oneDNN's on the
+# packed weight at 1-128 rows (0.66x at one row, 0.69x at 8, 0.95-0.96x at 16 and 128), 1.02x at 256, within the
+# packed weight's own spread there (0.98-1.02x between two rules' turns); its bf16 kernel 0.69-0.97x the packed
+# weight's time at 1-256 rows. Beyond, the packed weight: 0.89-0.90x the time of oneDNN's on the layer's own weight at
+# 626 rows in a row, 0.93-0.98x per layer at 2626.
+AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", math.inf, "packed", "onednn", fuses_gelu=True, few_rows_max_rows=256,
                         bf16_few_rows_max_rows=256)
 # AMD EPYC with AVX-512, Zen 5 (family 26; whole 512-bit operations): `few_rows`' AVX-512 kernel ran four layers'
 # dense calls in a row, each weight read from memory, in 0.70-0.93x the time of oneDNN's on the packed weight at 1-64
