@@ -373,7 +373,7 @@ def random_int8_layer(out_features, in_features, generator):
 @needs_int8_kernel
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [
     (1, 1, 1), (1, 67, 19), (1, 768, 100), (2, 5, 50), (7, 33, 7), (8, 64, 48), (9, 17, 97), (16, 130, 13),
-    (17, 8, 49), (40, 301, 31), (100, 3, 6), (17, 2053, 200), (24, 1100, 97)])
+    (17, 8, 49), (40, 301, 31), (100, 3, 6), (17, 2053, 200), (24, 1100, 97), (250, 130, 97)])
 @pytest.mark.parametrize("after", ["bias", "nothing", "residual", "relu", "gelu"])
 def test_the_int8_product_is_the_exact_integer_product_at_any_shape(rows, in_features, out_features, after):
     """Any count of rows (one alone sums in runs of its own), input features not a multiple of 4 (the last group is
@@ -540,7 +540,7 @@ def bf16_rule(monkeypatch):
 @needs_bf16_kernel
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [
     (1, 1, 1), (1, 67, 19), (1, 768, 100), (2, 5, 50), (7, 33, 7), (8, 64, 48), (9, 17, 97), (16, 130, 13),
-    (17, 8, 49), (40, 301, 31), (17, 1101, 200), (24, 600, 97)])
+    (17, 8, 49), (40, 301, 31), (17, 1101, 200), (24, 600, 97), (250, 130, 97)])
 @pytest.mark.parametrize(("bias", "residual", "activation"), [
     (True, False, "none"), (False, False, "none"), (True, True, "none"), (True, False, "gelu"), (False, False, "relu")])
 def test_the_bf16_product_is_the_float64_product_rounded_once(rows, in_features, out_features, bias, residual,
