@@ -14,8 +14,8 @@ without VNNI oneDNN's kernel packs the weights at every call, which costs more t
 quantizes, multiplies and rescales) still costs less than the separate steps here below 32 rows. Where it was measured
 faster still (`few_rows_int8_limit`: AMD's Zen 5, up to 128 rows; Zen 4, up to 256; AVX2 EPYCs; Intel's Xeons with
 AMX, up to 32), calls take `few_rows.int8_linear`, roformer_hf's own kernel (AVX-512 VNNI, or AVX2), which does the four
-steps in one call. All three compute the same integer product of the same quantized inputs; inputs whose range is too small for
-fbgemm's smallest scale (``_FBGEMM_SMALLEST_RANGE``) stay off fbgemm's path.
+steps in one call. All three compute the same integer product of the same quantized inputs; inputs whose range is too
+small for fbgemm's smallest scale (``_FBGEMM_SMALLEST_RANGE``) stay off fbgemm's path.
 
 On CPUs without VNNI (plain AVX2/AVX-512), the kernel multiplies uint8 by int8 with ``vpmaddubsw``, which adds the
 products of neighbouring input features (``2i`` and ``2i + 1``) into an int16 that saturates: 255 * 127 * 2 > 32767.
@@ -140,7 +140,7 @@ def few_rows_int8_limit() -> int:
       the time of the faster of fbgemm's and oneDNN's at 1 to 16 rows, 0.91x at 32, 1.03x at 64, 1.24-1.33x at
       128-256.
     - AMD's Zen 4 (family 25) with VNNI: 256. Four layers' dense calls of base width in a row on an AMD EPYC (Zen 4):
-      0.72-0.83x the time of the faster of the other two at 1 to 64 rows, 0.93x at 128, 0.95x at 256.
+      0.72-0.83x the time of the faster of the other two at 1 to 64 rows, 0.93-1.01x at 128-256 (two runs).
     - elsewhere: 0, not measured there (an Intel Xeon without AMX).
     """
     amd = cpu_vendor() == "AuthenticAMD"
