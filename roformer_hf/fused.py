@@ -171,14 +171,17 @@ def dense_rule() -> DenseRule:
 
 
 RULE = dense_rule()
-# Each layer's packed weight, with what it was packed from (`_source`) and the kernel it is laid out for
-# (`_PACKING_KERNELS`): made at the layer's first call that `_dense_kernel` packs for, made again once the weight
-# changes or another packing kernel calls for it, dropped with the layer.
-_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor | Packed | PackedBF16, str]] = \
+# Each layer's packed weights, with what they were packed from (`_source`): one copy per packing kernel
+# (`_PACKING_KERNELS`) that calls for it, made at the layer's first call that `_dense_kernel` packs for with that
+# kernel, all made again once the weight changes, dropped with the layer. A layer that runs both short and long inputs
+# keeps both copies (`few_rows`' tiles and oneDNN's layout, where the CPU's rule takes both): with one copy, each change
+# of kernel packed the weight again (on a Zen 4, a 16-token forward after a 400-token one took 63 ms instead of 11).
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, dict[str, Tensor | Packed | PackedBF16]]] = \
     weakref.WeakKeyDictionary()
-# Layers that read the same input (attention's query, key and value), packed side by side, by their first layer.
+# Layers that read the same input (attention's query, key and value), packed side by side, by their first layer: what
+# they were packed from, their biases side by side, and a copy per packing kernel.
 _PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[
-    nn.Linear, tuple[tuple, Tensor | Packed | PackedBF16, Tensor | None, str]] = weakref.WeakKeyDictionary()
+    nn.Linear, tuple[tuple, Tensor | None, dict[str, Tensor | Packed | PackedBF16]]] = weakref.WeakKeyDictionary()
 # The kernels (`_dense_kernel`) that run on a packed copy of the weight: oneDNN's blocked layout, `few_rows`' tiles.
 _PACKING_KERNELS = ("packed", "few_rows", "few_rows_bf16")
 _FEW_ROWS_BINDS = {"few_rows": few_rows.bind_linear, "few_rows_bf16": few_rows.bind_bf16_linear}
@@ -314,7 +317,7 @@ def _check(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bo
            kernel: str) -> _Checked | None:
     """A recorded call, checked as the call itself would check it for an input of `dtype` whose rows take the packing
     `kernel` (`fused_linear`, `fused_linears`); None where it no longer takes the kernel it was recorded with, or its
-    weight is packed for another."""
+    weight holds no copy packed for that kernel (the call itself packs one)."""
     post_op = _fused_activation(activation)
     if post_op is None or (adds and post_op[0] != "none"):
         return None
@@ -326,15 +329,15 @@ def _check(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bo
         layer = layers[0]
         cached, parameters = _PACKED.get(layer), layer._parameters  # `_layer_applies`: a plain `nn.Linear`
         weight = parameters["weight"]
-        if (cached is None or cached[2] != kernel or weight.is_inference()
+        if (cached is None or kernel not in cached[1] or weight.is_inference()
                 or not _same_source(cached[0], (weight,))):
             return None
-        weight, bias, out_features = cached[1], parameters["bias"], weight.shape[0]
+        weight, bias, out_features = cached[1][kernel], parameters["bias"], weight.shape[0]
     else:
         cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
-        if cached is None or cached[3] != kernel or not _same_source(cached[0], _side_by_side_tensors(layers)):
+        if cached is None or kernel not in cached[2] or not _same_source(cached[0], _side_by_side_tensors(layers)):
             return None
-        weight, bias = cached[1], cached[2]
+        weight, bias = cached[2][kernel], cached[1]
         out_features = sum(layer._parameters["weight"].shape[0] for layer in layers)
     sizes = [layer.out_features for layer in layers] if len(layers) > 1 else None
     return _Checked(layers, activation, adds, _packed_call(kernel, weight, bias, post_op, adds, sizes), out_features,
@@ -550,11 +553,13 @@ def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Ten
     if len(tensors) not in (len(layers), 2 * len(layers)) or any(tensor.is_inference() for tensor in tensors):
         return None
     cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
-    if cached is None or cached[3] != kernel or not _same_source(cached[0], tensors):
-        weight = torch.cat([layer.weight.detach() for layer in layers])
+    if cached is None or not _same_source(cached[0], tensors):
         bias = None if len(tensors) == len(layers) else torch.cat([layer.bias.detach() for layer in layers])
-        cached = _PACKED_SIDE_BY_SIDE[layers[0]] = (_source(tensors), _pack(weight, kernel), bias, kernel)
-    return cached[1], cached[2]
+        cached = _PACKED_SIDE_BY_SIDE[layers[0]] = (_source(tensors), bias, {})
+    copies = cached[2]
+    if kernel not in copies:
+        copies[kernel] = _pack(torch.cat([layer.weight.detach() for layer in layers]), kernel)
+    return copies[kernel], cached[1]
 
 
 def _side_by_side_tensors(layers: tuple[nn.Linear, ...]) -> list[Tensor]:
@@ -596,17 +601,20 @@ def _dense_kernel(x: Tensor) -> str:
 
 
 def _packed_weight(layer: nn.Linear, x: Tensor, kernel: str) -> Tensor | Packed | PackedBF16:
-    """The weight `fused_linear` hands oneDNN: packed (a copy kept beside the layer, as much memory again as its
-    weight) where `_dense_kernel` says so, from the first such input on, and made anew when the weight changes (as
-    `_source` tells); the layer's own weight otherwise. A weight made under `torch.inference_mode()` keeps no count of
+    """The weight `fused_linear` hands `kernel`: packed for it (a copy kept beside the layer, as much memory again as
+    its weight, one per packing kernel the layer's inputs have called for) where `_dense_kernel` says so, from the
+    first such input on, all made anew when the weight changes (as `_source` tells); the layer's own weight otherwise. A weight made under `torch.inference_mode()` keeps no count of
     its changes, so it is never packed."""
     weight = layer.weight
     if kernel not in _PACKING_KERNELS or weight.is_inference():
         return weight
     cached = _PACKED.get(layer)
-    if cached is None or cached[2] != kernel or not _same_source(cached[0], (weight,)):
-        cached = _PACKED[layer] = (_source((weight,)), _pack(weight.detach(), kernel), kernel)
-    return cached[1]
+    if cached is None or not _same_source(cached[0], (weight,)):
+        cached = _PACKED[layer] = (_source((weight,)), {})
+    copies = cached[1]
+    if kernel not in copies:
+        copies[kernel] = _pack(weight.detach(), kernel)
+    return copies[kernel]
 
 
 def _pack(weight: Tensor, kernel: str) -> Tensor | Packed | PackedBF16:

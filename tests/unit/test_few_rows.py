@@ -160,7 +160,7 @@ def test_the_avx2_rule_takes_it_up_to_its_rows_and_mkl_beyond(avx2_rule, rows, a
     if activation is not None:
         module = activation(module)
     assert torch.equal(output, product if takes_it else module)
-    assert (fused._PACKED[layer][2] == "few_rows") if takes_it else (layer not in fused._PACKED)
+    assert (set(fused._PACKED[layer][1]) == {"few_rows"}) if takes_it else (layer not in fused._PACKED)
     expected = reference(x, layer.weight, layer.bias, residual)
     torch.testing.assert_close(output.double(), activation(expected) if activation is not None else expected,
                                atol=1e-5, rtol=1e-5)
@@ -175,7 +175,7 @@ def test_layers_side_by_side_give_the_bits_of_each_alone_and_follow_their_weight
         alone = [fused_linear(layer, x) for layer in layers]
         together = fused_linears(layers, x)
         assert all(torch.equal(a, b) for a, b in zip(alone, together))
-        assert fused._PACKED_SIDE_BY_SIDE[layers[0]][3] == "few_rows"
+        assert set(fused._PACKED_SIDE_BY_SIDE[layers[0]][2]) == {"few_rows"}
     layers[2].weight.data.mul_(-1)  # uncounted, as an adapter merged through .data
     with torch.no_grad():
         layers[0].weight.add_(1.0)
@@ -185,11 +185,13 @@ def test_layers_side_by_side_give_the_bits_of_each_alone_and_follow_their_weight
 
 
 @needs_kernel
-def test_the_tiles_follow_the_weight_and_another_kernels_packing(avx2_rule, monkeypatch):
-    """The packed tiles are made again when the weight changes (in place, through ``.data``, replaced), and a layer
-    whose rows move to oneDNN's packed kernel (the rule without the kernel) is packed for that kernel instead."""
+def test_the_tiles_follow_the_weight_and_sit_beside_another_kernels_packing(avx2_rule, monkeypatch):
+    """The packed tiles are made again when the weight changes (in place, through ``.data``, replaced); a layer whose
+    rows move to oneDNN's packed kernel (the rule without the kernel) keeps its tiles beside that kernel's copy, so that
+    moving back packs nothing, and a change of the weight drops both."""
     torch.manual_seed(0)
     layer, x = nn.Linear(24, 18), torch.randn(16, 24)
+    other = "packed" if fused._PACK is not None else "few_rows"
 
     def check():
         with torch.inference_mode():
@@ -197,9 +199,9 @@ def test_the_tiles_follow_the_weight_and_another_kernels_packing(avx2_rule, monk
         torch.testing.assert_close(output.double(), reference(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
     check()
-    tiles = fused._PACKED[layer][1]
+    tiles = fused._PACKED[layer][1]["few_rows"]
     check()
-    assert fused._PACKED[layer][1] is tiles  # packed once, reused
+    assert fused._PACKED[layer][1]["few_rows"] is tiles  # packed once, reused
     with torch.no_grad():
         layer.weight.mul_(-2)
     check()
@@ -207,9 +209,20 @@ def test_the_tiles_follow_the_weight_and_another_kernels_packing(avx2_rule, monk
     check()
     layer.weight = nn.Parameter(torch.randn(18, 24))
     check()
-    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.AVX2_RULE, few_rows_max_rows=0))
+    tiles = fused._PACKED[layer][1]["few_rows"]
+    without = dataclasses.replace(fused.AVX2_RULE, few_rows_max_rows=0)
+    monkeypatch.setattr(fused, "RULE", without)
     check()
-    assert fused._PACKED[layer][2] == ("packed" if fused._PACK is not None else "few_rows")
+    assert set(fused._PACKED[layer][1]) == {"few_rows", other}
+    monkeypatch.setattr(fused, "RULE", fused.AVX2_RULE)
+    check()
+    assert fused._PACKED[layer][1]["few_rows"] is tiles  # back to the kernel: its copy was kept
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    check()
+    assert set(fused._PACKED[layer][1]) == {"few_rows"}  # the other kernel's copy went with the old weight
+    monkeypatch.setattr(fused, "RULE", without)
+    check()
 
 
 def tiny_model():
@@ -219,6 +232,28 @@ def tiny_model():
                                         intermediate_size=40)
     torch.manual_seed(0)
     return roformer_hf.RoFormerModel(config).eval()
+
+
+@needs_kernel
+def test_a_model_that_alternates_short_and_long_inputs_packs_each_weight_once_per_kernel(monkeypatch):
+    """A server runs single sentences and batches in turn: under a rule with the kernel for few rows and oneDNN's
+    packed weight beyond (a Zen 4's), each weight is packed once for each kernel, however often the rows move between
+    them, and each forward gives the bits of a model that only ever ran its kind of input."""
+    rule = dataclasses.replace(fused.AVX512_RULE, few_rows_max_rows=8)
+    monkeypatch.setattr(fused, "RULE", rule)
+    packs = []
+    monkeypatch.setattr(fused, "_pack", lambda weight, kernel, pack=fused._pack: packs.append(kernel) or
+                        pack(weight, kernel))
+    model, short, long = tiny_model(), torch.randint(1, 50, (1, 6)), torch.randint(1, 50, (2, 9))
+    with torch.inference_mode():
+        outputs = [model(input_ids=ids).last_hidden_state for ids in (short, long, short, long, short)]
+    kernels = {"few_rows", "packed" if fused._PACK is not None else "few_rows"}
+    # per layer: query, key and value side by side, then the attention's output and the feed-forward's two
+    assert sorted(packs) == sorted(kernel for kernel in kernels for _ in range(4 * model.config.num_hidden_layers))
+    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[0], outputs[4])
+    assert torch.equal(outputs[1], outputs[3])
+    with torch.inference_mode():
+        assert torch.equal(tiny_model()(input_ids=long).last_hidden_state, outputs[1])
 
 
 @needs_kernel
@@ -589,7 +624,7 @@ def test_the_rule_takes_the_bf16_kernel_up_to_its_rows_and_the_packed_weight_bey
         # GELU applied by the kernel, before rounding
         product = few_rows.bf16_linear(x, packed, layer.bias, residual, "gelu" if activation is not None else "none")
     takes_it = rows <= bf16_rule.bf16_few_rows_max_rows
-    assert fused._PACKED[layer][2] == ("few_rows_bf16" if takes_it else "packed")
+    assert set(fused._PACKED[layer][1]) == {"few_rows_bf16" if takes_it else "packed"}
     if takes_it:
         assert torch.equal(output, product)
     expected = reference(x, layer.weight, layer.bias, residual)

@@ -217,7 +217,7 @@ def test_a_packed_weight_gives_the_bits_of_the_layers_own(dtype, rows, case):
         else:
             unpacked = fused._KERNEL(x, layer.weight, layer.bias, name, [], algorithm)
         assert torch.equal(fused_linear(layer, x, activation, residual), unpacked)
-    assert fused._PACKED[layer][1].is_mkldnn  # it ran on the packed copy
+    assert fused._PACKED[layer][1]["packed"].is_mkldnn  # it ran on the packed copy
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
@@ -227,9 +227,9 @@ def test_the_packed_weight_follows_the_weight_it_was_packed_from(monkeypatch):
     layer, x = nn.Linear(16, 8), torch.randn(4, 16)
     with torch.inference_mode():
         fused_linear(layer, x)
-        packed = fused._PACKED[layer][1]
+        packed = fused._PACKED[layer][1]["packed"]
         fused_linear(layer, x)
-        assert fused._PACKED[layer][1] is packed  # packed once, reused
+        assert fused._PACKED[layer][1]["packed"] is packed  # packed once, reused
         with torch.no_grad():
             layer.weight.mul_(-2)  # an in-place update (an optimizer step, load_state_dict)
         torch.testing.assert_close(fused_linear(layer, x), reference(layer, x).float(), atol=1e-5, rtol=1e-5)
