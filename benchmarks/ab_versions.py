@@ -3,10 +3,13 @@
     python benchmarks/ab_versions.py --old 9b1fbda            # this checkout against an earlier commit
     python benchmarks/ab_versions.py --old 9b1fbda --quick    # tiny smoke configuration
     python benchmarks/ab_versions.py --old 9b1fbda --dtype bf16 --skip-train   # bf16 weights, forward only
+    python benchmarks/ab_versions.py --old 9b1fbda --sentence 16 --skip-train --new-tokens 0 --repeats 20
+                                                              # and one 16-token sentence, ten forwards in a row
 
 For a change that must not cost speed (a refactor): both versions load the same transformers checkpoint and run
 the same padded batch (the inference forward and the MLM training step of `bench_cpu.py`), alternating which goes
-first, so machine load hits both alike. The earlier version is extracted with `git archive` and imported under
+first, so machine load hits both alike. `--sentence N` adds a server's short input: ten forwards in a row of the encoder
+(`model.roformer`, as `bench_latency.py` times `RoFormerModel`) on one sentence of N tokens with a mask of ones. The earlier version is extracted with `git archive` and imported under
 another package name (its imports inside the package are relative).
 
 Before timing, `identical_paths.compare` runs both versions on small models along every path (heads, layouts, rope
@@ -70,6 +73,13 @@ def generate(model, prompts: tuple[torch.Tensor, torch.Tensor], new_tokens: int)
                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
 
+def ten_in_a_row(encoder, sentence: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    with torch.inference_mode():
+        for _ in range(10):
+            states = encoder(input_ids=sentence[0], attention_mask=sentence[1]).last_hidden_state
+    return states
+
+
 def print_identical_paths(old_package, new_package) -> None:
     results = compare(old_package, new_package)
     print(f"\n| path (old = {old_package.__name__}, new = this checkout) | outputs and gradients |")
@@ -90,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-paths", action="store_true", help="leave out the bit-for-bit check of every path")
     parser.add_argument("--new-tokens", type=int, default=16,
                         help="greedy generation: tokens generated per row by the causal LM (0: leave it out)")
+    parser.add_argument("--sentence", type=int, default=0,
+                        help="also time ten encoder forwards in a row on one sentence of this many tokens (0: no)")
     args = parse_args(parser, argv, repeats=3)
     torch.manual_seed(args.seed)
     size = size_of(args)
@@ -122,6 +134,12 @@ def main(argv: list[str] | None = None) -> None:
         old_tokens, new_tokens = (generate(decoder, prompts, args.new_tokens) for decoder in decoders.values())
         print(f"greedy generation: the same {new_tokens.shape[1] - prompts[0].shape[1]} tokens per row from both "
               f"versions: {torch.equal(old_tokens, new_tokens)}")
+    if args.sentence:
+        sentence = (batch[0][:1, :args.sentence], torch.ones(1, args.sentence, dtype=torch.long))
+        modes[f"{args.sentence} tokens x10"] = lambda model, batch: ten_in_a_row(model.roformer, sentence)
+        old_states, new_states = (ten_in_a_row(model.eval().roformer, sentence) for model in models.values())
+        print(f"one sentence of {args.sentence} tokens: the same last hidden states from both versions: "
+              f"{torch.equal(old_states, new_states)}")
     times = {(name, mode): [] for name in models for mode in modes}
     for repeat in range(args.repeats + 1):
         for name in (list(models) if repeat % 2 else list(reversed(models))):
@@ -139,8 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| --- | --- | --- | --- |")
     for mode in modes:
         old, new = times[("old", mode)], times[("new", mode)]
-        print(f"| {mode} | {median(old):.3f} s ({min(old):.3f}-{max(old):.3f}) | {median(new):.3f} s "
-              f"({min(new):.3f}-{max(new):.3f}) | {median(new) / median(old):.3f} |")
+        print(f"| {mode} | {median(old):.4f} s ({min(old):.4f}-{max(old):.4f}) | {median(new):.4f} s "
+              f"({min(new):.4f}-{max(new):.4f}) | {median(new) / median(old):.3f} |")
     print("\n" + "\n".join(machine_lines()))
 
 

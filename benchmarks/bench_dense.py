@@ -120,9 +120,12 @@ CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after one untimed: its
 CHAIN_PATHS = ("roformer_hf", "nn.Linear (MKL)", "OpenVINO")
 INT8_KERNELS = ("oneDNN", "fbgemm", "few rows")  # `Int8Linear`'s kernels, timed apart in int8
 BF16_KERNELS = ("oneDNN packed", "few rows")  # bf16's, where `few_rows`' bf16 kernel is available
-# Each CPU kind's `fused.DenseRule`, and those that take `few_rows`' kernel as they are where it cannot be built.
+# Each CPU kind's `fused.DenseRule`, those that take `few_rows`' kernel as they are where it cannot be built, and this
+# CPU's with `few_rows`' kernel at every row count.
 RULES = (*fused.RULES, *(dataclasses.replace(rule, cpu=f"{rule.cpu}, without few rows", few_rows_max_rows=0)
-                         for rule in fused.RULES if rule.few_rows_max_rows))
+                         for rule in fused.RULES if rule.few_rows_max_rows),
+         dataclasses.replace(fused.RULE, cpu=f"{fused.RULE.cpu}, few rows at every row count",
+                             few_rows_max_rows=10**9))
 
 
 def under_int8_limit(limit: float, call, vnni_rows: float = 0):
