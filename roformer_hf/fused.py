@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import torch
@@ -171,17 +171,25 @@ def dense_rule() -> DenseRule:
 
 
 RULE = dense_rule()
-# Each layer's packed weights, with what they were packed from (`_source`): one copy per packing kernel
-# (`_PACKING_KERNELS`) that calls for it, made at the layer's first call that `_dense_kernel` packs for with that
-# kernel, all made again once the weight changes, dropped with the layer. A layer that runs both short and long inputs
-# keeps both copies (`few_rows`' tiles and oneDNN's layout, where the CPU's rule takes both): with one copy, each change
-# of kernel packed the weight again (on a Zen 4, a 16-token forward after a 400-token one took 63 ms instead of 11).
-_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, dict[str, Tensor | Packed | PackedBF16]]] = \
-    weakref.WeakKeyDictionary()
-# Layers that read the same input (attention's query, key and value), packed side by side, by their first layer: what
-# they were packed from, their biases side by side, and a copy per packing kernel.
-_PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[
-    nn.Linear, tuple[tuple, Tensor | None, dict[str, Tensor | Packed | PackedBF16]]] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Copies:
+    """A layer's packed weights (or those of layers side by side): what they were packed from (`_source`), and one
+    copy per packing kernel (`_PACKING_KERNELS`) that has called for it."""
+
+    source: tuple
+    bias: Tensor | None = None  # layers side by side: their biases side by side (a layer alone reads its own)
+    weights: dict[str, Tensor | Packed | PackedBF16] = field(default_factory=dict)
+
+
+# Each layer's `_Copies`: a copy made at the layer's first call that `_dense_kernel` packs for with that kernel, all
+# made again once the weight changes, dropped with the layer. A layer that runs both short and long inputs keeps both
+# copies (`few_rows`' tiles and oneDNN's layout, where the CPU's rule takes both): with one copy, each change of kernel
+# packed the weight again (on a Zen 4, a 16-token forward after a 400-token one took 63 ms instead of 11).
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, _Copies] = weakref.WeakKeyDictionary()
+# Layers that read the same input (attention's query, key and value), packed side by side, by their first layer.
+_PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[nn.Linear, _Copies] = weakref.WeakKeyDictionary()
 # The kernels (`_dense_kernel`) that run on a packed copy of the weight: oneDNN's blocked layout, `few_rows`' tiles.
 _PACKING_KERNELS = ("packed", "few_rows", "few_rows_bf16")
 _FEW_ROWS_BINDS = {"few_rows": few_rows.bind_linear, "few_rows_bf16": few_rows.bind_bf16_linear}
@@ -327,21 +335,21 @@ def _check(layers: tuple[nn.Module, ...], activation: nn.Module | None, adds: bo
         return None
     if len(layers) == 1:
         layer = layers[0]
-        cached, parameters = _PACKED.get(layer), layer._parameters  # `_layer_applies`: a plain `nn.Linear`
+        copies, parameters = _PACKED.get(layer), layer._parameters  # `_layer_applies`: a plain `nn.Linear`
         weight = parameters["weight"]
-        if (cached is None or kernel not in cached[1] or weight.is_inference()
-                or not _same_source(cached[0], (weight,))):
+        if (copies is None or kernel not in copies.weights or weight.is_inference()
+                or not _same_source(copies.source, (weight,))):
             return None
-        weight, bias, out_features = cached[1][kernel], parameters["bias"], weight.shape[0]
+        bias, out_features, sizes = parameters["bias"], weight.shape[0], None
     else:
-        cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
-        if cached is None or kernel not in cached[2] or not _same_source(cached[0], _side_by_side_tensors(layers)):
+        copies = _PACKED_SIDE_BY_SIDE.get(layers[0])
+        if (copies is None or kernel not in copies.weights
+                or not _same_source(copies.source, _side_by_side_tensors(layers))):
             return None
-        weight, bias = cached[2][kernel], cached[1]
-        out_features = sum(layer._parameters["weight"].shape[0] for layer in layers)
-    sizes = [layer.out_features for layer in layers] if len(layers) > 1 else None
-    return _Checked(layers, activation, adds, _packed_call(kernel, weight, bias, post_op, adds, sizes), out_features,
-                    kernel)
+        bias, sizes = copies.bias, [layer.out_features for layer in layers]
+        out_features = sum(sizes)
+    run = _packed_call(kernel, copies.weights[kernel], bias, post_op, adds, sizes)
+    return _Checked(layers, activation, adds, run, out_features, kernel)
 
 
 def _packed_call(kernel: str, weight: Tensor | Packed | PackedBF16, bias: Tensor | None, post_op: tuple[str, str],
@@ -552,14 +560,13 @@ def _side_by_side(layers: tuple[nn.Linear, ...], x: Tensor) -> tuple[Tensor, Ten
     tensors = _side_by_side_tensors(layers)
     if len(tensors) not in (len(layers), 2 * len(layers)) or any(tensor.is_inference() for tensor in tensors):
         return None
-    cached = _PACKED_SIDE_BY_SIDE.get(layers[0])
-    if cached is None or not _same_source(cached[0], tensors):
+    copies = _PACKED_SIDE_BY_SIDE.get(layers[0])
+    if copies is None or not _same_source(copies.source, tensors):
         bias = None if len(tensors) == len(layers) else torch.cat([layer.bias.detach() for layer in layers])
-        cached = _PACKED_SIDE_BY_SIDE[layers[0]] = (_source(tensors), bias, {})
-    copies = cached[2]
-    if kernel not in copies:
-        copies[kernel] = _pack(torch.cat([layer.weight.detach() for layer in layers]), kernel)
-    return copies[kernel], cached[1]
+        copies = _PACKED_SIDE_BY_SIDE[layers[0]] = _Copies(_source(tensors), bias)
+    if kernel not in copies.weights:
+        copies.weights[kernel] = _pack(torch.cat([layer.weight.detach() for layer in layers]), kernel)
+    return copies.weights[kernel], copies.bias
 
 
 def _side_by_side_tensors(layers: tuple[nn.Linear, ...]) -> list[Tensor]:
@@ -608,13 +615,12 @@ def _packed_weight(layer: nn.Linear, x: Tensor, kernel: str) -> Tensor | Packed 
     weight = layer.weight
     if kernel not in _PACKING_KERNELS or weight.is_inference():
         return weight
-    cached = _PACKED.get(layer)
-    if cached is None or not _same_source(cached[0], (weight,)):
-        cached = _PACKED[layer] = (_source((weight,)), {})
-    copies = cached[1]
-    if kernel not in copies:
-        copies[kernel] = _pack(weight.detach(), kernel)
-    return copies[kernel]
+    copies = _PACKED.get(layer)
+    if copies is None or not _same_source(copies.source, (weight,)):
+        copies = _PACKED[layer] = _Copies(_source((weight,)))
+    if kernel not in copies.weights:
+        copies.weights[kernel] = _pack(weight.detach(), kernel)
+    return copies.weights[kernel]
 
 
 def _pack(weight: Tensor, kernel: str) -> Tensor | Packed | PackedBF16:

@@ -160,7 +160,7 @@ def test_the_avx2_rule_takes_it_up_to_its_rows_and_mkl_beyond(avx2_rule, rows, a
     if activation is not None:
         module = activation(module)
     assert torch.equal(output, product if takes_it else module)
-    assert (set(fused._PACKED[layer][1]) == {"few_rows"}) if takes_it else (layer not in fused._PACKED)
+    assert (set(fused._PACKED[layer].weights) == {"few_rows"}) if takes_it else (layer not in fused._PACKED)
     expected = reference(x, layer.weight, layer.bias, residual)
     torch.testing.assert_close(output.double(), activation(expected) if activation is not None else expected,
                                atol=1e-5, rtol=1e-5)
@@ -175,7 +175,7 @@ def test_layers_side_by_side_give_the_bits_of_each_alone_and_follow_their_weight
         alone = [fused_linear(layer, x) for layer in layers]
         together = fused_linears(layers, x)
         assert all(torch.equal(a, b) for a, b in zip(alone, together))
-        assert set(fused._PACKED_SIDE_BY_SIDE[layers[0]][2]) == {"few_rows"}
+        assert set(fused._PACKED_SIDE_BY_SIDE[layers[0]].weights) == {"few_rows"}
     layers[2].weight.data.mul_(-1)  # uncounted, as an adapter merged through .data
     with torch.no_grad():
         layers[0].weight.add_(1.0)
@@ -199,9 +199,9 @@ def test_the_tiles_follow_the_weight_and_sit_beside_another_kernels_packing(avx2
         torch.testing.assert_close(output.double(), reference(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
     check()
-    tiles = fused._PACKED[layer][1]["few_rows"]
+    tiles = fused._PACKED[layer].weights["few_rows"]
     check()
-    assert fused._PACKED[layer][1]["few_rows"] is tiles  # packed once, reused
+    assert fused._PACKED[layer].weights["few_rows"] is tiles  # packed once, reused
     with torch.no_grad():
         layer.weight.mul_(-2)
     check()
@@ -209,18 +209,18 @@ def test_the_tiles_follow_the_weight_and_sit_beside_another_kernels_packing(avx2
     check()
     layer.weight = nn.Parameter(torch.randn(18, 24))
     check()
-    tiles = fused._PACKED[layer][1]["few_rows"]
+    tiles = fused._PACKED[layer].weights["few_rows"]
     without = dataclasses.replace(fused.AVX2_RULE, few_rows_max_rows=0)
     monkeypatch.setattr(fused, "RULE", without)
     check()
-    assert set(fused._PACKED[layer][1]) == {"few_rows", other}
+    assert set(fused._PACKED[layer].weights) == {"few_rows", other}
     monkeypatch.setattr(fused, "RULE", fused.AVX2_RULE)
     check()
-    assert fused._PACKED[layer][1]["few_rows"] is tiles  # back to the kernel: its copy was kept
+    assert fused._PACKED[layer].weights["few_rows"] is tiles  # back to the kernel: its copy was kept
     with torch.no_grad():
         layer.weight.add_(1.0)
     check()
-    assert set(fused._PACKED[layer][1]) == {"few_rows"}  # the other kernel's copy went with the old weight
+    assert set(fused._PACKED[layer].weights) == {"few_rows"}  # the other kernel's copy went with the old weight
     monkeypatch.setattr(fused, "RULE", without)
     check()
 
@@ -624,7 +624,7 @@ def test_the_rule_takes_the_bf16_kernel_up_to_its_rows_and_the_packed_weight_bey
         # GELU applied by the kernel, before rounding
         product = few_rows.bf16_linear(x, packed, layer.bias, residual, "gelu" if activation is not None else "none")
     takes_it = rows <= bf16_rule.bf16_few_rows_max_rows
-    assert set(fused._PACKED[layer][1]) == {"few_rows_bf16" if takes_it else "packed"}
+    assert set(fused._PACKED[layer].weights) == {"few_rows_bf16" if takes_it else "packed"}
     if takes_it:
         assert torch.equal(output, product)
     expected = reference(x, layer.weight, layer.bias, residual)

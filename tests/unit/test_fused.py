@@ -217,7 +217,7 @@ def test_a_packed_weight_gives_the_bits_of_the_layers_own(dtype, rows, case):
         else:
             unpacked = fused._KERNEL(x, layer.weight, layer.bias, name, [], algorithm)
         assert torch.equal(fused_linear(layer, x, activation, residual), unpacked)
-    assert fused._PACKED[layer][1]["packed"].is_mkldnn  # it ran on the packed copy
+    assert fused._PACKED[layer].weights["packed"].is_mkldnn  # it ran on the packed copy
 
 
 @pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
@@ -227,9 +227,9 @@ def test_the_packed_weight_follows_the_weight_it_was_packed_from(monkeypatch):
     layer, x = nn.Linear(16, 8), torch.randn(4, 16)
     with torch.inference_mode():
         fused_linear(layer, x)
-        packed = fused._PACKED[layer][1]["packed"]
+        packed = fused._PACKED[layer].weights["packed"]
         fused_linear(layer, x)
-        assert fused._PACKED[layer][1]["packed"] is packed  # packed once, reused
+        assert fused._PACKED[layer].weights["packed"] is packed  # packed once, reused
         with torch.no_grad():
             layer.weight.mul_(-2)  # an in-place update (an optimizer step, load_state_dict)
         torch.testing.assert_close(fused_linear(layer, x), reference(layer, x).float(), atol=1e-5, rtol=1e-5)
@@ -430,13 +430,15 @@ def test_a_models_later_forwards_take_the_calls_checked_at_their_start(kernel, m
 
 
 @pytest.mark.parametrize("change", ["fused AdamW step", "a write through .data", "a hook on a dense layer",
-                                    "a dense layer replaced", "the value layer replaced", "the dropout trained"])
+                                    "a dense layer replaced", "the value layer replaced", "the dropout trained",
+                                    "a bias replaced", "a bias side by side written through .data"])
 def test_what_changes_between_forwards_is_followed(kernel, change):
     """Whatever changed since a model's last forward (weights written without a count, hooks, layers, modes), its
     next forward computes what the layers compute now."""
     model, input_ids = tiny_model()
     with torch.inference_mode():
         model(input_ids)  # the calls noted
+        model(input_ids)  # and checked at the forward's start
     seen = []
     replaced = []  # kept alive: the calls noted with them still check, but are not the calls made now
     layer = model.encoder.layer[0]
@@ -448,6 +450,10 @@ def test_what_changes_between_forwards_is_followed(kernel, change):
         model.eval()
     elif change == "a write through .data":
         layer.intermediate.dense.weight.data.copy_(torch.randn(24, 16))
+    elif change == "a bias replaced":
+        layer.output.dense.bias = nn.Parameter(torch.randn(16))
+    elif change == "a bias side by side written through .data":
+        layer.attention.self.key.bias.data.copy_(torch.randn(16))
     elif change == "a hook on a dense layer":
         layer.output.dense.register_forward_hook(lambda *args: seen.append("hooked"))
     elif change == "a dense layer replaced":
