@@ -28,6 +28,8 @@ SCRIPTS = {
         "bench_dense.py", ["--quick", "--rows", "1", "16", "300", "--repeats", "3", "--chain-rows", "16", "300"], 300,
         {}),
     "test_generation_benchmark_reports_throughput_and_step_cost": ("bench_generate.py", ["--quick"], 300, {}),
+    "test_mixed_inputs_benchmark_times_each_input_alone_and_in_turn": (
+        "bench_mixed.py", ["--quick", "--repeats", "2", "--warmup", "1"], 300, {}),
     "test_gpu_paths_benchmark_runs_every_section_on_cpu": (
         "bench_gpu_paths.py", ["--device", "cpu", "--dtype", "fp32", "--quick", "--repeats", "1", "--warmup", "0"],
         300, {}),
@@ -153,6 +155,24 @@ def test_attention_benchmark_reports_both_kernels_in_both_dtypes(script_result):
     assert set(rows) == {(dtype, kernel) for dtype in ("fp32", "bf16") for kernel in kernels}
     assert all(rows["fp32", kernel] < 1e-5 for kernel in kernels)
     assert all(1e-4 < rows["bf16", kernel] < 5e-2 for kernel in kernels)
+
+
+def test_mixed_inputs_benchmark_times_each_input_alone_and_in_turn(script_result):
+    """`bench_mixed.py --quick`: one model runs a sentence and a batch of 32 short sentences each alone and in turn,
+    at every precision this CPU computes natively in floating point, with the same outputs either way."""
+    import torch
+
+    result = script_result
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
+            if line.startswith(("| fp32 |", "| bf16 |"))]
+    precisions = ["fp32", *(["bf16"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else [])]
+    assert [row[:2] for row in rows] == [[precision, name] for precision in precisions for name in
+                                         ("1 sentence of 16 tokens", "32 short sentences (8-32 tokens)")]
+    for row in rows:
+        alone, in_turn, ratio = float(row[2].split()[0]), float(row[3].split()[0]), float(row[4].rstrip("x"))
+        assert alone > 0 and in_turn > 0 and ratio == pytest.approx(in_turn / alone, rel=0.1)
+        assert row[5] == "yes"
 
 
 def test_dense_kernel_benchmark_times_every_kernel_and_judges_the_rule(script_result):
