@@ -120,12 +120,12 @@ CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after one untimed: its
 CHAIN_PATHS = ("roformer_hf", "nn.Linear (MKL)", "OpenVINO")
 INT8_KERNELS = ("oneDNN", "fbgemm", "few rows")  # `Int8Linear`'s kernels, timed apart in int8
 BF16_KERNELS = ("oneDNN packed", "few rows")  # bf16's, where `few_rows`' bf16 kernel is available
-# Each CPU kind's `fused.DenseRule`, those that take `few_rows`' kernel as they are where it cannot be built, and this
-# CPU's with `few_rows`' kernel at every row count.
+# Each CPU kind's `fused.DenseRule`, those that take `few_rows`' kernel as they are where it cannot be built, and, where
+# it is built, this CPU's with `few_rows`' kernel at every row count (whether one packed copy could serve every input).
 RULES = (*fused.RULES, *(dataclasses.replace(rule, cpu=f"{rule.cpu}, without few rows", few_rows_max_rows=0)
                          for rule in fused.RULES if rule.few_rows_max_rows),
-         dataclasses.replace(fused.RULE, cpu=f"{fused.RULE.cpu}, few rows at every row count",
-                             few_rows_max_rows=10**9))
+         *([dataclasses.replace(fused.RULE, cpu=f"{fused.RULE.cpu}, few rows at every row count",
+                                few_rows_max_rows=10**9)] if few_rows.available() else []))
 
 
 def under_int8_limit(limit: float, call, vnni_rows: float = 0):
@@ -151,6 +151,11 @@ def int8_with_fbgemm(chain: DenseChain) -> DenseChain:
         return quantize_int8(copy.deepcopy(chain))
     finally:
         quantization.SMALL_BATCH_ROWS, quantization.FEW_ROWS_INT8_ROWS = mine
+
+
+def bf16_rows(limit: float) -> str:
+    """The bf16 calls a rule gives `few_rows`' bf16 kernel, in words."""
+    return "every call" if limit == math.inf else f"the calls of up to {limit} rows"
 
 
 def under_rule(rule: fused.DenseRule, call):
@@ -315,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"| {rows} | " + " | ".join(f"{time:.3f} ({time / min(times):.2f}x)" for time in times) + " |")
         if by_bf16:
             print(f"\nThe bf16 calls in a row on each kernel (ms, from the same turns), each over the fastest; this CPU's "
-                  f"rule gives `few_rows`' bf16 kernel the calls of up to {fused.RULE.bf16_few_rows_max_rows} rows "
+                  f"rule gives `few_rows`' bf16 kernel {bf16_rows(fused.RULE.bf16_few_rows_max_rows)} "
                   "(`DenseRule.bf16_few_rows_max_rows`), oneDNN's on the packed weight the rest:\n")
             print("| rows | " + " | ".join(BF16_KERNELS) + " |\n|---|" + "---|" * len(BF16_KERNELS))
             for rows, times in by_bf16.items():

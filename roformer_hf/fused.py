@@ -9,7 +9,7 @@ CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (
 On CPUs with AVX2 only, fp32 inputs of 1 to 256 rows take `few_rows`' GEMM instead, which reads a short input's
 weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 64
 rows, in its AVX-512 kernel, and bf16 inputs of 1 to 128 rows in its bf16 kernel (`DenseRule.bf16_few_rows_max_rows`);
-on AMD's Zen 4, fp32 and bf16 inputs of 1 to 256 rows; on Intel's Xeons with AMX, fp32 inputs of 1 to 64 rows and bf16
+on AMD's Zen 4, fp32 inputs of 1 to 256 rows and bf16 inputs of any number; on Intel's Xeons with AMX, fp32 inputs of 1 to 64 rows and bf16
 inputs of 1 to 8 (AMX's kernel from 16 rows on).
 
 In fp32 training, where oneDNN's GEMM outruns MKL's (`DenseRule.onednn_training_macs`: AMD's Zen 5, where MKL's ran at
@@ -85,7 +85,7 @@ class DenseRule:
             slower (at half oneDNN's rate on a Zen 5); smaller ones keep the module's call, cheaper than an autograd
             function's; infinity: none.
         bf16_few_rows_max_rows: bf16 inputs of 1 up to this many rows take `few_rows`' bf16 kernel where it is
-            available (`few_rows.bf16_available`), in place of the packed weight; 0: never.
+            available (`few_rows.bf16_available`), in place of the packed weight; 0: never; infinity: every input.
     """
 
     cpu: str
@@ -96,7 +96,7 @@ class DenseRule:
     compiled_max_tokens: float = math.inf
     few_rows_max_rows: int = 0
     onednn_training_macs: float = math.inf
-    bf16_few_rows_max_rows: int = 0
+    bf16_few_rows_max_rows: float = 0
 
 
 # Intel Xeon (AVX-512): the packed weight at every row count, 1.05-1.10x up to 2626 rows; MKL's matrix-vector product
@@ -115,10 +115,12 @@ INTEL_AMX_RULE = DenseRule("Intel with AMX, AVX-512", math.inf, "packed", "modul
 # calls in a row, each weight read from memory: `few_rows`' AVX-512 kernel took 0.66-0.96x the time of oneDNN's on the
 # packed weight at 1-128 rows (0.66x at one row, 0.69x at 8, 0.95-0.96x at 16 and 128), 1.02x at 256, within the
 # packed weight's own spread there (0.98-1.02x between two rules' turns); its bf16 kernel 0.69-0.97x the packed
-# weight's time at 1-256 rows. Beyond, the packed weight: 0.89-0.90x the time of oneDNN's on the layer's own weight at
-# 626 rows in a row, 0.93-0.98x per layer at 2626.
+# weight's time at 1-256 rows, 0.95x at 626 and 0.99x at 2626 (32 short sentences in 0.93x the time, the padded
+# batch of 8 x 512..128 in 1.01x), so it takes every bf16 input and a layer keeps one bf16 copy. Beyond 256 fp32 rows,
+# the packed weight: 0.89-0.90x the time of oneDNN's on the layer's own weight at 626 rows in a row, 0.93-0.98x per
+# layer at 2626; `few_rows`' kernel took 1.03x its time at 626 and 1.15x at 2626.
 AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", math.inf, "packed", "onednn", fuses_gelu=True, few_rows_max_rows=256,
-                        bf16_few_rows_max_rows=256)
+                        bf16_few_rows_max_rows=math.inf)
 # AMD EPYC with AVX-512, Zen 5 (family 26; whole 512-bit operations): `few_rows`' AVX-512 kernel ran four layers'
 # dense calls in a row, each weight read from memory, in 0.70-0.93x the time of oneDNN's on the packed weight at 1-64
 # rows, 0.96-1.00x at 128-256; the model of 4 layers of base width in 0.62-0.68x the time at one token, 0.86-0.97x at
