@@ -9,8 +9,9 @@
 For a change that must not cost speed (a refactor): both versions load the same transformers checkpoint and run
 the same padded batch (the inference forward and the MLM training step of `bench_cpu.py`), alternating which goes
 first, so machine load hits both alike. `--sentence N` adds a server's short input: ten forwards in a row of the encoder
-(`model.roformer`, as `bench_latency.py` times `RoFormerModel`) on one sentence of N tokens with a mask of ones. The earlier version is extracted with `git archive` and imported under
-another package name (its imports inside the package are relative).
+(`model.roformer`, as `bench_latency.py` times `RoFormerModel`) on one sentence of N tokens with a mask of ones. The
+earlier version is extracted with `git archive` and imported under another package name (its imports inside the
+package are relative).
 
 Before timing, `identical_paths.compare` runs both versions on small models along every path (heads, layouts, rope
 types, kernels, training with dropout, the decoder and generation) and prints which outputs or gradients differ in

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
                                                                        args.seed), 1)[0],
               "32 short sentences (8-32 tokens)": batches(sentences(*SETS["short"], 32, size.vocab, args.seed), 32)[0]}
     print(f"{size.layers} layers, hidden {size.hidden}, vocabulary {size.vocab}; dropout 0 (eval); "
-          f"{torch.get_num_threads()} threads; median of {args.repeats}; dense kernels by `fused.RULE`: {fused.RULE.cpu}\n")
+          f"{torch.get_num_threads()} threads; median of {args.repeats}; dense kernels by `fused.RULE`: "
+          f"{fused.RULE.cpu}\n")
     print("| precision | input | in a run of its kind | in turn with the other | in turn / alone | same output |")
     print("| --- | --- | --- | --- | --- | --- |")
     for precision in [name for name in native_precisions() if name in PRECISIONS]:

@@ -9,8 +9,8 @@ CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (
 On CPUs with AVX2 only, fp32 inputs of 1 to 256 rows take `few_rows`' GEMM instead, which reads a short input's
 weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 64
 rows, in its AVX-512 kernel, and bf16 inputs of 1 to 128 rows in its bf16 kernel (`DenseRule.bf16_few_rows_max_rows`);
-on AMD's Zen 4, fp32 inputs of 1 to 256 rows and bf16 inputs of any number; on Intel's Xeons with AMX, fp32 inputs of 1 to 64 rows and bf16
-inputs of 1 to 8 (AMX's kernel from 16 rows on).
+on AMD's Zen 4, fp32 inputs of 1 to 256 rows and bf16 inputs of any number; on Intel's Xeons with AMX, fp32 inputs of
+1 to 64 rows and bf16 inputs of 1 to 8 (AMX's kernel from 16 rows on).
 
 In fp32 training, where oneDNN's GEMM outruns MKL's (`DenseRule.onednn_training_macs`: AMD's Zen 5, where MKL's ran at
 half its rate), a plain `nn.Linear`'s call and its gradients take oneDNN's kernel (`_TrainedLinear`), eager only.
