@@ -133,17 +133,20 @@ AVX512_RULE = DenseRule("AMD Zen 4, AVX-512", math.inf, "packed", "onednn", fuse
 # at 1-128 rows (0.75-0.79x at 16), 0.96-0.97x at 256.
 ZEN5_RULE = DenseRule("AMD Zen 5, AVX-512", math.inf, "packed", "onednn", fuses_gelu=True, few_rows_max_rows=64,
                       onednn_training_macs=4_000_000, bf16_few_rows_max_rows=128)
-# AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, with their weights read from memory as a forward
-# reads them, took 0.57-0.65x MKL's time at 16 rows on the packed weight, 0.89x at 256, 1.02x at 626, 1.11x at 2626;
-# oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms product at 626 rows, where `F.gelu` after it cost 2. The compiled
-# encoder (GELU after the product there too) took 0.68-0.87x the eager time for one input of 8-32 tokens, 0.89-0.96x at
-# 48, 0.98-1.03x at 64, 1.01-1.18x at 96-512. `few_rows`' kernel took 0.88x the time of oneDNN's kernel at 1 and 2
-# rows in a row of calls (one row: on the layer's own weight; 0.64-0.76x on a weight in the caches), 0.68x at 8, 0.60x
-# at 16, 0.70-0.72x at 24-32, 0.81-0.89x at 64-256 (the packed weight's), 1.05x at 512: it takes inputs of 1 to 256 rows, MKL the longer ones, and no layer keeps a second
-# copy of its weight. With it the eager model is the faster one from 16 tokens up: the compiled encoder took 0.91-0.99x
-# the eager time at 8 tokens, 1.14-1.20x at 16-24, 1.15-1.28x at 32-512.
-AVX2_RULE = DenseRule("AVX2 only", 512, "module", "onednn", fuses_gelu=False, compiled_max_tokens=8,
-                      few_rows_max_rows=256)
+# AMD EPYC with AVX2 only (Zen 3): four layers' dense calls in a row, each weight read from memory as a forward reads
+# it. Two hosts of this kind disagreed on MKL past 256 rows: on the first (MKL's SGEMM at 140-168 GFLOP/s) oneDNN's
+# kernel on the packed weight took 0.89x MKL's time at 256 rows, 1.02x at 626, 1.11x at 2626; on the second (MKL's at
+# 81 GFLOP/s, oneDNN's packed at 106) 0.71x at 256, 0.80x at 626, 0.77x at 1024 and 0.88x at 2626, and the model
+# embedded sorted batches of 32 short sentences in 0.87-0.92x the time, the padded batch of 8 x 512..128 in
+# 0.83-0.92x: the packed weight past the few rows, as on the AVX-512 EPYCs. `few_rows`' kernel took 0.88x the time of
+# oneDNN's kernel at 1 and 2 rows (one row: on the layer's own weight; 0.64-0.76x on a weight in the caches), 0.68x at
+# 8, 0.60x at 16, 0.70-0.72x at 24-32 and 0.81-0.89x at 64-256 on the first host; on the second 0.77x at 64,
+# 0.99-1.03x at 128, 1.08-1.09x at 192 and 1.07-1.16x at 256 (eight sentences of 16-32 tokens in a batch took 0.89x
+# the time on the packed weight): it takes inputs of 1 to 128 rows. oneDNN's AVX2 GELU post-op cost 8 ms of a 22 ms
+# product at 626 rows, where `F.gelu` after it cost 2. The compiled encoder (GELU after the product there too) took
+# 0.91-0.99x the eager time at 8 tokens, 1.14-1.20x at 16-24, 1.15-1.28x at 32-512.
+AVX2_RULE = DenseRule("AVX2 only", math.inf, "packed", "onednn", fuses_gelu=False, compiled_max_tokens=8,
+                      few_rows_max_rows=128)
 
 
 def onednn_has_avx512() -> bool:

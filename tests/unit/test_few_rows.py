@@ -117,6 +117,30 @@ def test_rows_in_several_passes_give_the_bits_of_one_pass(kind):
 
 
 @needs_kernel
+@pytest.mark.parametrize(("rows", "in_features"), [(72, 3100), (100, 700), (41, 3100)])
+def test_many_rows_in_groups_give_each_row_the_bits_it_has_alone(rows, in_features):
+    """Many rows go in groups that a core's L2 cache holds (the AVX2 build: as many blocks of 16 rows as 192 KiB of
+    transposed rows hold, one at 3100 input features, four at 700; the last rows, in 8 lanes, with the last group),
+    each group's outputs activated once written: every row gets the bits it has beside a copy of itself, on one thread
+    or two, and the float64 product's value."""
+    generator = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, in_features, generator=generator), torch.randn(30, in_features, generator=generator)
+    bias, residual = torch.randn(30, generator=generator), torch.randn(rows, 30, generator=generator)
+    packed = few_rows.pack(weight)
+    one_pass = torch.cat([few_rows.linear(x[[row, row]], packed, bias, residual[[row, row]], "gelu")[:1]
+                          for row in range(rows)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(few_rows.linear(x, packed, bias, residual, "gelu"), one_pass)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one_pass.double(), nn.functional.gelu(reference(x, weight, bias, residual)),
+                               atol=1e-5 * in_features ** 0.5, rtol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.skipif(few_rows.isa() != "AVX-512", reason="no AVX-512 here: the kernel's one build is AVX2's")
 def test_the_avx512_kernel_gives_the_avx2_kernels_bits_from_two_rows(fresh_build, monkeypatch):
     """With oneDNN held below AVX-512 the kernel is AVX2's, as on a CPU without it, on a layout of its own. From two
@@ -143,27 +167,30 @@ def test_the_avx512_kernel_gives_the_avx2_kernels_bits_from_two_rows(fresh_build
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 16, 256, 257])
+@pytest.mark.skipif(fused._PACK is None, reason="this torch cannot pack weights for oneDNN")
+@pytest.mark.parametrize("rows", [1, 2, 16, 128, 129, 600])
 @pytest.mark.parametrize("after", ["none", "gelu", "relu", "residual"])
-def test_the_avx2_rule_takes_it_up_to_its_rows_and_mkl_beyond(avx2_rule, rows, after):
+def test_the_avx2_rule_takes_it_up_to_its_rows_and_the_packed_weight_beyond(avx2_rule, rows, after):
     torch.manual_seed(rows)
     layer, x = nn.Linear(32, 48), torch.randn(rows, 32)
     activation = {"gelu": ACT2FN["gelu"], "relu": nn.ReLU()}.get(after)
     residual = torch.randn(rows, 48) if after == "residual" else None
+    takes_it = rows <= avx2_rule.few_rows_max_rows
     with torch.inference_mode():
         output = fused_linear(layer, x, activation, residual)
-        product = few_rows.linear(x, few_rows.pack(layer.weight), layer.bias, residual,
-                                  after if activation is not None else "none")
-        module = nn.functional.linear(x, layer.weight, layer.bias)
-        module = residual + module if residual is not None else module
-    takes_it = rows <= avx2_rule.few_rows_max_rows
-    if activation is not None:
-        module = activation(module)
-    assert torch.equal(output, product if takes_it else module)
-    assert (set(fused._PACKED[layer].weights) == {"few_rows"}) if takes_it else (layer not in fused._PACKED)
+        if takes_it:
+            expected_bits = few_rows.linear(x, few_rows.pack(layer.weight), layer.bias, residual,
+                                            after if activation is not None else "none")
+        else:  # oneDNN's kernel on the packed weight, the residual added by it, GELU or ReLU after it
+            packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight, fused.PACKING_HINT)
+            expected_bits = fused._KERNEL(x, packed, layer.bias, "none", [], "")
+            expected_bits = residual + expected_bits if residual is not None else expected_bits
+            expected_bits = activation(expected_bits) if activation is not None else expected_bits
+    assert set(fused._PACKED[layer].weights) == {"few_rows" if takes_it else "packed"}
     expected = reference(x, layer.weight, layer.bias, residual)
     torch.testing.assert_close(output.double(), activation(expected) if activation is not None else expected,
                                atol=1e-5, rtol=1e-5)
+    assert torch.equal(output, expected_bits)
 
 
 @needs_kernel

@@ -324,9 +324,11 @@ def test_long_fp32_inputs_take_the_rules_kernel(monkeypatch, rule):
 
 @pytest.mark.parametrize("after", ["gelu", "relu", "residual"])
 def test_rows_the_rule_hands_to_the_module_get_its_bits_and_leave_the_inputs_alone(monkeypatch, after):
-    """Past the AVX2 rule's packed rows the layer's own call runs and the activation or residual is applied to its
-    output in place: the bits of the module path, and neither the input nor the residual changes."""
-    monkeypatch.setattr(fused, "RULE", without_few_rows(fused.AVX2_RULE))
+    """Past a rule's packed rows, where it names the layer's own call (MKL's GEMM), that call runs and the activation
+    or residual is applied to its output in place: the bits of the module path, and neither the input nor the residual
+    changes."""
+    rule = dataclasses.replace(without_few_rows(fused.AVX2_RULE), packed_max_rows=512, beyond="module")
+    monkeypatch.setattr(fused, "RULE", rule)
     torch.manual_seed(0)
     layer, x = nn.Linear(32, 48), torch.randn(600, 32)
     residual = torch.randn(600, 48) if after == "residual" else None
