@@ -24,8 +24,8 @@ constexpr int64_t kTile = 6;          // output columns a tile holds: `few_rows.
 constexpr int64_t kPrefetch = 1024;   // how far ahead (in floats) the weight is fetched into the caches
 // The transposed rows a group of blocks holds: every tile passes over a group while it stays in a core's L2 cache (512
 // KiB on a Zen 3), the weight streaming from the L3 once a group. Over all the rows at once, each tile read them from
-// the L3 again: 1.3x MKL's time at 1024 rows, 1.5x at 2626, where groups of 64-256 KiB took 0.85-0.95x (groups of 192
-// KiB: 0.86x and 0.95x).
+// the L3 again: 1.32x MKL's time at 1024 rows, 1.48x at 2626, where groups of 64-256 KiB took 0.85-0.88x at 1024 rows
+// (384 KiB: 0.96x) and groups of 192 KiB 0.95x at 2626.
 constexpr int64_t kGroupBytes = 192 * 1024;
 
 // `Tiles` adjacent tiles of the packed weight `w` against one block of `Lanes` rows of the transposed input `xt`
@@ -100,8 +100,9 @@ inline void store(const float* out, const float* bias, const float* residual, fl
 }
 
 // Tiles [first, last) of the output, two at a time, against the rows [m0, m0 + 16 * blocks + tail): each tile against
-// every block of 16 rows in `xt16` (one tile at a time, 12 vectors of sums), then against the last rows, `tail` of them
-// (up to 8), in `xt8` (both tiles at once, 12 vectors of sums too), so that 17-24 rows cost a block and a half, not two.
+// every block of 16 rows in `xt16` (one tile at a time, 12 vectors of sums), then against the last rows, `tail` of
+// them (up to 8), in `xt8` (both tiles at once, 12 vectors of sums too), so that 17-24 rows cost a block and a half,
+// not two.
 void tiles(const float* xt16, int64_t blocks, const float* xt8, int64_t tail, const float* w, const float* bias,
            const float* residual, float* y, int64_t M, int64_t N, int64_t K, int64_t m0, int64_t first,
            int64_t last) {
