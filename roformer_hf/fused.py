@@ -6,7 +6,7 @@ torch.compile's CPU backend emits for linear layers, applies either to the GEMM'
 CPU benchmark's encoder shapes its GEMM alone also ran 6-13% faster than MKL's (AMD EPYC with AVX-512, fp32;
 `benchmarks/RESULTS.md`, 2026-11-23, at d290e68).
 
-On CPUs with AVX2 only, fp32 inputs of 1 to 256 rows take `few_rows`' GEMM instead, which reads a short input's
+On CPUs with AVX2 only, fp32 inputs of 1 to 128 rows take `few_rows`' GEMM instead, which reads a short input's
 weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 64
 rows, in its AVX-512 kernel, and bf16 inputs of 1 to 128 rows in its bf16 kernel (`DenseRule.bf16_few_rows_max_rows`);
 on AMD's Zen 4, fp32 inputs of 1 to 256 rows and bf16 inputs of any number; on Intel's Xeons with AMX, fp32 inputs of
@@ -544,8 +544,8 @@ def _packed_product(kernel: str, x: Tensor, weight: Tensor | Packed | PackedBF16
 def _applied_in_place(output: Tensor, name: str, residual: Tensor | None) -> Tensor:
     """The activation `name` (`_fused_activation`'s) or the residual applied to the layer's own output, which no one
     else holds (inference, a plain `nn.Linear`), in place: the same bits as a new tensor, without allocating and
-    writing a second one of the output's size (4 layers of base width on an AVX2 EPYC, where MKL takes the rows past
-    512: 32 short sentences in 0.95-0.97x the time, the padded batch of 8 x 512..128 in 0.98x)."""
+    writing a second one of the output's size (4 layers of base width on an AVX2 EPYC, when MKL took the rows past
+    512 there: 32 short sentences in 0.95-0.97x the time, the padded batch of 8 x 512..128 in 0.98x)."""
     if name == "gelu":
         return torch._C._nn.gelu_(output)
     if name == "relu":
@@ -591,7 +591,7 @@ def _dense_kernel(x: Tensor) -> str:
       kernel leaves (an Intel Xeon without AMX: 2x at one row, 1.3x at 16).
     - ``"module"``: the layer's own call (MKL's GEMM), the activation or addition applied after it: where the rule
       names it for one fp32 row (Intel CPUs, where MKL's matrix-vector product takes 0.5-0.85x oneDNN's time; a
-      packed weight would sum in another order) or past the packed rows (AVX2 only).
+      packed weight would sum in another order) or past the packed rows where a rule names it (none of `RULES` does).
     - ``"onednn"``: oneDNN's kernel on the layer's own weight, where the rule names it, and for an input of no rows.
     - ``"few_rows"``: `few_rows`' kernel on the weight packed in its tiles, for fp32 inputs of 1 up to
       `DenseRule.few_rows_max_rows` rows where it is available (AVX2 only; AMD Zen 4 and 5; Intel with AMX), in place of
