@@ -116,7 +116,10 @@ class DenseChain(torch.nn.Module):
         return x
 
 
-CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after one untimed: its weights as a server keeps them
+CHAIN_BLOCK = 5  # calls of one path in a row per repeat, after those that settle it: its weights as a server keeps them
+# Untimed calls of a path at the start of its turn: this many, or as many as this many seconds take, whichever ends
+# first. On an Intel Xeon with AMX a path ran up to 1.3x slower for its first 20-30 calls after another path's.
+SETTLE_CALLS, SETTLE_SECONDS = 25, 0.25
 CHAIN_PATHS = ("roformer_hf", "nn.Linear (MKL)", "OpenVINO")
 INT8_KERNELS = ("oneDNN", "fbgemm", "few rows")  # `Int8Linear`'s kernels, timed apart in int8
 BF16_KERNELS = ("oneDNN packed", "few rows")  # bf16's, where `few_rows`' bf16 kernel is available
@@ -194,8 +197,9 @@ def chain_times(size, layers: int, rows: int, precision: str, repeats: int,
                 threads: int) -> tuple[dict[str, float], str]:
     """Milliseconds per `DenseChain` forward of each path at `precision` (``"fp32"``, with roformer_hf also under each
     other CPU kind's rule; ``"bf16"``: the chain cast, OpenVINO's bf16 inference precision; ``"int8"``: roformer_hf's
-    `quantize_int8` against OpenVINO's nncf quantization): the median over `repeats` of the mean of `CHAIN_BLOCK` calls in a row, the paths taking turns. And
-    the kernels OpenVINO chose for its dense layers, or why it did not run."""
+    `quantize_int8` against OpenVINO's nncf quantization): the median over `repeats` of the mean of `CHAIN_BLOCK` calls
+    in a row after `SETTLE_CALLS` untimed ones (at most `SETTLE_SECONDS`), the paths taking turns, each turn in an
+    order rotated by one. And the kernels OpenVINO chose for its dense layers, or why it did not run."""
     torch.manual_seed(0)
     chain, x = DenseChain(size, layers).eval(), torch.randn(rows, size.hidden)
     compiled = openvino_chain(chain, x, precision, threads)
@@ -235,9 +239,14 @@ def chain_times(size, layers: int, rows: int, precision: str, repeats: int,
             if name != "OpenVINO":
                 cosine = torch.nn.functional.cosine_similarity(output.flatten(), expected.flatten(), dim=0)
                 assert cosine > 0.99, f"{name} ({precision}) strays from fp32: cosine {cosine:.4f}"
-        for _ in range(repeats):
-            for name, call in calls.items():
-                call()
+        names = list(calls)
+        for repeat in range(repeats):  # each turn starts one path later
+            for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+                call, settling = calls[name], time.perf_counter()
+                for _ in range(SETTLE_CALLS):
+                    call()
+                    if time.perf_counter() - settling > SETTLE_SECONDS:
+                        break
                 start = time.perf_counter()
                 for _ in range(CHAIN_BLOCK):
                     call()
@@ -294,7 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nThe rule's choice at most {worst:.2f}x the fastest kernel's time on a shape here.")
     if args.chain_rows:
         print(f"\n## The dense calls of {args.layers} encoder layers in a row (ms per chain: median of {args.repeats} "
-              f"turns, each the mean of {CHAIN_BLOCK} calls in a row)\n")
+              f"turns, each the mean of {CHAIN_BLOCK} calls in a row after {SETTLE_CALLS} untimed, at most "
+              f"{SETTLE_SECONDS} s of them)\n")
         print("| precision | rows | " + " | ".join(CHAIN_PATHS) + " | roformer_hf / OpenVINO | OpenVINO's kernels |")
         print("|---|---|" + "---|" * (len(CHAIN_PATHS) + 2))
         by_rule, by_int8, by_bf16 = {}, {}, {}

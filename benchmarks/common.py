@@ -117,6 +117,8 @@ def machine_lines() -> list[str]:
 
     cpu, flags = cpu_info()
     few_rows_kernel = f"{few_rows.isa()} build" if few_rows.available() else f"not available ({few_rows.why_not()})"
+    if few_rows.bf16_available():
+        few_rows_kernel += f"; its bf16 kernel: {few_rows.bf16_isa()} build"
     limits = [f"{name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name)]
     cores = available_cores()
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"

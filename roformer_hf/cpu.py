@@ -7,6 +7,9 @@ import os
 
 # oneDNN's CPU limits (`ONEDNN_MAX_CPU_ISA`, formerly `DNNL_MAX_CPU_ISA`) that keep its kernels off AVX-512.
 _LIMITS_BELOW_AVX512 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"}
+# Those that keep them off AMX as well.
+_LIMITS_BELOW_AMX = _LIMITS_BELOW_AVX512 | {"AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX512_CORE_FP16",
+                                            "AVX10_1_512"}
 
 
 def cpuinfo(key: str) -> str:
@@ -42,5 +45,13 @@ def cpu_has(*flags: str) -> bool:
 def held_below_avx512() -> bool:
     """Whether the environment holds oneDNN below AVX-512 (``ONEDNN_MAX_CPU_ISA=AVX2`` and the like), as one does to
     run an AVX2-only CPU's paths on an AVX-512 one. oneDNN reads the limit once, from the environment."""
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    return limit.strip().upper() in _LIMITS_BELOW_AVX512
+    return _limit() in _LIMITS_BELOW_AVX512
+
+
+def held_below_amx() -> bool:
+    """Whether the environment holds oneDNN below AMX (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, or below AVX-512)."""
+    return _limit() in _LIMITS_BELOW_AMX
+
+
+def _limit() -> str:
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()

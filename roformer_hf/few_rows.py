@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .cpu import cpu_has, held_below_avx512
+from .cpu import cpu_has, held_below_amx, held_below_avx512
 
 logger = logging.getLogger(__name__)
 
@@ -71,20 +71,24 @@ SOURCES = {"AVX2": Path(__file__).with_name("csrc") / "few_rows_avx2.cpp",
            "int8 VNNI": Path(__file__).with_name("csrc") / "few_rows_int8_vnni.cpp",
            "int8 AVX2": Path(__file__).with_name("csrc") / "few_rows_int8_avx2.cpp",
            "bf16 AVX-512": Path(__file__).with_name("csrc") / "few_rows_bf16_avx512.cpp",
+           "bf16 AMX": Path(__file__).with_name("csrc") / "few_rows_bf16_amx.cpp",
            "attention AVX2": Path(__file__).with_name("csrc") / "few_tokens_attention.cpp",
            "attention AVX-512": Path(__file__).with_name("csrc") / "few_tokens_attention.cpp"}
-TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48, "int8 AVX2": 48, "bf16 AVX-512": 48}
+TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48, "int8 AVX2": 48, "bf16 AVX-512": 48, "bf16 AMX": 48}
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 EXTRA_FLAGS = {"AVX2": (), "AVX-512": ("-mavx512f",), "int8 VNNI": ("-mavx512f", "-mavx512vnni"), "int8 AVX2": (),
                "bf16 AVX-512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+               "bf16 AMX": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
                "attention AVX2": (), "attention AVX-512": ("-mavx512f",)}
 # What each kind needs of the CPU beyond AVX2 and FMA (/proc/cpuinfo's flags), and of the environment: not holding
 # oneDNN below AVX-512 (`ONEDNN_MAX_CPU_ISA`), as one does to run an AVX2-only CPU's paths on an AVX-512 one.
 NEEDS = {"AVX2": (), "AVX-512": ("avx512f",), "int8 VNNI": ("avx512f", "avx512_vnni"), "int8 AVX2": (),
-         "bf16 AVX-512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "attention AVX2": (),
+         "bf16 AVX-512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+         "bf16 AMX": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"), "attention AVX2": (),
          "attention AVX-512": ("avx512f",)}
-# `_loaded`'s names: fp32's and attention's kinds are those of `isa`, int8's that of `int8_isa`
-KERNELS = {"fp32": None, "int8": "int8", "bf16": "bf16 AVX-512", "attention": "attention"}
+# `_loaded`'s names: fp32's and attention's kinds are those of `isa`, int8's that of `int8_isa`, bf16's that of
+# `bf16_isa` (AVX-512's where AMX's does not load)
+KERNELS = {"fp32": None, "int8": "int8", "bf16": "bf16", "attention": "attention"}
 INT8_GROUP = 4  # input features one `vpdpbusd` sums per output feature: `pack_int8`'s groups
 # The activations the kernels apply (`csrc/gelu_avx512.h`, `csrc/gelu_avx2.h`: GELU's erf form, within 4e-7 |x| of the
 # exact value), by their codes.
@@ -94,8 +98,8 @@ ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2}
 Kernel = Callable[..., Tensor]
 
 _lock = threading.Lock()
-# By kernel (a key of `KERNELS`), once decided: (ctypes.CDLL or None, why not: "" where it loaded)
-_state: dict[str, tuple[ctypes.CDLL | None, str]] = {}
+# By kernel (a key of `KERNELS`), once decided: (ctypes.CDLL or None, why not: "" where it loaded, the kind loaded)
+_state: dict[str, tuple[ctypes.CDLL | None, str, str]] = {}
 
 
 def cache_root() -> Path:
@@ -125,8 +129,16 @@ def int8_isa() -> str:
 
 def bf16_available() -> bool:
     """Whether `bf16_linear` runs here: a CPU with AVX-512 bf16 (and the environment not holding oneDNN below
-    AVX-512), the kernel built and loaded."""
+    AVX-512), the kernel built and loaded (for `bf16_isa`)."""
     return _loaded("bf16")[0] is not None
+
+
+def bf16_isa() -> str:
+    """The instruction set `bf16_linear` is built for here: ``"AMX"`` where the CPU has AMX's bf16 tiles, the
+    environment does not hold oneDNN below AMX (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``) and Linux grants the process
+    AMX's tile data, else ``"AVX-512"`` (``vdpbf16ps``)."""
+    bf16_available()
+    return _state["bf16"][2]
 
 
 def _loaded(kernel: str) -> tuple[ctypes.CDLL | None, str]:
@@ -135,13 +147,18 @@ def _loaded(kernel: str) -> tuple[ctypes.CDLL | None, str]:
         with _lock:
             if kernel not in _state:
                 kind = KERNELS[kernel] or isa()
-                kind = {"attention": f"attention {isa()}", "int8": f"int8 {int8_isa()}"}.get(kind, kind)
-                library, why_not = _load(kind)
+                kinds = {"attention": [f"attention {isa()}"], "int8": [f"int8 {int8_isa()}"],
+                         "bf16": ["bf16 AMX", "bf16 AVX-512"] if cpu_has(*NEEDS["bf16 AMX"]) and not held_below_amx()
+                         else ["bf16 AVX-512"]}.get(kind, [kind])
+                for kind in kinds:  # the first that loads
+                    library, why_not = _load(kind)
+                    if library is not None:
+                        break
                 if library is None and not _turned_off() and kernel == "fp32":
                     logger.warning("roformer_hf's few-row GEMM is not available (%s): dense layers of few rows take "
                                    "oneDNN's kernel instead", why_not)
-                _state[kernel] = (library, why_not)
-    return _state[kernel]
+                _state[kernel] = (library, why_not, kind.removeprefix("bf16 "))
+    return _state[kernel][:2]
 
 
 def isa() -> str:
@@ -557,7 +574,9 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
         function, tile = library.few_row_int8_linear, library.few_row_int8_tile
         function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         function.restype = ctypes.c_int
-    elif kind == "bf16 AVX-512":
+    elif kind.startswith("bf16"):
+        if kind == "bf16 AMX" and not library.few_row_amx_permission():
+            return None, "Linux does not grant this process AMX's tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
         function, tile = library.few_row_bf16_linear, library.few_row_bf16_tile
         function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         function.restype = None

@@ -10,7 +10,7 @@ On CPUs with AVX2 only, fp32 inputs of 1 to 128 rows take `few_rows`' GEMM inste
 weights faster than oneDNN there (`DenseRule.few_rows_max_rows`), under the same conditions; on AMD's Zen 5, 1 to 64
 rows, in its AVX-512 kernel, and bf16 inputs of 1 to 128 rows in its bf16 kernel (`DenseRule.bf16_few_rows_max_rows`);
 on AMD's Zen 4, fp32 inputs of 1 to 256 rows and bf16 inputs of any number; on Intel's Xeons with AMX, fp32 inputs of
-1 to 64 rows and bf16 inputs of 1 to 8 (AMX's kernel from 16 rows on).
+1 to 64 rows and bf16 inputs of 1 to 48, in its bf16 kernel built for AMX's tiles (`few_rows.bf16_isa`).
 
 In fp32 training, where oneDNN's GEMM outruns MKL's (`DenseRule.onednn_training_macs`: AMD's Zen 5, where MKL's ran at
 half its rate), a plain `nn.Linear`'s call and its gradients take oneDNN's kernel (`_TrainedLinear`), eager only.
@@ -85,7 +85,8 @@ class DenseRule:
             slower (at half oneDNN's rate on a Zen 5); smaller ones keep the module's call, cheaper than an autograd
             function's; infinity: none.
         bf16_few_rows_max_rows: bf16 inputs of 1 up to this many rows take `few_rows`' bf16 kernel where it is
-            available (`few_rows.bf16_available`), in place of the packed weight; 0: never; infinity: every input.
+            available (`few_rows.bf16_available`; AMX's tiles or AVX-512's ``vdpbf16ps``, as `few_rows.bf16_isa`
+            says), in place of the packed weight; 0: never; infinity: every input.
     """
 
     cpu: str
@@ -106,11 +107,14 @@ INTEL_RULE = DenseRule("Intel, AVX-512", math.inf, "onednn", "module", fuses_gel
 # Intel Xeon with AMX (Emerald Rapids, family 6 model 207; L2 2 MiB per core): four layers' dense calls in a row, each
 # weight read from the L3 as a forward reads it: `few_rows`' AVX-512 kernel took 0.86-0.94x the time of MKL's at one
 # row, 0.73-0.83x oneDNN's on the packed weight at 4-32 rows, 0.94x at 64, 1.05x at 128 and 1.18x at 256; past 64 rows
-# the packed weight. In bf16 `few_rows`' kernel took 0.64x the time of oneDNN's AMX kernel on the packed weight at one row,
-# 0.75x at 4, 0.89x at 8, 1.26x at 16 and 1.6-4.5x at 32-256. With these kernels eager, the served compiled encoder
-# took 0.91x the eager time for one input of 8 tokens, 0.95x at 16, 1.09x at 32, 0.97-1.00x at 64-512.
+# the packed weight. With these kernels eager, the served compiled encoder took 0.91x the eager time for one input of 8
+# tokens, 0.95x at 16, 1.09x at 32, 0.97-1.00x at 64-512. In bf16 `few_rows`' kernel on AMX's tiles (a second Intel
+# Xeon with AMX, family 6 model 167 as its VM reports it, L2 2 MiB per core; each kernel 6 turns of 45 calls in a row,
+# the first 25 left out) took 0.75x the time of oneDNN's AMX kernel on the packed weight at 1 row, 0.77-0.78x at 8-16,
+# 0.86x at 24-32, 0.92-0.97x at 40-48, 1.03x at 64, 1.13x at 128; its AVX-512 build (`vdpbf16ps`, the kernel of the AMD
+# EPYCs) had taken 0.64x at one row on the first, 0.89x at 8 and 1.26x at 16.
 INTEL_AMX_RULE = DenseRule("Intel with AMX, AVX-512", math.inf, "packed", "module", fuses_gelu=True,
-                           compiled_max_tokens=16, few_rows_max_rows=64, bf16_few_rows_max_rows=8)
+                           compiled_max_tokens=16, few_rows_max_rows=64, bf16_few_rows_max_rows=48)
 # AMD EPYC with AVX-512, Zen 4 (family 25 model 17; 512-bit operations in two halves; L1d 32 KiB): four layers' dense
 # calls in a row, each weight read from memory: `few_rows`' AVX-512 kernel took 0.66-0.96x the time of oneDNN's on the
 # packed weight at 1-128 rows (0.66x at one row, 0.69x at 8, 0.95-0.96x at 16 and 128), 1.02x at 256, within the

@@ -11,6 +11,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from roformer_hf import few_rows, fused
+from roformer_hf.cpu import cpu_has
 from roformer_hf.fused import fused_linear, fused_linears
 from roformer_hf.quantization import quantize_activations
 
@@ -592,6 +593,17 @@ needs_bf16_kernel = pytest.mark.skipif(not few_rows.bf16_available(),
                                        reason=f"no few-row bf16 kernel here: {few_rows.why_not('bf16')}")
 
 
+@pytest.fixture(params=["AMX", "AVX-512"])
+def bf16_kind(request, monkeypatch):
+    """`few_rows`' bf16 kernel built for each instruction set this CPU runs (`few_rows.bf16_isa`): AMX's tiles where it
+    has them, and AVX-512's ``vdpbf16ps`` (with oneDNN held below AMX, as on a CPU without it)."""
+    monkeypatch.setattr(few_rows, "_state", {})
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "" if request.param == "AMX" else "AVX512_CORE_BF16")
+    if not few_rows.bf16_available() or few_rows.bf16_isa() != request.param:
+        pytest.skip(f"no {request.param} bf16 kernel here: {few_rows.why_not('bf16') or few_rows.bf16_isa()}")
+    return request.param
+
+
 @pytest.fixture
 def bf16_rule(monkeypatch):
     """A rule that gives bf16 inputs of up to 8 rows to the bf16 kernel, whatever this CPU's."""
@@ -603,14 +615,15 @@ def bf16_rule(monkeypatch):
 @needs_bf16_kernel
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [
     (1, 1, 1), (1, 67, 19), (1, 768, 100), (2, 5, 50), (7, 33, 7), (8, 64, 48), (9, 17, 97), (16, 130, 13),
-    (17, 8, 49), (40, 301, 31), (17, 1101, 200), (24, 600, 97), (250, 130, 97)])
+    (17, 8, 49), (40, 301, 31), (17, 1101, 200), (24, 600, 97), (250, 130, 97), (33, 96, 50), (48, 768, 144)])
 @pytest.mark.parametrize(("bias", "residual", "activation"), [
     (True, False, "none"), (False, False, "none"), (True, True, "none"), (True, False, "gelu"), (False, False, "relu")])
-def test_the_bf16_product_is_the_float64_product_rounded_once(rows, in_features, out_features, bias, residual,
-                                                              activation):
-    """Any count of rows (one alone sums in runs of its own), an odd count of input features (the last pairs with 0),
-    output features not a multiple of 48: within one bf16 rounding of the float64 product of the same bf16 operands
-    (plus float32's summing error), the bias, the residual and the activation applied before that rounding."""
+def test_the_bf16_product_is_the_float64_product_rounded_once(bf16_kind, rows, in_features, out_features, bias,
+                                                              residual, activation):
+    """Any count of rows (one alone sums in runs of its own; AMX's in tiles of 16 rows), an odd count of input features
+    (the last pairs with 0), input features past a multiple of 32 (AMX's tiles take 32), output features not a multiple
+    of 48: within one bf16 rounding of the float64 product of the same bf16 operands (plus float32's summing error), the
+    bias, the residual and the activation applied before that rounding."""
     generator = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
     leading = (rows,) if rows % 2 else (2, rows // 2)
     x = torch.randn(*leading, in_features, generator=generator).bfloat16()
@@ -628,7 +641,16 @@ def test_the_bf16_product_is_the_float64_product_rounded_once(rows, in_features,
 
 
 @needs_bf16_kernel
-def test_the_bf16_kernel_reads_nothing_past_a_row_of_odd_length():
+def test_the_bf16_kernel_is_amxs_where_the_cpu_has_its_tiles_and_avx512s_below_it(monkeypatch):
+    monkeypatch.setattr(few_rows, "_state", {})
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "")
+    assert few_rows.bf16_isa() == ("AMX" if cpu_has("amx_tile", "amx_bf16") else "AVX-512")
+    monkeypatch.setattr(few_rows, "_state", {})
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert few_rows.bf16_isa() == "AVX-512" and few_rows.bf16_available()
+
+
+def test_the_bf16_kernel_reads_nothing_past_a_row_of_odd_length(bf16_kind):
     """The last input of a row of odd length pairs with 0: a NaN right after the row (the next row's first input, or
     whatever follows the tensor) must not reach the output."""
     weight = torch.randn(16, 3).bfloat16()
