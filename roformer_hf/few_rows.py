@@ -69,26 +69,32 @@ logger = logging.getLogger(__name__)
 SOURCES = {"AVX2": Path(__file__).with_name("csrc") / "few_rows_avx2.cpp",
            "AVX-512": Path(__file__).with_name("csrc") / "few_rows_avx512.cpp",
            "int8 VNNI": Path(__file__).with_name("csrc") / "few_rows_int8_vnni.cpp",
+           "int8 AMX": Path(__file__).with_name("csrc") / "few_rows_int8_vnni.cpp",  # built with ROFORMER_HF_AMX
            "int8 AVX2": Path(__file__).with_name("csrc") / "few_rows_int8_avx2.cpp",
            "bf16 AVX-512": Path(__file__).with_name("csrc") / "few_rows_bf16_avx512.cpp",
            "bf16 AMX": Path(__file__).with_name("csrc") / "few_rows_bf16_amx.cpp",
            "attention AVX2": Path(__file__).with_name("csrc") / "few_tokens_attention.cpp",
            "attention AVX-512": Path(__file__).with_name("csrc") / "few_tokens_attention.cpp"}
-TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48, "int8 AVX2": 48, "bf16 AVX-512": 48, "bf16 AMX": 48}
+TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48, "int8 AMX": 48, "int8 AVX2": 48, "bf16 AVX-512": 48,
+         "bf16 AMX": 48}
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
-EXTRA_FLAGS = {"AVX2": (), "AVX-512": ("-mavx512f",), "int8 VNNI": ("-mavx512f", "-mavx512vnni"), "int8 AVX2": (),
+EXTRA_FLAGS = {"AVX2": (), "AVX-512": ("-mavx512f",), "int8 VNNI": ("-mavx512f", "-mavx512vnni"),
+               "int8 AMX": ("-mavx512f", "-mavx512vnni", "-mamx-tile", "-mamx-int8", "-DROFORMER_HF_AMX"), "int8 AVX2": (),
                "bf16 AVX-512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
                "bf16 AMX": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
                "attention AVX2": (), "attention AVX-512": ("-mavx512f",)}
 # What each kind needs of the CPU beyond AVX2 and FMA (/proc/cpuinfo's flags), and of the environment: not holding
 # oneDNN below AVX-512 (`ONEDNN_MAX_CPU_ISA`), as one does to run an AVX2-only CPU's paths on an AVX-512 one.
-NEEDS = {"AVX2": (), "AVX-512": ("avx512f",), "int8 VNNI": ("avx512f", "avx512_vnni"), "int8 AVX2": (),
+NEEDS = {"AVX2": (), "AVX-512": ("avx512f",), "int8 VNNI": ("avx512f", "avx512_vnni"),
+         "int8 AMX": ("avx512f", "avx512_vnni", "amx_tile", "amx_int8"), "int8 AVX2": (),
          "bf16 AVX-512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
          "bf16 AMX": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"), "attention AVX2": (),
          "attention AVX-512": ("avx512f",)}
-# `_loaded`'s names: fp32's and attention's kinds are those of `isa`, int8's that of `int8_isa`, bf16's that of
-# `bf16_isa` (AVX-512's where AMX's does not load)
-KERNELS = {"fp32": None, "int8": "int8", "bf16": "bf16", "attention": "attention"}
+# `_loaded`'s names, each with the kind (a key of `SOURCES`) it builds here: fp32's and attention's by `isa`, int8's
+# by `int8_isa`, bf16's AVX-512's; where the CPU has AMX, int8's VNNI kind and bf16's for its tiles first (`_kinds`)
+KERNELS = {"fp32": lambda: isa(), "int8": lambda: f"int8 {int8_isa()}", "bf16": lambda: "bf16 AVX-512",
+           "attention": lambda: f"attention {isa()}"}
+AMX_KINDS = {"int8 VNNI": "int8 AMX", "bf16 AVX-512": "bf16 AMX"}
 INT8_GROUP = 4  # input features one `vpdpbusd` sums per output feature: `pack_int8`'s groups
 # The activations the kernels apply (`csrc/gelu_avx512.h`, `csrc/gelu_avx2.h`: GELU's erf form, within 4e-7 |x| of the
 # exact value), by their codes.
@@ -123,7 +129,9 @@ def int8_available() -> bool:
 
 def int8_isa() -> str:
     """The instruction set `int8_linear` is built for here: ``"VNNI"`` where the CPU has AVX-512 VNNI and the
-    environment does not hold oneDNN below AVX-512, else ``"AVX2"`` (exact only on weights `int8_exact` accepts)."""
+    environment does not hold oneDNN below AVX-512 (on a CPU with AMX's int8 tiles, inputs of 16 rows and more run on
+    them: `build` says ``"int8 AMX"``; the same outputs), else ``"AVX2"`` (exact only on weights `int8_exact`
+    accepts)."""
     return "VNNI" if cpu_has("avx512f") and cpu_has("avx512_vnni") and not held_below_avx512() else "AVX2"
 
 
@@ -137,8 +145,7 @@ def bf16_isa() -> str:
     """The instruction set `bf16_linear` is built for here: ``"AMX"`` where the CPU has AMX's bf16 tiles, the
     environment does not hold oneDNN below AMX (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``) and Linux grants the process
     AMX's tile data, else ``"AVX-512"`` (``vdpbf16ps``)."""
-    bf16_available()
-    return _state["bf16"][2]
+    return build("bf16").removeprefix("bf16 ")
 
 
 def _loaded(kernel: str) -> tuple[ctypes.CDLL | None, str]:
@@ -146,10 +153,7 @@ def _loaded(kernel: str) -> tuple[ctypes.CDLL | None, str]:
     if kernel not in _state:
         with _lock:
             if kernel not in _state:
-                kind = KERNELS[kernel] or isa()
-                kinds = {"attention": [f"attention {isa()}"], "int8": [f"int8 {int8_isa()}"],
-                         "bf16": ["bf16 AMX", "bf16 AVX-512"] if cpu_has(*NEEDS["bf16 AMX"]) and not held_below_amx()
-                         else ["bf16 AVX-512"]}.get(kind, [kind])
+                kinds = _kinds(kernel)
                 for kind in kinds:  # the first that loads
                     library, why_not = _load(kind)
                     if library is not None:
@@ -157,8 +161,30 @@ def _loaded(kernel: str) -> tuple[ctypes.CDLL | None, str]:
                 if library is None and not _turned_off() and kernel == "fp32":
                     logger.warning("roformer_hf's few-row GEMM is not available (%s): dense layers of few rows take "
                                    "oneDNN's kernel instead", why_not)
-                _state[kernel] = (library, why_not, kind.removeprefix("bf16 "))
+                _state[kernel] = (library, why_not, kind if library is not None else kinds[-1])
     return _state[kernel][:2]
+
+
+def _kinds(kernel: str) -> list[str]:
+    """The builds `kernel` (a key of `KERNELS`) may load here, the first that loads taken: AMX's tiles first (int8's
+    VNNI kind and bf16's) where the CPU has them and the environment does not hold oneDNN below AMX (Linux may still
+    refuse the process its tile data)."""
+    kind = KERNELS[kernel]()
+    amx = AMX_KINDS.get(kind)
+    return [amx, kind] if amx is not None and cpu_has(*NEEDS[amx]) and not held_below_amx() else [kind]
+
+
+def amx_build_first(kernel: str) -> bool:
+    """Whether `kernel` (a key of `KERNELS`) is built for AMX's tiles first here (the CPU has them, the environment
+    does not hold oneDNN below AMX), known without building it: `build` says which build runs."""
+    return _kinds(kernel)[0] in AMX_KINDS.values()
+
+
+def build(kernel: str = "fp32") -> str:
+    """The build of `kernel` (a key of `KERNELS`) that runs here, as `SOURCES` names it (``"AVX-512"``, ``"int8 AMX"``,
+    ``"bf16 AVX-512"``); where none loads, the one it would have been."""
+    _loaded(kernel)
+    return _state[kernel][2]
 
 
 def isa() -> str:
@@ -570,13 +596,13 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
                              + [ctypes.c_int64] * 4 + [ctypes.c_float] + [ctypes.c_int] * 4)
         function.restype = None
         return library, ""
+    if kind.endswith("AMX") and not library.few_row_amx_permission():
+        return None, "Linux does not grant this process AMX's tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
     if kind.startswith("int8"):
         function, tile = library.few_row_int8_linear, library.few_row_int8_tile
         function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         function.restype = ctypes.c_int
     elif kind.startswith("bf16"):
-        if kind == "bf16 AMX" and not library.few_row_amx_permission():
-            return None, "Linux does not grant this process AMX's tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
         function, tile = library.few_row_bf16_linear, library.few_row_bf16_tile
         function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         function.restype = None

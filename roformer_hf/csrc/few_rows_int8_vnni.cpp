@@ -11,7 +11,17 @@
 // output features and adds them to int32 sums, exactly. Up to 8 rows go against a panel at once (24 vectors of sums);
 // one row alone keeps four runs of sums (integer sums: their order does not change the result). Each output is then
 // ``(sum - zero_point * sum of the feature's weights) * (input scale * weight scale) + bias``, in float.
+//
+// Built with ROFORMER_HF_AMX (CPUs with amx_int8), inputs of `kTileMinRows` rows and more run on AMX's tiles: 16
+// groups of 4 input features hold, for each of a panel's three 16-feature blocks, one tile of weights (16 lines of 64
+// bytes, 192 bytes apart); up to 16 quantized rows go against a panel at once, one tile of them and three of weights
+// per 64 input features, three `tdpbusd` adding to three tiles of int32 sums; the groups past the last multiple of 16
+// are added by `vpdpbusd`, row by row, to the sums stored from the tiles. Integer sums: the same outputs, bit for bit.
 #include <immintrin.h>
+#ifdef ROFORMER_HF_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "gelu_avx512.h"
 #include "panels_avx512.h"
@@ -126,8 +136,91 @@ void panel_row(const uint8_t* xq, const int8_t* panel, const Epilogue& e, float*
   }
 }
 
-void panels(const uint8_t* xq, const int8_t* w, const Epilogue& e, float* y, int64_t M, int64_t N, int64_t groups,
-            int64_t first, int64_t last) {
+#ifdef ROFORMER_HF_AMX
+constexpr int kTileRows = 16;                  // rows of inputs (and of sums) a tile holds
+// Fewer rows take `vpdpbusd`: four layers' dense calls of base width in a row took 1.10x its time on the tiles at 1-8
+// rows, 0.85x at 16, 0.70-0.75x at 32-64 (an Intel Xeon with AMX)
+constexpr int64_t kTileMinRows = 16;
+constexpr int64_t kTileGroups = 16;            // groups of 4 input features a tile of inputs holds
+constexpr int64_t kLine = kTile * kGroup;      // bytes of a panel's group: 48 features x 4
+
+// AMX's tile configuration (palette 1): tiles 0-2 the sums of a panel's three blocks of 16 features, 3 the inputs,
+// 4-6 the weights.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Configures this thread's tiles for `rows` rows of inputs.
+void configure(int rows) {
+  TileConfig config;
+  for (int tile = 0; tile < 7; ++tile) {
+    config.rows[tile] = static_cast<uint8_t>(tile < 4 ? rows : kTileRows);
+    config.bytes_per_row[tile] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Quantized rows [m0, m0 + rows) against the panel for output features [n0, n0 + kTile), on the tiles.
+void panel_tiles(const uint8_t* xq, const int8_t* panel, const Epilogue& e, float* y, int64_t N, int64_t groups,
+                 int64_t m0, int rows, int64_t n0) {
+  const int64_t chunks = groups / kTileGroups, stride = groups * kGroup;
+  const int8_t* w = panel;
+  const uint8_t* a = xq + m0 * stride;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  for (int64_t c = 0; c < chunks; ++c, w += kLine * kTileGroups, a += kTileGroups * kGroup) {
+    _tile_loadd(3, a, stride);
+    _tile_loadd(4, w, kLine);
+    _tile_loadd(5, w + 64, kLine);
+    _tile_loadd(6, w + 128, kLine);
+    _tile_dpbusd(0, 3, 4);
+    _tile_dpbusd(1, 3, 5);
+    _tile_dpbusd(2, 3, 6);
+  }
+  alignas(64) int32_t sums[kTileRows][kTile];
+  _tile_stored(0, &sums[0][0], kTile * 4);
+  _tile_stored(1, &sums[0][16], kTile * 4);
+  _tile_stored(2, &sums[0][32], kTile * 4);
+  const int64_t columns = std::min(kTile, N - n0);
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* row = xq + (m0 + r) * stride;
+    Sums sum[3];
+    for (int v = 0; v < 3; ++v) sum[v] = Sums(_mm512_load_si512(&sums[r][16 * v]));
+    for (int64_t g = chunks * kTileGroups; g < groups; ++g) {  // the groups past the tiles'
+      const __m512i group = broadcast_group(row + g * kGroup);
+      for (int v = 0; v < 3; ++v) add_products(sum[v], group, _mm512_loadu_si512(panel + g * kLine + 64 * v));
+    }
+    for (int v = 0; v < 3; ++v)
+      store(__m512i(sum[v]), e, y, (m0 + r) * N + n0 + 16 * v, n0 + 16 * v, columns_mask(columns, v));
+  }
+}
+
+void tile_panels(const uint8_t* xq, const int8_t* w, const Epilogue& e, float* y, int64_t M, int64_t N,
+                 int64_t groups, int64_t first, int64_t last) {
+  if (first >= last) return;
+  int configured = 0;
+  for (int64_t p = first; p < last; ++p) {
+    const int8_t* panel = w + p * groups * kTile * kGroup;
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+      if (rows != configured) {
+        configure(rows);
+        configured = rows;
+      }
+      panel_tiles(xq, panel, e, y, N, groups, m0, rows, p * kTile);
+    }
+  }
+  if (configured) _tile_release();
+}
+#endif
+
+void vector_panels(const uint8_t* xq, const int8_t* w, const Epilogue& e, float* y, int64_t M, int64_t N,
+                   int64_t groups, int64_t first, int64_t last) {
   for (int64_t p = first; p < last; ++p) {
     const int8_t* panel = w + p * groups * kTile * kGroup;
     const int64_t n0 = p * kTile;
@@ -139,6 +232,16 @@ void panels(const uint8_t* xq, const int8_t* w, const Epilogue& e, float* y, int
       panel_rows<decltype(rows)::value>(xq, panel, e, y, N, groups, m0, n0, first_rows);
     });
   }
+}
+
+// Panels [first, last) against every quantized row: on the tiles from `kTileMinRows` rows where they are built,
+// else with `vpdpbusd`.
+void panels(const uint8_t* xq, const int8_t* w, const Epilogue& e, float* y, int64_t M, int64_t N, int64_t groups,
+            int64_t first, int64_t last) {
+#ifdef ROFORMER_HF_AMX
+  if (M >= kTileMinRows) return tile_panels(xq, w, e, y, M, N, groups, first, last);
+#endif
+  vector_panels(xq, w, e, y, M, N, groups, first, last);
 }
 
 // The smallest and largest of x's `count` values; false where they are not finite (or one is NaN).
@@ -179,6 +282,15 @@ void quantize_row(const float* x, uint8_t* xq, int64_t K, int64_t groups, float 
 }  // namespace
 
 extern "C" int few_row_int8_tile() { return kTile; }
+
+#ifdef ROFORMER_HF_AMX
+// Asks Linux for this process's permission to use AMX's tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA): 1 where
+// granted (or granted before), 0 where not.
+extern "C" int few_row_amx_permission() {
+  constexpr int kRequestPermission = 0x1023, kTileData = 18;
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0 ? 1 : 0;
+}
+#endif
 
 // x (M, K) fp32, contiguous; w: the int8 weight (N, K) packed by `few_rows.pack_int8`, `weight_sums` its rows' sums,
 // `weight_scales` (N); bias (N) or null; residual (M, N), contiguous, or null; y (M, N). `activation`: applied last,

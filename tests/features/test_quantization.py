@@ -664,14 +664,16 @@ def test_the_few_row_limit_follows_the_cpu_kind_it_was_measured_on(monkeypatch, 
 
 @pytest.mark.parametrize(("isa", "vendor", "family", "amx", "expected"), [
     ("AVX2", "AuthenticAMD", 25, False, 640), ("AVX2", "GenuineIntel", 6, False, 0),
-    ("VNNI", "GenuineIntel", 6, False, 0), ("VNNI", "GenuineIntel", 6, True, 32), ("VNNI", "AuthenticAMD", 25, False, 256),
+    ("VNNI", "GenuineIntel", 6, False, 0), ("VNNI", "GenuineIntel", 6, "vnni build", 32),
+    ("VNNI", "GenuineIntel", 6, "tiles build", 128), ("VNNI", "AuthenticAMD", 25, False, 256),
     ("VNNI", "AuthenticAMD", 26, False, 128), ("VNNI", "", 0, False, 0)])
 def test_the_few_row_int8_kernels_rows_follow_the_cpu_kind_it_was_measured_on(monkeypatch, isa, vendor, family, amx,
                                                                               expected):
     """`few_rows`' int8 kernel takes the calls of up to `few_rows_int8_limit` rows where it was measured faster (its
-    VNNI build on a Zen 4, a Zen 5 and an Intel Xeon with AMX, its AVX2 build on an AVX2 EPYC), none where it was not
-    measured."""
+    VNNI build on a Zen 4, a Zen 5 and an Intel Xeon with AMX, there further where it runs on AMX's tiles; its AVX2
+    build on an AVX2 EPYC), none where it was not measured."""
     monkeypatch.setattr(few_rows, "int8_isa", lambda: isa)
+    monkeypatch.setattr(few_rows, "amx_build_first", lambda kernel: amx == "tiles build")
     monkeypatch.setattr(quantization, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(quantization, "cpu_family", lambda: family)
     monkeypatch.setattr(quantization, "cpu_has", lambda *flags: amx and set(flags) <= {"amx_bf16", "amx_int8"})

@@ -458,6 +458,28 @@ def test_the_int8_product_is_the_exact_integer_product_at_any_shape(rows, in_fea
     torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@needs_int8_kernel
+@pytest.mark.skipif(few_rows.build("int8") != "int8 AMX", reason="no AMX int8 tiles here")
+def test_the_int8_kernel_on_amxs_tiles_gives_the_vnni_kernels_bits(monkeypatch):
+    """On a CPU with AMX's int8 tiles, inputs of 16 rows and more take them (the rest `vpdpbusd`): integer sums, so
+    the same outputs as the VNNI build alone (oneDNN held below AMX), bit for bit, at every row count around a tile's
+    16 and input features past a tile's 64."""
+    generator = torch.Generator().manual_seed(3)
+    cases = [(rows, in_features) for rows in (1, 8, 15, 16, 17, 32, 33, 70) for in_features in (64, 67, 130, 768)]
+    layers = {in_features: random_int8_layer(100, in_features, generator) for in_features in (64, 67, 130, 768)}
+    inputs = [(torch.randn(rows, in_features, generator=generator) * 2 + 0.3, torch.randn(rows, 100, generator=generator))
+              for rows, in_features in cases]
+    outputs = {}
+    for limit in ("", "AVX512_CORE_VNNI"):
+        monkeypatch.setattr(few_rows, "_state", {})
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
+        outputs[few_rows.build("int8")] = [
+            few_rows.int8_linear(x, few_rows.pack_int8(layers[x.shape[1]][0]), layers[x.shape[1]][1], None, residual,
+                                 activation) for x, residual in inputs for activation in ("none", "gelu")]
+    assert set(outputs) == {"int8 AMX", "int8 VNNI"}
+    assert all(torch.equal(amx, vnni) for amx, vnni in zip(outputs["int8 AMX"], outputs["int8 VNNI"]))
+
+
 def pairs_at_the_limit(out_features, in_features):
     """int8 weights whose neighbouring entries (2i, 2i + 1) of one sign add to exactly 128 in magnitude, or -128 alone
     beside 0: the most `few_rows.int8_exact` takes without VNNI, where 255 times a pair is 32640 of an int16's 32767."""
