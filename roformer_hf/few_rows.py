@@ -234,7 +234,7 @@ def _tiled(weight: Tensor, tile: int, group: int) -> Tensor:
 
 
 def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | None = None,
-           activation: str = "none") -> Tensor:
+           activation: str = "none", row_panels: bool = False) -> Tensor:
     """``activation(residual + x @ weight.T + bias)`` (`residual` and `bias` optional), `packed` being
     ``pack(weight)``, `activation` a key of `ACTIVATIONS`, applied by the kernel (GELU: `csrc/gelu_avx512.h`,
     `csrc/gelu_avx2.h`).
@@ -244,13 +244,17 @@ def linear(x: Tensor, packed: Packed, bias: Tensor | None, residual: Tensor | No
         packed: `pack`'s layout of the weight ``(out_features, in_features)``.
         bias: ``(out_features,)`` or None.
         residual: ``(*, out_features)``, as `x`'s leading dimensions, or None.
+        row_panels: the AVX-512 kernel takes one row against four panels of the weight at once (four streams from
+            memory; each output summed over the input features in order), rather than one panel in four interleaved
+            runs of sums: per CPU kind (`fused.DenseRule.few_rows_row_panels`).
 
     It has no backward: with autograd recording, inputs that require grad are refused.
     """
-    return bind_linear(packed, bias, activation)(x, residual)
+    return bind_linear(packed, bias, activation, row_panels)(x, residual)
 
 
-def bind_linear(packed: Packed, bias: Tensor | None, activation: str = "none") -> Kernel:
+def bind_linear(packed: Packed, bias: Tensor | None, activation: str = "none",
+                row_panels: bool = False) -> Kernel:
     """`linear` on `packed`, `bias` and `activation`, checked now: ``run(x, residual=None)`` checks only what it is
     given. For a caller that makes many calls with one layer (a model's forward, `fused.one_forward`): a call of 16
     rows cost 4.1 µs of Python and ctypes where `linear`'s cost 5.3 (a Zen 5)."""
@@ -269,7 +273,7 @@ def bind_linear(packed: Packed, bias: Tensor | None, activation: str = "none") -
         output = x.new_empty(*x.shape[:-1], out_features)
         library.few_row_linear(x.data_ptr(), tiles.data_ptr(), _address(bias_now), _address(residual),
                                output.data_ptr(), math.prod(x.shape[:-1]), out_features, in_features,
-                               torch.get_num_threads(), code)
+                               torch.get_num_threads(), code, int(row_panels))
         return output
     return run
 
@@ -608,7 +612,7 @@ def _load(kind: str) -> tuple[ctypes.CDLL | None, str]:
         function.restype = None
     else:
         function, tile = library.few_row_linear, library.few_row_tile
-        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
         function.restype = None
     tile.argtypes, tile.restype = [], ctypes.c_int
     if tile() != TILES[kind]:

@@ -84,6 +84,8 @@ class DenseRule:
             take oneDNN's kernel, forward and backward (`_TrainedLinear`), in place of MKL's, where MKL's GEMM runs
             slower (at half oneDNN's rate on a Zen 5); smaller ones keep the module's call, cheaper than an autograd
             function's; infinity: none.
+        few_rows_row_panels: `few_rows`' AVX-512 kernel takes one row against four panels of the weight at once
+            (`few_rows.linear`'s `row_panels`).
         bf16_few_rows_max_rows: bf16 inputs of 1 up to this many rows take `few_rows`' bf16 kernel where it is
             available (`few_rows.bf16_available`; AMX's tiles or AVX-512's ``vdpbf16ps``, as `few_rows.bf16_isa`
             says), in place of the packed weight; 0: never; infinity: every input.
@@ -98,6 +100,7 @@ class DenseRule:
     few_rows_max_rows: int = 0
     onednn_training_macs: float = math.inf
     bf16_few_rows_max_rows: float = 0
+    few_rows_row_panels: bool = False
 
 
 # Intel Xeon (AVX-512): the packed weight at every row count, 1.05-1.10x up to 2626 rows; MKL's matrix-vector product
@@ -112,9 +115,13 @@ INTEL_RULE = DenseRule("Intel, AVX-512", math.inf, "onednn", "module", fuses_gel
 # Xeon with AMX, family 6 model 167 as its VM reports it, L2 2 MiB per core; each kernel 6 turns of 45 calls in a row,
 # the first 25 left out) took 0.75x the time of oneDNN's AMX kernel on the packed weight at 1 row, 0.77-0.78x at 8-16,
 # 0.86x at 24-32, 0.92-0.97x at 40-48, 1.03x at 64, 1.13x at 128; its AVX-512 build (`vdpbf16ps`, the kernel of the AMD
-# EPYCs) had taken 0.64x at one row on the first, 0.89x at 8 and 1.26x at 16.
+# EPYCs) had taken 0.64x at one row on the first, 0.89x at 8 and 1.26x at 16. There, too, one fp32 row against four
+# panels at once (`few_rows_row_panels`) took 0.82x the time of one panel in interleaved runs (3.06 against 3.74 ms for
+# the dense calls in a row; the same at 4-64 rows, which it does not touch); fetching the blocks of 12 rows and more
+# into the L2 cache rather than the L1 took 0.94x at 16 rows but 1.2-1.3x at 24-32, and was left out.
 INTEL_AMX_RULE = DenseRule("Intel with AMX, AVX-512", math.inf, "packed", "module", fuses_gelu=True,
-                           compiled_max_tokens=16, few_rows_max_rows=64, bf16_few_rows_max_rows=48)
+                           compiled_max_tokens=16, few_rows_max_rows=64, bf16_few_rows_max_rows=48,
+                           few_rows_row_panels=True)
 # AMD EPYC with AVX-512, Zen 4 (family 25 model 17; 512-bit operations in two halves; L1d 32 KiB): four layers' dense
 # calls in a row, each weight read from memory: `few_rows`' AVX-512 kernel took 0.66-0.96x the time of oneDNN's on the
 # packed weight at 1-128 rows (0.66x at one row, 0.69x at 8, 0.95-0.96x at 16 and 128), 1.02x at 256, within the
@@ -201,7 +208,9 @@ _PACKED: weakref.WeakKeyDictionary[nn.Linear, _Copies] = weakref.WeakKeyDictiona
 _PACKED_SIDE_BY_SIDE: weakref.WeakKeyDictionary[nn.Linear, _Copies] = weakref.WeakKeyDictionary()
 # The kernels (`_dense_kernel`) that run on a packed copy of the weight: oneDNN's blocked layout, `few_rows`' tiles.
 _PACKING_KERNELS = ("packed", "few_rows", "few_rows_bf16")
-_FEW_ROWS_BINDS = {"few_rows": few_rows.bind_linear, "few_rows_bf16": few_rows.bind_bf16_linear}
+_FEW_ROWS_BINDS = {"few_rows": lambda weight, bias, activation: few_rows.bind_linear(weight, bias, activation,
+                                                                                     RULE.few_rows_row_panels),
+                   "few_rows_bf16": few_rows.bind_bf16_linear}
 
 
 @runtime_checkable
@@ -535,7 +544,7 @@ def _packed_product(kernel: str, x: Tensor, weight: Tensor | Packed | PackedBF16
     are `_fused_activation`'s); oneDNN applies either itself, but GELU after its product where the rule says so
     (`DenseRule.fuses_gelu`)."""
     if kernel == "few_rows":
-        return few_rows.linear(x, weight, bias, residual, name)
+        return few_rows.linear(x, weight, bias, residual, name, RULE.few_rows_row_panels)
     if kernel == "few_rows_bf16":
         return few_rows.bf16_linear(x, weight, bias, residual, name)
     if residual is not None:

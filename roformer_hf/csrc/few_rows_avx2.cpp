@@ -228,9 +228,9 @@ extern "C" int few_row_tile() { return kTile; }
 
 // x (M, K), contiguous; w: (N, K) packed by `few_rows.pack`; bias (N) or null; residual (M, N), contiguous, or null;
 // y (M, N), contiguous. `activation`: applied last, 0 none, 1 ReLU, 2 GELU (`gelu_avx2.h`). The tiles are shared out
-// among `threads` threads of the OpenMP runtime torch runs on.
+// among `threads` threads of the OpenMP runtime torch runs on. `row_panels`: the AVX-512 kernel's, nothing here.
 extern "C" void few_row_linear(const float* x, const float* w, const float* bias, const float* residual, float* y,
-                               int64_t M, int64_t N, int64_t K, int threads, int activation) {
+                               int64_t M, int64_t N, int64_t K, int threads, int activation, int /*row_panels*/) {
   const int64_t count = (N + kTile - 1) / kTile;
   if (M == 1) {
     std::unique_ptr<float[]> xr(new float[K * kTile]);

@@ -90,6 +90,32 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads():
         torch.set_num_threads(threads)
 
 
+@needs_kernel
+@pytest.mark.skipif(few_rows.isa() != "AVX-512", reason="no AVX-512 here: row_panels is the AVX-512 kernel's")
+@pytest.mark.parametrize("out_features", [48, 70, 200, 500])
+def test_one_row_against_four_panels_at_once_gets_the_bits_it_has_beside_other_rows(out_features):
+    """With `row_panels` one row goes against up to four panels at once (four streams of the weight), each output summed
+    over the input features in order: the bits it has in a batch of two, whatever the panels a thread holds (1 at 48
+    output features, 2 at 70 on two threads, 3 at 500 on three) and the threads; without it, the interleaved runs' own
+    order."""
+    generator = torch.Generator().manual_seed(out_features)
+    x, weight = torch.randn(2, 777, generator=generator), torch.randn(out_features, 777, generator=generator)
+    bias, residual = torch.randn(out_features, generator=generator), torch.randn(2, out_features, generator=generator)
+    packed = few_rows.pack(weight)
+    beside = few_rows.linear(x[[0, 0]], packed, bias, residual[[0, 0]], "gelu")[:1]
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            alone = few_rows.linear(x[:1], packed, bias, residual[:1], "gelu", row_panels=True)
+            assert torch.equal(alone, beside)
+    finally:
+        torch.set_num_threads(threads)
+    runs = few_rows.linear(x[:1], packed, bias, residual[:1], "gelu")
+    assert not torch.equal(runs, beside)  # the interleaved runs: this test would not see a change of path otherwise
+    torch.testing.assert_close(runs, beside, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
 def test_rows_in_several_passes_give_the_bits_of_one_pass(kind):
     """More than 8 rows go in several passes: over the whole panel, or (fp32, from 12 rows) over blocks of its steps,
@@ -192,6 +218,27 @@ def test_the_avx2_rule_takes_it_up_to_its_rows_and_the_packed_weight_beyond(avx2
     torch.testing.assert_close(output.double(), activation(expected) if activation is not None else expected,
                                atol=1e-5, rtol=1e-5)
     assert torch.equal(output, expected_bits)
+
+
+@needs_kernel
+@pytest.mark.skipif(few_rows.isa() != "AVX-512", reason="no AVX-512 here: row_panels is the AVX-512 kernel's")
+@pytest.mark.parametrize("row_panels", [True, False])
+def test_a_rules_row_panels_reach_the_kernel_in_a_models_forward(monkeypatch, row_panels):
+    """`DenseRule.few_rows_row_panels` (the AMX Xeon's) reaches the kernel, called alone and bound at a model's forward:
+    a one-token forward's output is the kernel's on one panel or four, as the rule says."""
+    monkeypatch.setattr(fused, "RULE", dataclasses.replace(fused.INTEL_AMX_RULE, few_rows_row_panels=row_panels))
+    torch.manual_seed(0)
+    layer, x, model = nn.Linear(64, 300), torch.randn(1, 64), tiny_model()
+    with torch.inference_mode():
+        expected = few_rows.linear(x, few_rows.pack(layer.weight), layer.bias, row_panels=row_panels)
+        assert torch.equal(fused_linear(layer, x), expected)
+        with pytest.MonkeyPatch.context() as patch:
+            calls = []
+            bind = few_rows.bind_linear
+            patch.setattr(few_rows, "bind_linear", lambda *args: calls.append(args[-1]) or bind(*args))
+            model(torch.randint(1, 50, (1, 1)))
+            model(torch.randint(1, 50, (1, 1)))
+    assert calls and set(calls) == {row_panels}
 
 
 @needs_kernel
