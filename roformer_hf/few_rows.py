@@ -1,6 +1,7 @@
 """GEMMs for inputs of few rows: fp32 on CPUs with AVX2 and FMA or with AVX-512 (`linear`, on a weight laid out by
 `pack`), int8 on CPUs with AVX-512 VNNI or AVX2 (`int8_linear`, `pack_int8`) and bf16 on CPUs with AVX-512 bf16
-(`bf16_linear`, `pack_bf16`); and the attention of sequences of few tokens (`attention`).
+(`bf16_linear`, `pack_bf16`), int8 and bf16 on AMX's tiles where the CPU has them; and the attention of sequences of
+few tokens (`attention`).
 
 A short input's dense layers wait on their weights: on an AMD EPYC with AVX2 only, oneDNN's GEMM on a packed weight
 ran the 16 dense calls of a 16-token forward (4 layers of base width) at 70-82 GFLOP/s where a large product runs at
@@ -20,7 +21,10 @@ and the rescaling with the bias, the residual or the activation. Its weight lies
 panels of 48 output features, in groups of 4 input features (what one ``vpdpbusd`` sums; with AVX2, ``vpmaddubsw``
 and ``vpmaddwd``, whose int16 sums of neighbouring products hold only weights whose neighbours of one sign add to at
 most 128 in magnitude: `int8_exact`); `bf16_linear`'s in pairs (``vdpbf16ps``), its sums in float32, rounded to bf16
-once. Each kernel applies ReLU or GELU (the erf form: `csrc/gelu_avx512.h`, `csrc/gelu_avx2.h`) itself, the AVX-512
+once. On CPUs with AMX (`csrc/few_rows_bf16_amx.cpp`; int8's VNNI source built with ``ROFORMER_HF_AMX``) the same
+packed weights are read as AMX tiles, 16 rows of the input against a panel at once (``tdpbf16ps``, ``tdpbusd``): bf16
+at every row count, int8 from 16 rows, with the same outputs as ``vpdpbusd``'s (integer sums); `build` says which
+build runs, and Linux must grant the process AMX's tile data (else the AVX-512 builds run). Each kernel applies ReLU or GELU (the erf form: `csrc/gelu_avx512.h`, `csrc/gelu_avx2.h`) itself, the AVX-512
 ones and int8's AVX2 one to their sums before storing them, fp32's AVX2 one to each thread's columns once it has
 written them.
 
