@@ -24,9 +24,9 @@ most 128 in magnitude: `int8_exact`); `bf16_linear`'s in pairs (``vdpbf16ps``), 
 once. On CPUs with AMX (`csrc/few_rows_bf16_amx.cpp`; int8's VNNI source built with ``ROFORMER_HF_AMX``) the same
 packed weights are read as AMX tiles, 16 rows of the input against a panel at once (``tdpbf16ps``, ``tdpbusd``): bf16
 at every row count, int8 from 16 rows, with the same outputs as ``vpdpbusd``'s (integer sums); `build` says which
-build runs, and Linux must grant the process AMX's tile data (else the AVX-512 builds run). Each kernel applies ReLU or GELU (the erf form: `csrc/gelu_avx512.h`, `csrc/gelu_avx2.h`) itself, the AVX-512
-ones and int8's AVX2 one to their sums before storing them, fp32's AVX2 one to each thread's columns once it has
-written them.
+build runs, and Linux must grant the process AMX's tile data (else the AVX-512 builds run). Each kernel applies ReLU
+or GELU (the erf form: `csrc/gelu_avx512.h`, `csrc/gelu_avx2.h`) itself, the AVX-512 ones and int8's AVX2 one to their
+sums before storing them, fp32's AVX2 one to each thread's columns once it has written them.
 
 `attention` (`csrc/few_tokens_attention.cpp`, built for AVX-512 or AVX2 as `isa` says) is a short input's
 self-attention in one call: queries and keys rotated, scores, softmax and weighted values for every sequence and head,
@@ -83,7 +83,8 @@ TILES = {"AVX2": 6, "AVX-512": 48, "int8 VNNI": 48, "int8 AMX": 48, "int8 AVX2":
          "bf16 AMX": 48}
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 EXTRA_FLAGS = {"AVX2": (), "AVX-512": ("-mavx512f",), "int8 VNNI": ("-mavx512f", "-mavx512vnni"),
-               "int8 AMX": ("-mavx512f", "-mavx512vnni", "-mamx-tile", "-mamx-int8", "-DROFORMER_HF_AMX"), "int8 AVX2": (),
+               "int8 AMX": ("-mavx512f", "-mavx512vnni", "-mamx-tile", "-mamx-int8", "-DROFORMER_HF_AMX"),
+               "int8 AVX2": (),
                "bf16 AVX-512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
                "bf16 AMX": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
                "attention AVX2": (), "attention AVX-512": ("-mavx512f",)}

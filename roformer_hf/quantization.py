@@ -137,10 +137,10 @@ def few_rows_int8_limit() -> int:
       0.87-0.97x the time of the faster of fbgemm's and oneDNN's at 1 to 256 rows, 0.92x at 384, 0.97x at 512,
       0.96x at 640, 1.02x at 1024.
     - Intel's Xeons with AMX: 128, where the kernel runs inputs of 16 rows and more on AMX's int8 tiles
-      (`few_rows.amx_build_first`: the environment does not hold oneDNN below AMX). Four layers' dense calls of base width in a row (a Xeon reported as family 6
-      model 167): 0.72-0.78x the time of the faster of fbgemm's and oneDNN's at 1 to 32 rows, 0.81-0.85x at 48-96,
-      0.88-0.90x at 128, 1.02x at 256, 1.06x at 626. With `vpdpbusd` alone (Emerald Rapids): 32, 0.58-0.66x at 1 to 16
-      rows, 0.91x at 32, 1.03x at 64, 1.24-1.33x at 128-256.
+      (`few_rows.amx_build_first`: the environment does not hold oneDNN below AMX). Four layers' dense calls of base
+      width in a row (a Xeon reported as family 6 model 167): 0.72-0.78x the time of the faster of fbgemm's and
+      oneDNN's at 1 to 32 rows, 0.81-0.85x at 48-96, 0.88-0.90x at 128, 1.02x at 256, 1.06x at 626. With `vpdpbusd`
+      alone (Emerald Rapids): 32, 0.58-0.66x at 1 to 16 rows, 0.91x at 32, 1.03x at 64, 1.24-1.33x at 128-256.
     - AMD's Zen 4 (family 25) with VNNI: 256. Four layers' dense calls of base width in a row on an AMD EPYC (Zen 4):
       0.72-0.83x the time of the faster of the other two at 1 to 64 rows, 0.93-1.01x at 128-256 (two runs).
     - elsewhere: 0, not measured there (an Intel Xeon without AMX).

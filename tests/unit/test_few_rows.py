@@ -514,8 +514,8 @@ def test_the_int8_kernel_on_amxs_tiles_gives_the_vnni_kernels_bits(monkeypatch):
     generator = torch.Generator().manual_seed(3)
     cases = [(rows, in_features) for rows in (1, 8, 15, 16, 17, 32, 33, 70) for in_features in (64, 67, 130, 768)]
     layers = {in_features: random_int8_layer(100, in_features, generator) for in_features in (64, 67, 130, 768)}
-    inputs = [(torch.randn(rows, in_features, generator=generator) * 2 + 0.3, torch.randn(rows, 100, generator=generator))
-              for rows, in_features in cases]
+    inputs = [(torch.randn(rows, in_features, generator=generator) * 2 + 0.3,
+               torch.randn(rows, 100, generator=generator)) for rows, in_features in cases]
     outputs = {}
     for limit in ("", "AVX512_CORE_VNNI"):
         monkeypatch.setattr(few_rows, "_state", {})
