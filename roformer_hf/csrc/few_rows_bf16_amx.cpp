@@ -11,9 +11,8 @@
 // row by row, to the sums stored from the tiles; then the epilogue as in the AVX-512 kernel (`bf16_avx512.h`). A row's
 // result does not depend on the rows beside it.
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "bf16_avx512.h"
 #include "panels_avx512.h"
 
@@ -23,6 +22,8 @@
 namespace {
 
 using roformer_hf::add_products;
+using roformer_hf::configure_tiles;
+using roformer_hf::kTileRows;
 using roformer_hf::broadcast_pair;
 using roformer_hf::columns_mask;
 using roformer_hf::Epilogue;
@@ -30,33 +31,8 @@ using roformer_hf::kTile;
 using roformer_hf::store;
 using roformer_hf::Sums;
 
-constexpr int kTileRows = 16;        // rows of inputs (and of sums) a tile holds
 constexpr int64_t kChunk = 32;       // input features one tile of inputs holds: 16 pairs
 constexpr int64_t kLine = kTile * 2 * 2;  // bytes of a panel's pair of input features: 48 features x 2 x bf16
-
-// AMX's tile configuration (palette 1): tiles 0-2 the sums of a panel's three blocks of 16 features, 3 the inputs,
-// 4-6 the weights.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Configures this thread's tiles for `rows` rows of inputs.
-void configure(int rows) {
-  TileConfig config;
-  for (int tile = 0; tile < 4; ++tile) {
-    config.rows[tile] = static_cast<uint8_t>(rows);
-    config.bytes_per_row[tile] = 64;
-  }
-  for (int tile = 4; tile < 7; ++tile) {
-    config.rows[tile] = kTileRows;
-    config.bytes_per_row[tile] = 64;
-  }
-  _tile_loadconfig(&config);
-}
 
 // Rows [m0, m0 + rows) of x against the panel for output features [n0, n0 + kTile).
 void panel_rows(const uint16_t* x, const uint16_t* panel, const Epilogue& e, uint16_t* y, int64_t N, int64_t K,
@@ -105,7 +81,7 @@ void panels(const uint16_t* x, const uint16_t* w, const Epilogue& e, uint16_t* y
     for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
       if (rows != configured) {
-        configure(rows);
+        configure_tiles(rows);
         configured = rows;
       }
       panel_rows(x, panel, e, y, N, K, m0, rows, p * kTile);
@@ -118,12 +94,8 @@ void panels(const uint16_t* x, const uint16_t* w, const Epilogue& e, uint16_t* y
 
 extern "C" int few_row_bf16_tile() { return kTile; }
 
-// Asks Linux for this process's permission to use AMX's tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA): 1 where
-// granted (or granted before), 0 where not.
-extern "C" int few_row_amx_permission() {
-  constexpr int kRequestPermission = 0x1023, kTileData = 18;
-  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0 ? 1 : 0;
-}
+// 1 where Linux grants this process AMX's tile data (`amx_tiles.h`), 0 where not.
+extern "C" int few_row_amx_permission() { return roformer_hf::request_tile_data() ? 1 : 0; }
 
 // As `few_row_bf16_linear` (`few_rows_bf16_avx512.cpp`), on the same packed weight, for M >= 1 rows; the caller has
 // `few_row_amx_permission`.

@@ -18,13 +18,12 @@
 // per 64 input features, three `tdpbusd` adding to three tiles of int32 sums; the groups past the last multiple of 16
 // are added by `vpdpbusd`, row by row, to the sums stored from the tiles. Integer sums: the same outputs, bit for bit.
 #include <immintrin.h>
-#ifdef ROFORMER_HF_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include "gelu_avx512.h"
 #include "panels_avx512.h"
+#ifdef ROFORMER_HF_AMX
+#include "amx_tiles.h"
+#endif
 
 #include <algorithm>
 #include <cfloat>
@@ -137,32 +136,14 @@ void panel_row(const uint8_t* xq, const int8_t* panel, const Epilogue& e, float*
 }
 
 #ifdef ROFORMER_HF_AMX
-constexpr int kTileRows = 16;                  // rows of inputs (and of sums) a tile holds
+using roformer_hf::configure_tiles;
+using roformer_hf::kTileRows;
+
 // Fewer rows take `vpdpbusd`: four layers' dense calls of base width in a row took 1.10x its time on the tiles at 1-8
 // rows, 0.85x at 16, 0.70-0.75x at 32-64 (an Intel Xeon with AMX)
 constexpr int64_t kTileMinRows = 16;
 constexpr int64_t kTileGroups = 16;            // groups of 4 input features a tile of inputs holds
 constexpr int64_t kLine = kTile * kGroup;      // bytes of a panel's group: 48 features x 4
-
-// AMX's tile configuration (palette 1): tiles 0-2 the sums of a panel's three blocks of 16 features, 3 the inputs,
-// 4-6 the weights.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Configures this thread's tiles for `rows` rows of inputs.
-void configure(int rows) {
-  TileConfig config;
-  for (int tile = 0; tile < 7; ++tile) {
-    config.rows[tile] = static_cast<uint8_t>(tile < 4 ? rows : kTileRows);
-    config.bytes_per_row[tile] = 64;
-  }
-  _tile_loadconfig(&config);
-}
 
 // Quantized rows [m0, m0 + rows) against the panel for output features [n0, n0 + kTile), on the tiles.
 void panel_tiles(const uint8_t* xq, const int8_t* panel, const Epilogue& e, float* y, int64_t N, int64_t groups,
@@ -209,7 +190,7 @@ void tile_panels(const uint8_t* xq, const int8_t* w, const Epilogue& e, float* y
     for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
       if (rows != configured) {
-        configure(rows);
+        configure_tiles(rows);
         configured = rows;
       }
       panel_tiles(xq, panel, e, y, N, groups, m0, rows, p * kTile);
@@ -284,12 +265,8 @@ void quantize_row(const float* x, uint8_t* xq, int64_t K, int64_t groups, float 
 extern "C" int few_row_int8_tile() { return kTile; }
 
 #ifdef ROFORMER_HF_AMX
-// Asks Linux for this process's permission to use AMX's tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA): 1 where
-// granted (or granted before), 0 where not.
-extern "C" int few_row_amx_permission() {
-  constexpr int kRequestPermission = 0x1023, kTileData = 18;
-  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0 ? 1 : 0;
-}
+// 1 where Linux grants this process AMX's tile data (`amx_tiles.h`), 0 where not.
+extern "C" int few_row_amx_permission() { return roformer_hf::request_tile_data() ? 1 : 0; }
 #endif
 
 // x (M, K) fp32, contiguous; w: the int8 weight (N, K) packed by `few_rows.pack_int8`, `weight_sums` its rows' sums,
